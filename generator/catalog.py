@@ -1,0 +1,145 @@
+"""The variant catalog: every kernel the library ships, as data.
+
+A variant is one (template, configuration, arch) triple compiled ahead of time. Adding a
+variant is adding a row here; the templates read only the fields of their `Variant`.
+
+Every family has one argument ABI (`FAMILY_ABI`) shared by all its templates and archs, so
+the runtime packs arguments the same way whichever variant it picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ALL_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
+
+# Element types by short name; the templates map them to cutlass numeric types.
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """One tensor argument of a family's C ABI.
+
+    `shape` and `stride` hold an int for a compile-time extent or None for a run-time one.
+    `name` is the kernel's parameter name (the exported header names its struct after it).
+    `dtype` is a dtype name or "input" for the variant's element type.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple
+    stride: tuple
+    divisibility: int = 1  # of every run-time stride, in elements
+
+    @property
+    def dynamic_shape_modes(self) -> list[int]:
+        return [i for i, s in enumerate(self.shape) if s is None]
+
+    @property
+    def dynamic_stride_modes(self) -> list[int]:
+        return [i for i, s in enumerate(self.stride) if s is None]
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    name: str
+    dtype: str  # "f32" or "i32"
+
+
+def _abi_block_sparse_fwd(head_dim: int):
+    """Arguments of the block-sparse forward kernels (all templates).
+
+    The kernels see 64-row query units and 64-key tiles only; the planner maps any block
+    size that is a multiple of 64 onto them (python/sparseforge/planner.py).
+      mQ, mO     (Sq, Hq, D)   any row and head stride (NHD or HND views), unit stride on D
+      mK, mV     (Sk, Hkv, D)
+      mLSE       (Sq, Hq)      fp32, natural log, any strides
+      mWork      (U,)          unit ids h * R + r in launch order (longest rows first)
+      mTileIdx   (Hkv, R, T)   64-key tile ids of each (kv head, 64-row chunk)
+      mTileCnt   (Hkv, R)      valid entries of each mTileIdx row
+      mTileLen   (NT,)         valid keys of each 64-key tile (0..64)
+    """
+    qkv = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
+    return (
+        TensorArg("mQ", "input", **qkv),
+        TensorArg("mK", "input", **qkv),
+        TensorArg("mV", "input", **qkv),
+        TensorArg("mO", "input", **qkv),
+        TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None)),
+        TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
+        ScalarArg("scale_log2", "f32"),
+    )
+
+
+FAMILY_ABI = {
+    "block_sparse_fwd": _abi_block_sparse_fwd,
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    family: str
+    template: str  # module name under generator/kernels
+    arch: str
+    dtype: str
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}__{self.template}__{self.dtype}_d{self.head_dim}__{self.arch}"
+
+    @property
+    def abi(self):
+        return FAMILY_ABI[self.family](self.head_dim)
+
+    def params(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in ("family", "template", "arch"):
+            d.pop(k)
+        return d
+
+
+# Which templates a family has on which arch. `warp_mma` (mma.sync) is portable: it is the
+# SM100/SM120 path for now and is also built for sm_90a so that the code shipped for
+# Blackwell runs on our H200.
+_TEMPLATES = {
+    "block_sparse_fwd": {
+        "sm_90a": ("warp_mma",),
+        "sm_100a": ("warp_mma",),
+        "sm_120a": ("warp_mma",),
+    },
+}
+
+_CONFIGS = {
+    "block_sparse_fwd": [
+        dict(dtype=dtype, head_dim=head_dim) for dtype in DTYPES for head_dim in (64, 128)
+    ],
+}
+
+
+def catalog(archs=ALL_ARCHS) -> list[Variant]:
+    """All variants for the given archs, in a stable order."""
+    unknown = set(archs) - set(ALL_ARCHS)
+    if unknown:
+        raise ValueError(f"unknown arch(s) {sorted(unknown)}; known: {list(ALL_ARCHS)}")
+    out = []
+    for family, by_arch in _TEMPLATES.items():
+        for arch in ALL_ARCHS:
+            if arch not in archs:
+                continue
+            for template in by_arch.get(arch, ()):
+                for cfg in _CONFIGS[family]:
+                    out.append(Variant(family=family, template=template, arch=arch, **cfg))
+    return out
+
+
+def by_name(name: str) -> Variant:
+    for v in catalog():
+        if v.name == name:
+            return v
+    raise KeyError(f"no variant named {name!r}")

@@ -1,0 +1,104 @@
+"""Pieces shared by every attention template: accumulator views and the online softmax.
+
+Both mma.sync (m16n8k16) and wgmma (m64nNk16) accumulators spread each row over the four
+threads of a quad (lanes 4i..4i+3), so one softmax serves both; only the mode order of the
+per-thread values differs, and `acc_mn_view` hides it.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an MMA accumulator fragment as (rows of this thread, columns of this thread).
+
+    Value mode of one atom: (2 adjacent columns, 2 rows 8 apart[, N/8 column groups]).
+    Fragment: (values, MMA_M, MMA_N).
+    """
+    shape = acc.layout.shape
+    col_major = cute.make_layout(shape)
+    s, d = col_major.shape, col_major.stride
+    rows = ((s[0][1], s[1]), (d[0][1], d[1]))
+    if cutlass.const_expr(cute.rank(s[0]) == 3):
+        cols = ((s[0][0], s[0][2], s[2]), (d[0][0], d[0][2], d[2]))
+    else:
+        cols = ((s[0][0], s[2]), (d[0][0], d[2]))
+    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def quad_allreduce(val, op):
+    """Reduce over the four threads that share a row (butterfly, result in all four)."""
+    for offset in (2, 1):
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset, mask=-1, mask_and_clamp=31))
+    return val
+
+
+def quad_max(val):
+    return quad_allreduce(val, cute.arch.fmax)
+
+
+def quad_sum(val):
+    return quad_allreduce(val, lambda a, b: a + b)
+
+
+def new_softmax_state(num_rows: int):
+    """(row max, row sum) registers of the online softmax, in raw score units."""
+    row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+    row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+    row_max.fill(-cutlass.Float32.inf)
+    row_sum.fill(0.0)
+    return row_max, row_sum
+
+
+@cute.jit
+def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor):
+    """Online softmax step, in the log2 domain: scores become probabilities (in place) and
+    the output rows are rescaled.
+
+    Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
+    that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf.
+    """
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        row = acc_s_mn[r, None].load()
+        prev_max = row_max[r]
+        new_max = quad_max(row.reduce(cute.ReductionOp.MAX, prev_max, 0))
+        base = new_max * scale_log2
+        if new_max == -cutlass.Float32.inf:
+            base = cutlass.Float32(0.0)
+        probs = cute.math.exp2(row * scale_log2 - base, fastmath=True)
+        correction = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + probs.reduce(
+            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+        )
+        row_max[r] = new_max
+        acc_s_mn[r, None] = probs
+        acc_o_mn[r, None] = acc_o_mn[r, None].load() * correction
+
+
+@cute.jit
+def softmax_finalize(row_max, row_sum, scale_log2, acc_o_mn: cute.Tensor, lse: cute.Tensor):
+    """Normalise the output rows; write each row's natural-log LSE into `lse`."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        total = quad_sum(row_sum[r])
+        inv = cutlass.Float32(0.0)
+        row_lse = -cutlass.Float32.inf
+        if total > 0.0:
+            inv = cute.arch.rcp_approx(total)
+            row_lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+        lse[r] = row_lse
+        acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
+
+
+@cute.jit
+def mask_columns(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, limit):
+    """Set scores whose key column (coordinate mode 1) is >= limit to -inf."""
+    for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+        if coord_mn[0, c][1] >= limit:
+            for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+                acc_s_mn[r, c] = -cutlass.Float32.inf

@@ -1,0 +1,306 @@
+"""Block-sparse attention forward with warp-level MMA (mma.sync m16n8k16): the portable template.
+
+Runs on every arch we build (sm_90a, sm_100a, sm_120a): cp.async loads, ldmatrix, HMMA.
+It is the SM100/SM120 path until their native kernels land, and it is built for sm_90a
+too so that the code we ship for Blackwell is run and checked on the H200.
+
+One CTA (4 warps, 16 query rows each) owns one unit: 64 query rows of one query head.
+It walks the unit's list of 64-key tiles (the family ABI in generator/catalog.py):
+    load Q, K[t0]
+    for each listed tile t_j:
+        wait K[t_j]; start V[t_j]        S = Q K^T
+        wait V[t_j]; start K[t_j+1]      online softmax (keys >= tile_len masked)
+                                          O += P V
+    O /= rowsum; write O and LSE (natural log)
+Keys of a tile past its valid length are zero-filled in shared memory and masked to -inf.
+A unit with no tiles writes O = 0 and LSE = -inf.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warp
+
+from generator.kernels.attention_common import (
+    acc_mn_view,
+    mask_columns,
+    new_softmax_state,
+    softmax_finalize,
+    softmax_update,
+)
+
+TILE_M = 64
+TILE_N = 64
+NUM_THREADS = 128
+
+
+class BlockSparseFwdWarpMma:
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=NUM_THREADS)
+
+    @staticmethod
+    def can_implement(head_dim: int) -> bool:
+        return head_dim in (64, 128)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        # 8 x 64 swizzled atoms: conflict-free ldmatrix and 16-byte cp.async.
+        smem_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sQ_layout = cute.tile_to_shape(smem_atom, (TILE_M, self.head_dim), (0, 1))
+        sKV_layout = cute.tile_to_shape(smem_atom, (TILE_N, self.head_dim), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        elems_per_copy = 128 // self.dtype.width
+        threads_per_row = 64 // elems_per_copy
+        thread_layout = cute.make_layout(
+            (NUM_THREADS // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        )
+        value_layout = cute.make_layout((1, elems_per_copy))
+        gmem_load = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
+            ),
+            thread_layout,
+            value_layout,
+        )
+        gmem_store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            thread_layout,
+            value_layout,
+        )
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (NUM_THREADS // 32, 1, 1),
+            permutation_mnk=(TILE_M, 16, 16),
+        )
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
+            sQ_layout, sKV_layout, gmem_load, gmem_store, tiled_mma, SharedStorage,
+        ).launch(grid=[mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        gmem_load: cute.TiledCopy,
+        gmem_store: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_chunks = cute.ceil_div(mQ.shape[0], TILE_M)
+        unit = mWork[bidx]
+        head = unit // num_chunks
+        chunk = unit - head * num_chunks
+        kv_head = head // (mQ.shape[1] // mK.shape[1])
+        num_tiles = mTileCnt[kv_head, chunk]
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = cute.composition(
+            sV, cute.make_layout((self.head_dim, TILE_N), stride=(TILE_N, 1))
+        )
+
+        # Global tiles: Q/O of this unit; all 64-key tiles of this kv head.
+        gQ = cute.local_tile(mQ[None, head, None], (TILE_M, self.head_dim), (chunk, 0))
+        gO = cute.local_tile(mO[None, head, None], (TILE_M, self.head_dim), (chunk, 0))
+        gK = cute.local_tile(mK[None, kv_head, None], (TILE_N, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, kv_head, None], (TILE_N, self.head_dim), (None, 0))
+        cQ = cute.make_identity_tensor((TILE_M, self.head_dim))  # row within the unit
+
+        thr_load = gmem_load.get_slice(tidx)
+        tQgQ = thr_load.partition_S(gQ)
+        tQsQ = thr_load.partition_D(sQ)
+        tQcQ = thr_load.partition_S(cQ)
+        tKgK = thr_load.partition_S(gK)
+        tKsK = thr_load.partition_D(sK)
+        tVgV = thr_load.partition_S(gV)
+        tVsV = thr_load.partition_D(sV)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32
+        )
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        s2r_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma)
+        thr_s2r_Q = s2r_Q.get_slice(tidx)
+        thr_s2r_K = s2r_K.get_slice(tidx)
+        thr_s2r_V = s2r_V.get_slice(tidx)
+        tSsQ = thr_s2r_Q.partition_S(sQ)
+        tSrQ_view = thr_s2r_Q.retile(tSrQ)
+        tSsK = thr_s2r_K.partition_S(sK)
+        tSrK_view = thr_s2r_K.retile(tSrK)
+        tOsVt = thr_s2r_V.partition_S(sVt)
+        tOrVt_view = thr_s2r_V.retile(tOrVt)
+
+        # Coordinates of this thread's score elements: (query row, key column) in the tile.
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim))))
+
+        # Prologue: Q (rows past the sequence are zero) and the first K tile.
+        q_rows_left = mQ.shape[0] - chunk * TILE_M
+        self.load_rows(gmem_load, tQgQ, tQsQ, tQcQ, q_rows_left)
+        if num_tiles > 0:
+            tile = mTileIdx[kv_head, chunk, 0]
+            self.load_rows(gmem_load, tKgK[None, None, None, tile], tKsK, tQcQ, mTileLen[tile])
+        cute.arch.cp_async_commit_group()
+
+        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = mTileIdx[kv_head, chunk, j]
+            tile_len = mTileLen[tile]
+            cute.arch.cp_async_wait_group(0)
+            self.barrier.arrive_and_wait()
+            self.load_rows(gmem_load, tVgV[None, None, None, tile], tVsV, tQcQ, tile_len)
+            cute.arch.cp_async_commit_group()
+
+            acc_S = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
+            )
+            acc_S.fill(0.0)
+            self.gemm_smem(tiled_mma, acc_S, s2r_Q, tSsQ, tSrQ_view, tSrQ, s2r_K, tSsK, tSrK_view, tSrK)
+
+            cute.arch.cp_async_wait_group(0)
+            self.barrier.arrive_and_wait()
+            if j + 1 < num_tiles:
+                next_tile = mTileIdx[kv_head, chunk, j + 1]
+                self.load_rows(
+                    gmem_load, tKgK[None, None, None, next_tile], tKsK, tQcQ, mTileLen[next_tile]
+                )
+                cute.arch.cp_async_commit_group()
+
+            acc_S_mn = acc_mn_view(acc_S)
+            if tile_len < TILE_N:
+                mask_columns(acc_S_mn, tScS_mn, tile_len)
+            softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
+
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            tOrP = self.c_frag_as_a_frag(rP)
+            self.gemm_rA(tiled_mma, acc_O, tOrP, s2r_V, tOsVt, tOrVt_view, tOrVt)
+
+        # Epilogue: normalise, LSE, O through shared memory (reusing sQ) to 16-byte stores.
+        row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
+        softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
+        lane = tidx % 32
+        for r in cutlass.range_constexpr(cute.size(row_lse)):
+            row = tOcO_mn[r, 0][0]
+            if lane % 4 == 0 and row < q_rows_left:
+                mLSE[chunk * TILE_M + row, head] = row_lse[r]
+
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        self.barrier.arrive_and_wait()
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        r2s_O = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma)
+        thr_r2s_O = r2s_O.get_slice(tidx)
+        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
+        self.barrier.arrive_and_wait()
+
+        thr_store = gmem_store.get_slice(tidx)
+        tOsO = thr_store.partition_S(sO)
+        tOgO = thr_store.partition_D(gO)
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(gmem_store, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tQcQ[0, m, 0][0] < q_rows_left:
+                cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def load_rows(self, gmem_load, src, dst, coord, num_rows):
+        """cp.async the rows < num_rows of a 64-row tile; zero the others."""
+        for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            if coord[0, m, 0][0] < num_rows:
+                cute.copy(gmem_load, src[None, m, None], dst[None, m, None])
+            else:
+                dst[None, m, None].fill(0)
+
+    @cute.jit
+    def gemm_smem(self, tiled_mma, acc, s2r_A, tAsA, tArA_view, tArA, s2r_B, tBsB, tBrB_view, tBrB):
+        """acc += A B with both operands read from shared memory one k-block ahead."""
+        num_k = cute.size(tAsA, mode=[2])
+        cute.copy(s2r_A, tAsA[None, None, 0], tArA_view[None, None, 0])
+        cute.copy(s2r_B, tBsB[None, None, 0], tBrB_view[None, None, 0])
+        for k in cutlass.range_constexpr(num_k):
+            if cutlass.const_expr(k + 1 < num_k):
+                cute.copy(s2r_A, tAsA[None, None, k + 1], tArA_view[None, None, k + 1])
+                cute.copy(s2r_B, tBsB[None, None, k + 1], tBrB_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc, tArA[None, None, k], tBrB[None, None, k], acc)
+
+    @cute.jit
+    def gemm_rA(self, tiled_mma, acc, tArA, s2r_B, tBsB, tBrB_view, tBrB):
+        """acc += A B with A already in registers and B read from shared memory."""
+        num_k = cute.size(tArA, mode=[2])
+        cute.copy(s2r_B, tBsB[None, None, 0], tBrB_view[None, None, 0])
+        for k in cutlass.range_constexpr(num_k):
+            if cutlass.const_expr(k + 1 < num_k):
+                cute.copy(s2r_B, tBsB[None, None, k + 1], tBrB_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc, tArA[None, None, k], tBrB[None, None, k], acc)
+
+    def c_frag_as_a_frag(self, frag: cute.Tensor) -> cute.Tensor:
+        """(4, M, N) accumulator registers as the (8, M, N/2) A operand of the next MMA.
+
+        An m16n8 C tile holds the same elements per thread as half of an m16k16 A tile, so
+        two neighbouring N atoms make one K step.
+        """
+        split = cute.logical_divide(frag.layout, (None, None, 2))
+        layout = cute.make_layout(
+            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
+        )
+        return cute.make_tensor(frag.iterator, layout)
+
+
+def make_kernel(variant):
+    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
+    if not BlockSparseFwdWarpMma.can_implement(variant.head_dim):
+        raise ValueError(f"warp_mma: head_dim {variant.head_dim} not supported")
+    return BlockSparseFwdWarpMma(dtype, variant.head_dim)

@@ -1,0 +1,28 @@
+"""sparseforge: block-sparse attention kernels, call-compatible with `flashinfer.sparse`.
+
+Importing needs no GPU and no driver; kernels load on first use. See README.md.
+"""
+
+from sparseforge.errors import (
+    KernelLaunchError,
+    NoGPUError,
+    NotBuiltError,
+    SparseforgeError,
+    UnsupportedArchError,
+    VariantNotBuiltError,
+)
+from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockSparseAttentionWrapper",
+    "VariableBlockSparseAttentionWrapper",
+    "KernelLaunchError",
+    "NoGPUError",
+    "NotBuiltError",
+    "SparseforgeError",
+    "UnsupportedArchError",
+    "VariantNotBuiltError",
+    "__version__",
+]

@@ -1,0 +1,204 @@
+"""Standard block-sparse workloads beside cuDNN dense attention (shared/BENCHMARKS.md).
+
+    python -m sparseforge.bench [--workloads W1,W2] [--out bench/results/FILE.md] [--backend B]
+
+Per workload: per-head random selections (torch.Generator seed 0 on the CPU), N(0,1) bf16
+q/k/v in HND, the variable wrapper; median of CUDA-event timings after warm-up; cuDNN dense
+SDPA on the same shape in the same process; relative L2 error against an fp32 reference on
+a slice of heads and rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from sparseforge import reference
+
+MATMUL_CEILING_TFLOPS = 788.0  # bf16 dense matmul measured on the H200 (BENCHMARKS.md)
+HBM_TBPS = 4.3
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    heads_q: int
+    heads_kv: int
+    seq: int
+    block: int
+    topk: int
+    head_dim: int = 128
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("W1", 32, 32, 32768, 64, 64),
+        Workload("W2", 32, 32, 32768, 64, 16),
+        Workload("W3", 32, 8, 32768, 64, 64),
+        Workload("W4", 32, 32, 65536, 64, 64),
+        Workload("W5", 32, 32, 32768, 128, 32),
+    )
+}
+
+
+def random_selection(heads_kv: int, row_blocks: int, col_blocks: int, topk: int, seed: int = 0):
+    """(Hkv, MB, NB) bool: `topk` distinct key blocks per (kv head, query block), uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.rand(heads_kv, row_blocks, col_blocks, generator=gen).argsort(dim=-1)
+    mask = torch.zeros(heads_kv, row_blocks, col_blocks, dtype=torch.bool)
+    mask.scatter_(2, order[..., :topk], True)
+    return mask
+
+
+def cuda_time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median time of fn() over `iters` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cudnn_dense_ms(q, k, v, iters: int = 30) -> float:
+    """cuDNN SDPA on the same (HND) shapes; GQA heads repeated."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[0] // k.shape[0]
+    qd, kd, vd = q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd), iters=iters)
+
+
+def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int = 1024) -> float:
+    """‖out - ref‖ / ‖ref‖ over a slice of heads and the first `rows` query rows."""
+    group = q.shape[0] // k.shape[0]
+    num, den = 0.0, 0.0
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    for h in heads:
+        hk = h // group
+        row_blocks = -(-rows // block)
+        mask = reference.block_mask_to_token_mask(
+            block_mask[hk : hk + 1, :row_blocks],
+            torch.full((row_blocks,), block),
+            reference.uniform_sizes(seq_k, block),
+        )[:, :rows].to(q.device)
+        ref, _ = reference.attention(q[h : h + 1, :rows], k[hk : hk + 1], v[hk : hk + 1], mask, compute_dtype=torch.float32)
+        diff = out[h : h + 1, :rows].float() - ref
+        num += float(diff.pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return math.sqrt(num / den)
+
+
+def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
+    from sparseforge import VariableBlockSparseAttentionWrapper
+
+    device = torch.device("cuda")
+    mb = nb = w.seq // w.block
+    mask = random_selection(w.heads_kv, mb, nb, w.topk).to(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(w.heads_q, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
+    workspace = torch.empty(1, dtype=torch.uint8, device=device)
+    wrapper = VariableBlockSparseAttentionWrapper(workspace, backend=backend)
+    wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    ms = cuda_time_ms(lambda: wrapper.run(q, k, v, out=out), iters=iters)
+    err = relative_error(out, q, k, v, mask.cpu(), w.block, heads=(0, w.heads_q - 1))
+    dense_ms = cudnn_dense_ms(q, k, v, iters=iters)
+    flops = 4.0 * w.heads_q * w.seq * (w.topk * w.block) * w.head_dim
+    dense_flops = 4.0 * w.heads_q * w.seq * w.seq * w.head_dim
+    hbm_bytes = 2 * (2 * q.numel() + 2 * k.numel())
+    floor_ms = max(flops / (MATMUL_CEILING_TFLOPS * 1e9), hbm_bytes / (HBM_TBPS * 1e9))
+    return dict(
+        workload=w.name, path=wrapper.backend_in_use, ms=ms, tflops=flops / (ms * 1e9),
+        dense_tflops=dense_flops / (dense_ms * 1e9), err=err, floor_ms=floor_ms,
+    )
+
+
+def table(rows: list[dict]) -> str:
+    head = "| workload | kernel | ms | effective TFLOPS | cuDNN dense TFLOPS | ratio | rel. L2 error | floor ms | time / floor |"
+    lines = [head, "|" + " --- |" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} "
+            f"| {r['tflops'] / r['dense_tflops']:.2f} | {r['err']:.2e} | {r['floor_ms']:.3f} | {r['ms'] / r['floor_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_host_overhead(calls: int = 2000) -> float:
+    """Microseconds of host time per run() on a tiny problem (out= given)."""
+    import time
+
+    from sparseforge import VariableBlockSparseAttentionWrapper
+
+    device = torch.device("cuda")
+    q = torch.randn(1, 64, 128, device=device, dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
+    sizes = torch.full((1, 1), 64, dtype=torch.int32, device=device)
+    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
+    wrapper.plan(mask, sizes, sizes, 1, 1, 128, q_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+    for _ in range(50):
+        wrapper.run(q, q, q, out=out)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        wrapper.run(q, q, q, out=out)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def describe_run() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return (
+        f"date {datetime.date.today()}, commit {commit or 'unknown'}, GPU {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", help="also write the table (markdown) here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the benchmark needs one", file=sys.stderr)
+        return 1
+    rows = []
+    for name in args.workloads.split(","):
+        rows.append(run_workload(WORKLOADS[name], args.backend, args.iters))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    overhead = run_host_overhead()
+    report = "\n".join([describe_run(), "", table(rows), "", f"run() host overhead: {overhead:.1f} us per call"])
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`python -m sparseforge info`: what this build contains and what GPU it would run on."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import sparseforge
+from sparseforge import _library, arch
+from sparseforge.errors import SparseforgeError
+
+
+def build_summary() -> list[str]:
+    m = _library.manifest()
+    lines = [f"build archs: {', '.join(m['archs'])}", "variants (family / arch: template x count, params):"]
+    groups = defaultdict(list)
+    for v in m["variants"]:
+        groups[(v["family"], v["arch"], v["template"])].append(v["params"])
+    for (family, arch_name, template), params in sorted(groups.items()):
+        keys = sorted({k for p in params for k in p})
+        XX
+        lines.append(f"  {family} / {arch_name}: {template} x{len(params)} ({values})")
+    lib = _library.PACKAGE_DIR / _library.LIBRARY_NAME
+    size = f"{lib.stat().st_size / 1e6:.1f} MB" if lib.exists() else "MISSING"
+    lines.append(f"kernel library: {lib} ({size})")
+    return lines
+
+
+def gpu_summary() -> str:
+    try:
+        major, minor = arch.device_capability(0)
+    except SparseforgeError as exc:
+        return f"GPU: none ({exc})"
+    try:
+        chosen = arch.arch_for_device(0)
+        return f"GPU 0: {device_name(0)}, compute capability {major}.{minor} -> runs {chosen}"
+    except SparseforgeError as exc:
+        return f"GPU 0: {device_name(0)}, compute capability {major}.{minor}: {exc}"
+
+
+def device_name(index: int) -> str:
+    from cuda.bindings import driver
+
+    err, dev = driver.cuDeviceGet(index)
+    err, name = driver.cuDeviceGetName(64, dev)
+    return name.split(b"\0", 1)[0].decode() if int(err) == 0 else "unknown"
+
+
+def main() -> int:
+    print(f"sparseforge {sparseforge.__version__}")
+    try:
+        for line in build_summary():
+            print(line)
+    except SparseforgeError as exc:
+        print(f"build: {exc}")
+        return 1
+    print(gpu_summary())
+    return 0

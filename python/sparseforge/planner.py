@@ -1,0 +1,143 @@
+"""Turn the API's sparsity descriptions into the kernels' tile lists, on the inputs' device.
+
+The kernels (generator/catalog.py, block_sparse_fwd ABI) see only 64-row query units and
+64-key tiles. Every input form is first made a per-kv-head block mask (Hkv, MB, NB) with
+block sizes per head, then mapped onto units and tiles:
+    unit r (rows 64r..64r+63) of kv head h     -> row block containing row 64r
+    tile t (keys 64t..64t+63)                  -> column block containing key 64t
+    tile t is listed for (h, r) when its column block is selected for that row block
+So any block size that is a multiple of 64 is exact (the last block of a sequence may be
+short). The lists are compacted with a prefix sum, not a sort, and the units are launched
+longest list first. All of it is torch arithmetic: no Python loop over heads or rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE = 64
+
+
+@dataclass
+class TilePlan:
+    tile_idx: torch.Tensor  # (Hkv, R, T) int32, first tile_cnt entries valid, ascending
+    tile_cnt: torch.Tensor  # (Hkv, R) int32
+    tile_len: torch.Tensor  # (NT,) int32 valid keys per tile
+    work: torch.Tensor  # (Hq * R,) int32 unit ids h * R + r, longest list first
+    seq_q: int
+    seq_k: int
+    num_qo_heads: int
+    num_kv_heads: int
+
+    @property
+    def num_units(self) -> int:
+        return self.work.numel()
+
+    def tensors(self):
+        return self.work, self.tile_idx, self.tile_cnt, self.tile_len
+
+
+def num_tiles(tokens: int) -> int:
+    return -(-tokens // TILE)
+
+
+def sizes_tile_aligned(sizes: torch.Tensor) -> bool:
+    """True when every block but the last of each row of `sizes` is a multiple of 64."""
+    return bool((sizes[..., :-1] % TILE == 0).all())
+
+
+def block_of_position(sizes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Index of the block (per row of `sizes`, (H, B)) that contains each position (P,)."""
+    ends = torch.cumsum(sizes, dim=-1)
+    index = torch.searchsorted(ends, positions.expand(sizes.shape[0], -1).contiguous(), right=True)
+    return index.clamp_max(sizes.shape[-1] - 1)
+
+
+def tile_lengths(seq_k: int, device, kv_block_lens=None, kv_block_size: int = TILE) -> torch.Tensor:
+    """Valid keys in each 64-key tile: the sequence end and kv_block_lens cut tiles short.
+
+    kv_block_lens (NB,) applies to uniform key blocks of kv_block_size tokens: block b holds
+    valid keys b*C .. b*C + len_b - 1.
+    """
+    start = torch.arange(num_tiles(seq_k), device=device, dtype=torch.int64) * TILE
+    length = (seq_k - start).clamp(0, TILE)
+    if kv_block_lens is not None:
+        lens = kv_block_lens.to(device=device, dtype=torch.int64)
+        block = (start // kv_block_size).clamp_max(lens.numel() - 1)
+        valid_end = block * kv_block_size + lens[block]
+        length = torch.minimum(length, (valid_end - start).clamp(0, TILE))
+    return length
+
+
+def plan_tiles(
+    block_mask: torch.Tensor,
+    row_sizes: torch.Tensor,
+    col_sizes: torch.Tensor,
+    seq_q: int,
+    seq_k: int,
+    num_qo_heads: int,
+    kv_block_lens: torch.Tensor | None = None,
+    kv_block_size: int = TILE,
+) -> TilePlan:
+    """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens."""
+    device = block_mask.device
+    hkv = block_mask.shape[0]
+    n_units, n_tiles = num_tiles(seq_q), num_tiles(seq_k)
+    unit_start = torch.arange(n_units, device=device, dtype=torch.int64) * TILE
+    tile_start = torch.arange(n_tiles, device=device, dtype=torch.int64) * TILE
+    row_block = block_of_position(row_sizes, unit_start)  # (Hkv, R)
+    col_block = block_of_position(col_sizes, tile_start)  # (Hkv, NT)
+
+    tile_len = tile_lengths(seq_k, device, kv_block_lens, kv_block_size)
+    rows = torch.gather(block_mask, 1, row_block.unsqueeze(-1).expand(-1, -1, block_mask.shape[2]))
+    listed = torch.gather(rows, 2, col_block.unsqueeze(1).expand(-1, n_units, -1))
+    listed &= tile_len > 0
+
+    # Compact each row: listed tile t goes to position (number of listed tiles before it).
+    position = torch.cumsum(listed, dim=-1, dtype=torch.int32) - 1
+    position = torch.where(listed, position, n_tiles)  # unlisted -> a spare column
+    tile_idx = torch.zeros(hkv, n_units, n_tiles + 1, device=device, dtype=torch.int32)
+    tile_ids = torch.arange(n_tiles, device=device, dtype=torch.int32).expand(hkv, n_units, -1)
+    tile_idx.scatter_(2, position.long(), tile_ids)
+    tile_cnt = listed.sum(dim=-1, dtype=torch.int32)
+
+    group = num_qo_heads // hkv
+    unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+    work = torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
+    return TilePlan(
+        tile_idx=tile_idx[..., :n_tiles],
+        tile_cnt=tile_cnt,
+        tile_len=tile_len.to(torch.int32),
+        work=work,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=hkv,
+    )
+
+
+def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int) -> torch.Tensor:
+    """(1, MB, NB) bool mask of a BSR structure shared by all heads."""
+    device = indices.device
+    counts = (indptr[1:] - indptr[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(
+        torch.arange(num_row_blocks, device=device), counts, output_size=indices.numel()
+    )
+    mask = torch.zeros(1, num_row_blocks, num_col_blocks, device=device, dtype=torch.bool)
+    mask[0, rows, indices.to(torch.int64)] = True
+    return mask
+
+
+def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int) -> torch.Tensor:
+    """(H, MB, NB) bool mask of direct selections (H, MB, topk) with counts (H, MB)."""
+    h, mb, topk = q2k_indices.shape
+    device = q2k_indices.device
+    idx = q2k_indices.to(torch.int64)
+    if q2k_num is not None:
+        valid = torch.arange(topk, device=device) < q2k_num.to(device=device, dtype=torch.int64).unsqueeze(-1)
+        idx = torch.where(valid, idx, num_col_blocks)
+    mask = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
+    mask.scatter_(2, idx, True)
+    return mask[..., :num_col_blocks]

@@ -1,0 +1,436 @@
+"""Block-sparse attention wrappers, call-compatible with `flashinfer.sparse`.
+
+    BlockSparseAttentionWrapper          BSR / per-head block mask / direct selections, NHD
+    VariableBlockSparseAttentionWrapper  per-kv-head block masks with variable block sizes, HND
+
+plan() validates everything and builds the kernels' tile lists on the GPU; run() checks the
+tensors it is given and launches on the current stream, allocating nothing when out= (and
+lse=, if return_lse) are given.
+
+Backends: "auto" (default) runs our kernels when the block sizes are multiples of 64 and
+otherwise the PyTorch reference (`sparseforge.reference`, dense masked attention: correct,
+O(Sq*Sk) memory, slow) with a warning; "sparseforge" (FlashInfer's "fa2", "fa3", "cake"
+and "cake_cute" are accepted as its synonyms) refuses those block sizes instead; "torch"
+always runs the reference; "warp_mma" forces the portable mma.sync kernels (on sm_90a the
+default is the wgmma kernel when it is built).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from sparseforge import planner, reference
+from sparseforge._library import find_kernel
+from sparseforge.arch import arch_for_device
+from sparseforge.errors import VariantNotBuiltError
+
+LOG2_E = math.log2(math.e)
+FAMILY = "block_sparse_fwd"
+KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
+BACKENDS = ("auto", "torch", "warp_mma", *KERNEL_BACKENDS)
+
+_DTYPES = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e4m3": torch.float8_e4m3fn,
+}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _as_dtype(value, name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.replace("torch.", "") in _DTYPES:
+        dtype = _DTYPES[value.replace("torch.", "")]
+    else:
+        raise ValueError(f"{name}={value!r} is not a dtype; use torch.float16 or torch.bfloat16")
+    if dtype == torch.float8_e4m3fn:
+        raise NotImplementedError(
+            f"{name}=float8_e4m3fn (Sage FP8) is not in this release of sparseforge; "
+            "use torch.float16 or torch.bfloat16"
+        )
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{name}={dtype} is not supported; use torch.float16 or torch.bfloat16")
+    return dtype
+
+
+def _reject(name: str, value, allowed=(None,), why: str = "is not supported by sparseforge"):
+    if not any(value is a or (a is not None and value == a) for a in allowed):
+        raise NotImplementedError(f"{name}={value!r} {why}")
+
+
+def _check_common_options(
+    causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta
+):
+    _reject("causal", causal, (False,), "is not supported (no causal block-sparse kernels are built)")
+    _reject(
+        "pos_encoding_mode",
+        pos_encoding_mode,
+        ("NONE",),
+        "is not supported: apply RoPE before calling; ALiBi is not available",
+    )
+    _reject("use_fp16_qk_reduction", use_fp16_qk_reduction, (False,), "is not supported (QK^T accumulates in fp32)")
+    _reject("logits_soft_cap", logits_soft_cap, (None, 0, 0.0), "is not supported (no soft-capping kernels are built)")
+    _reject("rope_scale", rope_scale, (None,), "is not used: RoPE (pos_encoding_mode='ROPE_LLAMA') is not supported")
+    _reject("rope_theta", rope_theta, (None,), "is not used: RoPE (pos_encoding_mode='ROPE_LLAMA') is not supported")
+
+
+def _check_tensor(name, t, shape, dtype=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_kernel_operand(name, t):
+    """Strides the kernels can load with 16-byte vectors."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
+    if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of 8 elements, "
+            f"got strides {t.stride()} and address {t.data_ptr():#x}"
+        )
+
+
+class _BlockSparseBase:
+    def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("float_workspace_buffer must be a torch.Tensor")
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._backend = backend
+        self._plan = None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """Kept for API compatibility: sparseforge keeps its plan in its own tensors."""
+        self._workspace = float_workspace_buffer
+
+    @property
+    def backend_in_use(self) -> str:
+        """'sm90_wgmma', 'warp_mma' or 'torch' for the current plan."""
+        if self._plan is None:
+            raise RuntimeError("plan() has not been called")
+        return self._plan["path"]
+
+    # --- plan helpers ---
+    def _plan_common(self, num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type):
+        if num_qo_heads <= 0 or num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads {num_qo_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
+            )
+        dtype = _as_dtype(q_data_type, "q_data_type")
+        kv_dtype = dtype if kv_data_type is None else _as_dtype(kv_data_type, "kv_data_type")
+        if kv_dtype != dtype:
+            raise NotImplementedError(f"kv_data_type {kv_dtype} differs from q_data_type {dtype}: not supported")
+        scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        return dtype, scale
+
+    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim):
+        """(path, kernel) for this plan; errors or warns per the backend rules above."""
+        if self._backend == "torch":
+            return "torch", None
+        if not kernel_ok:
+            if self._backend != "auto":
+                raise NotImplementedError(f"{why_not}; backend={self._backend!r} has no kernel for it")
+            warnings.warn(f"{why_not}: running the PyTorch reference (slow, dense memory)", stacklevel=3)
+            return "torch", None
+        if self._device.type != "cuda":
+            raise ValueError(f"the workspace buffer is on {self._device}; sparseforge kernels need a CUDA device")
+        arch = arch_for_device(self._device.index if self._device.index is not None else torch.cuda.current_device())
+        params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
+        if self._backend == "warp_mma":
+            kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
+        else:
+            try:
+                kernel = find_kernel(FAMILY, arch, template="sm90_wgmma", **params)
+            except VariantNotBuiltError:
+                kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
+        kernel.prepare()
+        return kernel.template, kernel
+
+    # --- run helpers ---
+    def _run_kernel(self, q_shd, k_shd, v_shd, o_shd, lse_sh):
+        plan = self._plan
+        kernel = plan["kernel"]
+        tiles = plan["tiles"]
+        words = kernel.pack(q_shd, k_shd, v_shd, o_shd, lse_sh, *tiles.tensors(), plan["scale_log2"])
+        kernel.launch(words, torch.cuda.current_stream(q_shd.device).cuda_stream)
+
+    def _check_run_inputs(self, q, k, v, q_shape, kv_shape):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
+            _check_tensor(name, t, shape, plan["dtype"], self._device)
+            if plan["path"] != "torch":
+                _check_kernel_operand(name, t)
+
+    def _outputs(self, out, lse, out_shape, lse_shape, return_lse):
+        plan = self._plan
+        if out is None:
+            out = torch.empty(out_shape, dtype=plan["dtype"], device=self._device)
+        else:
+            _check_tensor("out", out, out_shape, plan["dtype"], self._device)
+            if plan["path"] != "torch":
+                _check_kernel_operand("out", out)
+        if lse is None:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
+        else:
+            _check_tensor("lse", lse, lse_shape, torch.float32, self._device)
+        return out, lse
+
+    @staticmethod
+    def _check_run_options(enable_pdl):
+        _reject("enable_pdl", enable_pdl, (None, False), "is not supported (no PDL launches)")
+
+
+class BlockSparseAttentionWrapper(_BlockSparseBase):
+    """Block-sparse attention over a BSR matrix of (R x C)-token blocks; q/k/v in NHD."""
+
+    def plan(
+        self,
+        indptr,
+        indices,
+        M: int,
+        N: int,
+        R: int,
+        C: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        mask=None,
+        packed_mask=None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        logits_soft_cap=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking: bool = True,
+        block_mask=None,
+        kv_block_lens=None,
+        q2k_indices=None,
+        q2k_num=None,
+        kv_splits=None,
+        use_clc=None,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ) -> None:
+        _check_common_options(causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta)
+        _reject("mask", mask, (None,), "(masks inside blocks) is not supported: give whole blocks")
+        _reject("packed_mask", packed_mask, (None,), "(masks inside blocks) is not supported: give whole blocks")
+        _reject("kv_splits", kv_splits, (None, 1), "is not supported (no split-KV path)")
+        _reject("use_clc", use_clc, (None,), "is an SM100 scheduler option; not supported")
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+        dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
+        if o_data_type is not None and _as_dtype(o_data_type, "o_data_type") != dtype:
+            raise NotImplementedError(
+                f"o_data_type {o_data_type} differs from q_data_type {dtype}: the output is "
+                "written in the input dtype"
+            )
+        for name, value in (("M", M), ("N", N), ("R", R), ("C", C)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if N % C:
+            raise ValueError(f"N ({N}) must be divisible by C ({C})")
+        mb, nb = -(-M // R), N // C
+        device = self._device
+        group = num_qo_heads // num_kv_heads
+
+        if q2k_indices is not None:
+            if block_mask is not None or indptr is not None or indices is not None:
+                raise ValueError("q2k_indices is mutually exclusive with block_mask and indptr/indices")
+            _check_tensor("q2k_indices", q2k_indices, (num_qo_heads, mb, q2k_indices.shape[-1]), torch.int32, device)
+            if q2k_num is not None:
+                _check_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, device)
+                if q2k_num.numel() and (int(q2k_num.min()) < 0 or int(q2k_num.max()) > q2k_indices.shape[-1]):
+                    raise ValueError(f"q2k_num values must lie in [0, {q2k_indices.shape[-1]}]")
+            _check_block_indices("q2k_indices", q2k_indices, nb, q2k_num)
+            # GQA: the first query head of each group selects for the group.
+            head_mask = planner.selection_block_mask(q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb)
+        elif block_mask is not None:
+            if block_mask.dtype != torch.bool or block_mask.dim() != 3 or block_mask.shape[0] not in (num_qo_heads, num_kv_heads) or tuple(block_mask.shape[1:]) != (mb, nb):
+                raise ValueError(
+                    f"block_mask must be bool of shape ({num_qo_heads} or {num_kv_heads}, {mb}, {nb}), "
+                    f"got {block_mask.dtype} {tuple(block_mask.shape)}"
+                )
+            _check_tensor("block_mask", block_mask, block_mask.shape, torch.bool, device)
+            head_mask = block_mask[::group] if block_mask.shape[0] == num_qo_heads else block_mask
+        else:
+            if indptr is None or indices is None:
+                raise ValueError("give indptr and indices, or block_mask, or q2k_indices")
+            _check_tensor("indptr", indptr, (mb + 1,), torch.int32, device)
+            _check_tensor("indices", indices, (indices.numel(),), torch.int32, device)
+            _check_bsr(indptr, indices, nb)
+            head_mask = planner.bsr_block_mask(indptr, indices, mb, nb).expand(num_kv_heads, -1, -1)
+        if q2k_num is not None and q2k_indices is None:
+            raise ValueError("q2k_num is given without q2k_indices")
+        if kv_block_lens is not None:
+            _check_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
+            if nb and (int(kv_block_lens.min()) < 1 or int(kv_block_lens.max()) > C):
+                raise ValueError(f"kv_block_lens values must lie in [1, C={C}]")
+
+        tiled = R % planner.TILE == 0 and C % planner.TILE == 0
+        path, kernel = self._choose_path(
+            tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim
+        )
+        plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
+                    M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        row_sizes = reference.uniform_sizes(M, R).to(device).expand(num_kv_heads, -1)
+        col_sizes = torch.full((nb,), C, dtype=torch.int64, device=device).expand(num_kv_heads, -1)
+        head_mask = head_mask.to(device)
+        if path == "torch":
+            plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
+        else:
+            plan["tiles"] = planner.plan_tiles(
+                head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C
+            )
+        self._plan = plan
+
+    def run(self, q, k, v, scale_q=None, scale_k=None, scale_v=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None):
+        """q (M, Hq, D), k/v (N, Hkv, D) -> out (M, Hq, D)[, lse (M, Hq)]."""
+        for name, value in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
+            _reject(name, value, (None,), "(per-head FP8 scales) is not supported")
+        self._check_run_options(enable_pdl)
+        p = self._plan
+        if p is None:
+            raise RuntimeError("plan() must be called before run()")
+        hd = p["head_dim"]
+        self._check_run_inputs(q, k, v, (p["M"], p["num_qo_heads"], hd), (p["N"], p["num_kv_heads"], hd))
+        out, lse = self._outputs(out, lse, (p["M"], p["num_qo_heads"], hd), (p["M"], p["num_qo_heads"]), return_lse)
+        if p["path"] == "torch":
+            o_ref, lse_ref = reference.attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), p["token_mask"], p["scale"]
+            )
+            out.copy_(o_ref.transpose(0, 1))
+            lse.copy_(lse_ref.transpose(0, 1))
+        else:
+            self._run_kernel(q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+
+class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
+    """Per-kv-head block masks with variable block sizes; q/k/v in HND."""
+
+    def plan(
+        self,
+        block_mask_map,
+        block_row_sz,
+        block_col_sz,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        logits_soft_cap=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        non_blocking: bool = True,
+        q_data_type="float16",
+        kv_data_type=None,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ) -> None:
+        _check_common_options(causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta)
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+        dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
+        device = self._device
+        if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
+            raise ValueError("block_mask_map must be a bool tensor of shape (num_kv_heads, MB, NB)")
+        _, mb, nb = block_mask_map.shape
+        _check_tensor("block_mask_map", block_mask_map, (num_kv_heads, mb, nb), torch.bool, device)
+        _check_tensor("block_row_sz", block_row_sz, (num_kv_heads, mb), torch.int32, device)
+        _check_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
+        row_sizes, col_sizes = block_row_sz.to(torch.int64), block_col_sz.to(torch.int64)
+        if bool((row_sizes < 1).any()) or bool((col_sizes < 1).any()):
+            raise ValueError("block_row_sz and block_col_sz must be >= 1")
+        seq_q, seq_k = row_sizes.sum(-1), col_sizes.sum(-1)
+        if bool((seq_q != seq_q[0]).any()) or bool((seq_k != seq_k[0]).any()):
+            raise ValueError(
+                "every kv head's block_row_sz (and block_col_sz) must sum to the same length, got "
+                f"{seq_q.tolist()} and {seq_k.tolist()}"
+            )
+        seq_q, seq_k = int(seq_q[0]), int(seq_k[0])
+        tiled = planner.sizes_tile_aligned(row_sizes) and planner.sizes_tile_aligned(col_sizes)
+        path, kernel = self._choose_path(
+            tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
+        )
+        plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
+                    seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim)
+        if path == "torch":
+            plan["token_mask"] = _token_mask(block_mask_map, row_sizes, col_sizes, None)
+        else:
+            plan["tiles"] = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
+        self._plan = plan
+
+    def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
+        """q (Hq, Sq, D), k/v (Hkv, Sk, D) -> out (Hq, Sq, D)[, lse (Hq, Sq)]."""
+        self._check_run_options(enable_pdl)
+        p = self._plan
+        if p is None:
+            raise RuntimeError("plan() must be called before run()")
+        hd, hq, hkv = p["head_dim"], p["num_qo_heads"], p["num_kv_heads"]
+        self._check_run_inputs(q, k, v, (hq, p["seq_q"], hd), (hkv, p["seq_k"], hd))
+        out, lse = self._outputs(out, lse, (hq, p["seq_q"], hd), (hq, p["seq_q"]), return_lse)
+        if p["path"] == "torch":
+            o_ref, lse_ref = reference.attention(q, k, v, p["token_mask"], p["scale"])
+            out.copy_(o_ref)
+            lse.copy_(lse_ref)
+        else:
+            self._run_kernel(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), out.transpose(0, 1), lse.transpose(0, 1))
+        return (out, lse) if return_lse else out
+
+
+def _check_bsr(indptr, indices, num_col_blocks):
+    ptr = indptr.cpu()
+    if int(ptr[0]) != 0 or int(ptr[-1]) != indices.numel() or bool((ptr[1:] < ptr[:-1]).any()):
+        raise ValueError(
+            f"indptr must start at 0, be non-decreasing and end at len(indices)={indices.numel()}"
+        )
+    _check_block_indices("indices", indices, num_col_blocks)
+
+
+def _check_block_indices(name, indices, num_col_blocks, counts=None):
+    """Out-of-range block indices never reach a kernel (checked on the host)."""
+    idx = indices.cpu().to(torch.int64)
+    if counts is not None:
+        valid = torch.arange(idx.shape[-1]) < counts.cpu().to(torch.int64).unsqueeze(-1)
+        idx = idx[valid]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_col_blocks):
+        raise ValueError(
+            f"{name} holds block indices in [{int(idx.min())}, {int(idx.max())}]; "
+            f"valid: [0, {num_col_blocks - 1}]"
+        )
+
+
+def _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens):
+    """(Hkv, Sq, Sk) token mask for the reference path."""
+    return reference.block_mask_to_token_mask(
+        head_mask.cpu(), row_sizes.cpu(), col_sizes.cpu(), None if kv_block_lens is None else kv_block_lens.cpu()
+    )

@@ -1,0 +1,189 @@
+"""The FlashInfer-compatible API on the CPU: every unsupported option and bad input raises a
+clear error before any kernel; block sizes that are not multiples of 64 run the reference."""
+
+import math
+
+import pytest
+import torch
+
+import sparseforge
+from sparseforge import reference
+from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+
+WS = torch.empty(16, dtype=torch.uint8)
+
+
+def bsr_args(M=256, N=256, R=64, C=64, hq=4, hkv=2, d=128):
+    mb, nb = -(-M // R), N // C
+    indptr = torch.arange(mb + 1, dtype=torch.int32)
+    indices = torch.zeros(mb, dtype=torch.int32)
+    return (indptr, indices, M, N, R, C, hq, hkv, d)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(causal=True), "causal=True is not supported"),
+        (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA' is not supported"),
+        (dict(pos_encoding_mode="ALIBI"), "ALiBi is not available"),
+        (dict(logits_soft_cap=30.0), "logits_soft_cap=30.0 is not supported"),
+        (dict(use_fp16_qk_reduction=True), "use_fp16_qk_reduction=True"),
+        (dict(rope_theta=1e4), "rope_theta=10000.0 is not used"),
+        (dict(rope_scale=2.0), "rope_scale=2.0 is not used"),
+        (dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)), "masks inside blocks"),
+        (dict(packed_mask=torch.ones(8, dtype=torch.uint8)), "masks inside blocks"),
+        (dict(kv_splits=4), "kv_splits=4 is not supported"),
+        (dict(use_clc=True), "use_clc=True"),
+        (dict(q_data_type=torch.float8_e4m3fn), "Sage FP8"),
+        (dict(q_scale=torch.ones(1)), "q_scale="),
+        (dict(q_data_type="int8"), "q_data_type='int8' is not a dtype"),
+        (dict(q_data_type=torch.float16, o_data_type=torch.bfloat16), "o_data_type"),
+        (dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), "kv_data_type"),
+    ],
+)
+def test_bsr_plan_rejects_unsupported_options(kwargs, message):
+    wrapper = BlockSparseAttentionWrapper(WS)
+    with pytest.raises((NotImplementedError, ValueError)) as info:
+        wrapper.plan(*bsr_args(), **kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hq=3, hkv=2), "num_qo_heads 3 must be a positive multiple of num_kv_heads 2"),
+        (dict(N=250), "N (250) must be divisible by C (64)"),
+    ],
+)
+def test_bsr_plan_rejects_bad_sizes(change, message):
+    wrapper = BlockSparseAttentionWrapper(WS)
+    with pytest.raises(ValueError) as info:
+        wrapper.plan(*bsr_args(**change))
+    assert message in str(info.value)
+
+
+def test_bsr_plan_rejects_bad_indices():
+    wrapper = BlockSparseAttentionWrapper(WS)
+    indptr, indices, *rest = bsr_args()
+    with pytest.raises(ValueError, match=r"indices holds block indices in \[0, 4\]; valid: \[0, 3\]"):
+        wrapper.plan(indptr, torch.tensor([0, 1, 2, 4], dtype=torch.int32), *rest)
+    with pytest.raises(ValueError, match="indptr must start at 0"):
+        wrapper.plan(torch.tensor([0, 2, 1, 3, 4], dtype=torch.int32), indices, *rest)
+    with pytest.raises(ValueError, match=r"indptr has shape \(3,\), expected \(5,\)"):
+        wrapper.plan(indptr[:3], indices, *rest)
+    with pytest.raises(ValueError, match="indices has dtype torch.int64, expected torch.int32"):
+        wrapper.plan(indptr, indices.long(), *rest)
+
+
+def test_bsr_plan_rejects_bad_block_mask_and_selections():
+    wrapper = BlockSparseAttentionWrapper(WS)
+    _, _, *rest = bsr_args()
+    with pytest.raises(ValueError, match=r"block_mask must be bool of shape \(4 or 2, 4, 4\)"):
+        wrapper.plan(None, None, *rest, block_mask=torch.ones(4, 4, 5, dtype=torch.bool))
+    sel = torch.zeros(4, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        wrapper.plan(None, None, *rest, block_mask=torch.ones(4, 4, 4, dtype=torch.bool), q2k_indices=sel)
+    with pytest.raises(ValueError, match=r"q2k_indices holds block indices in \[0, 9\]"):
+        wrapper.plan(None, None, *rest, q2k_indices=sel + 9)
+    with pytest.raises(ValueError, match=r"q2k_num values must lie in \[0, 2\]"):
+        wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=torch.full((4, 4), 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"kv_block_lens values must lie in \[1, C=64\]"):
+        wrapper.plan(*bsr_args(), kv_block_lens=torch.tensor([64, 0, 1, 1], dtype=torch.int32))
+
+
+def test_kernel_path_needs_cuda():
+    wrapper = BlockSparseAttentionWrapper(WS)
+    with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):
+        wrapper.plan(*bsr_args())
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend='xla' is not one of"):
+        BlockSparseAttentionWrapper(WS, backend="xla")
+
+
+def test_run_before_plan():
+    with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+        BlockSparseAttentionWrapper(WS).run(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+
+
+def test_spec_example_runs_through_the_reference():
+    """The 3x3 example of the FlashInfer docs (R = C = 1), on the CPU."""
+    torch.manual_seed(0)
+    num_qo_heads, num_kv_heads, head_dim = 32, 8, 128
+    wrapper = BlockSparseAttentionWrapper(WS)
+    indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
+    indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="running the PyTorch reference"):
+        wrapper.plan(indptr, indices, 3, 3, 1, 1, num_qo_heads, num_kv_heads, head_dim)
+    assert wrapper.backend_in_use == "torch"
+    q = torch.randn(3, num_qo_heads, head_dim, dtype=torch.float16)
+    k = torch.randn(3, num_kv_heads, head_dim, dtype=torch.float16)
+    v = torch.randn(3, num_kv_heads, head_dim, dtype=torch.float16)
+    o, lse = wrapper.run(q, k, v, return_lse=True)
+    mask = torch.tensor([[0, 0, 1], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    want, want_lse = reference.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask[None].expand(num_kv_heads, -1, -1))
+    assert torch.allclose(o.float(), want.transpose(0, 1).float(), atol=2e-3)
+    assert torch.allclose(lse, want_lse.transpose(0, 1).float(), atol=1e-4)
+
+
+def test_backend_sparseforge_refuses_small_blocks():
+    wrapper = BlockSparseAttentionWrapper(WS, backend="sparseforge")
+    with pytest.raises(NotImplementedError, match="blocks of 1x1 tokens are not multiples of 64"):
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 1, 1, 1, 1, 1, 1, 64)
+
+
+def test_run_rejects_bad_tensors():
+    wrapper = BlockSparseAttentionWrapper(WS, backend="torch")
+    wrapper.plan(*bsr_args(), q_data_type=torch.bfloat16)
+    q = torch.randn(256, 4, 128, dtype=torch.bfloat16)
+    kv = torch.randn(256, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q has shape \(256, 4, 64\), expected \(256, 4, 128\)"):
+        wrapper.run(q[..., :64], kv, kv)
+    with pytest.raises(ValueError, match="k has dtype torch.float16, expected torch.bfloat16"):
+        wrapper.run(q, kv.half(), kv)
+    with pytest.raises(ValueError, match=r"out has shape"):
+        wrapper.run(q, kv, kv, out=torch.empty(256, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lse has dtype torch.float16, expected torch.float32"):
+        wrapper.run(q, kv, kv, lse=torch.empty(256, 4, dtype=torch.float16), return_lse=True)
+    with pytest.raises(NotImplementedError, match="scale_q="):
+        wrapper.run(q, kv, kv, scale_q=torch.ones(4))
+    with pytest.raises(NotImplementedError, match="enable_pdl=True"):
+        wrapper.run(q, kv, kv, enable_pdl=True)
+
+
+def test_variable_wrapper_torch_backend_matches_reference():
+    torch.manual_seed(1)
+    hq, hkv, d = 4, 2, 64
+    mask = torch.rand(hkv, 3, 2) < 0.6
+    row = torch.tensor([[5, 7, 3], [10, 2, 3]], dtype=torch.int32)
+    col = torch.tensor([[6, 9], [14, 1]], dtype=torch.int32)
+    wrapper = VariableBlockSparseAttentionWrapper(WS)
+    with pytest.warns(UserWarning):
+        wrapper.plan(mask, row, col, hq, hkv, d, q_data_type=torch.bfloat16, sm_scale=0.3)
+    q = torch.randn(hq, 15, d, dtype=torch.bfloat16)
+    k, v = torch.randn(hkv, 15, d, dtype=torch.bfloat16), torch.randn(hkv, 15, d, dtype=torch.bfloat16)
+    o, lse = wrapper.run(q, k, v, return_lse=True)
+    tokens = reference.block_mask_to_token_mask(mask, row, col)
+    want, want_lse = reference.attention(q, k, v, tokens, 0.3)
+    assert torch.allclose(o.float(), want.float(), atol=1e-2)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+
+
+def test_variable_wrapper_rejects_bad_inputs():
+    wrapper = VariableBlockSparseAttentionWrapper(WS)
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    sz = torch.full((2, 2), 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_row_sz has shape \(2, 3\), expected \(2, 2\)"):
+        wrapper.plan(mask, torch.full((2, 3), 64, dtype=torch.int32), sz, 2, 2, 128)
+    with pytest.raises(ValueError, match="must sum to the same length"):
+        wrapper.plan(mask, torch.tensor([[64, 64], [64, 128]], dtype=torch.int32), sz, 2, 2, 128)
+    with pytest.raises(ValueError, match="block_row_sz and block_col_sz must be >= 1"):
+        wrapper.plan(mask, torch.tensor([[64, 0], [64, 0]], dtype=torch.int32), sz, 2, 2, 128)
+    with pytest.raises(NotImplementedError, match="causal=True"):
+        wrapper.plan(mask, sz, sz, 2, 2, 128, causal=True)
+
+
+def test_public_names():
+    assert sparseforge.BlockSparseAttentionWrapper is BlockSparseAttentionWrapper
+    assert math.isclose(1.0, 1.0)

@@ -1,0 +1,86 @@
+"""The planner on the CPU: the tile lists it builds select exactly the keys the API asks for.
+
+`tiles_to_token_mask` reads a TilePlan the way the kernels do (unit -> listed tiles ->
+valid keys), so these tests pin the kernel contract without a GPU.
+"""
+
+import pytest
+import torch
+
+from sparseforge import planner, reference
+from sparseforge.bench import random_selection
+
+
+def tiles_to_token_mask(plan: planner.TilePlan):
+    """(Hkv, Sq, Sk) mask of the keys each query row's unit visits."""
+    hkv, units, _ = plan.tile_idx.shape
+    mask = torch.zeros(hkv, units * 64, plan.seq_k + 64, dtype=torch.bool)
+    for h in range(hkv):
+        for r in range(units):
+            for j in range(int(plan.tile_cnt[h, r])):
+                t = int(plan.tile_idx[h, r, j])
+                mask[h, r * 64 : r * 64 + 64, t * 64 : t * 64 + int(plan.tile_len[t])] = True
+    return mask[:, : plan.seq_q, : plan.seq_k]
+
+
+def uniform(hkv, total, block):
+    return reference.uniform_sizes(total, block).expand(hkv, -1)
+
+
+@pytest.mark.parametrize("block_r, block_c", [(64, 64), (128, 128), (64, 128), (128, 64), (192, 256)])
+@pytest.mark.parametrize("seq_q, seq_k", [(1024, 1024), (1000, 777), (64, 4096), (130, 65)])
+def test_uniform_blocks(block_r, block_c, seq_q, seq_k):
+    hkv = 3
+    mb, nb = -(-seq_q // block_r), -(-seq_k // block_c)
+    mask = torch.rand(hkv, mb, nb, generator=torch.Generator().manual_seed(seq_q + block_c)) < 0.4
+    mask[0, 0] = False  # an empty row
+    plan = planner.plan_tiles(mask, uniform(hkv, seq_q, block_r), uniform(hkv, seq_k, block_c), seq_q, seq_k, hkv * 2)
+    want = reference.block_mask_to_token_mask(mask, uniform(hkv, seq_q, block_r), uniform(hkv, seq_k, block_c))
+    assert torch.equal(tiles_to_token_mask(plan), want)
+    # Lists are ascending and the spare slots past the count hold nothing the kernel reads.
+    for h in range(hkv):
+        for r in range(plan.tile_idx.shape[1]):
+            row = plan.tile_idx[h, r, : int(plan.tile_cnt[h, r])]
+            assert torch.all(row[1:] > row[:-1])
+
+
+def test_variable_blocks_per_head():
+    row_sizes = torch.tensor([[64, 192, 128, 50], [128, 128, 64, 114]])
+    col_sizes = torch.tensor([[256, 64, 64, 70], [64, 64, 64, 262]])
+    mask = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(3)) < 0.5
+    plan = planner.plan_tiles(mask, row_sizes, col_sizes, 434, 454, 4)
+    want = reference.block_mask_to_token_mask(mask, row_sizes, col_sizes)
+    assert torch.equal(tiles_to_token_mask(plan), want)
+
+
+def test_kv_block_lens_cut_tiles():
+    hkv, seq_q, seq_k, block = 2, 256, 512, 128
+    mask = torch.ones(hkv, 2, 4, dtype=torch.bool)
+    lens = torch.tensor([128, 1, 64, 100], dtype=torch.int32)
+    plan = planner.plan_tiles(mask, uniform(hkv, seq_q, block), uniform(hkv, seq_k, block), seq_q, seq_k, hkv, lens, block)
+    assert plan.tile_len.tolist() == [64, 64, 1, 0, 64, 0, 64, 36]
+    assert int(plan.tile_cnt[0, 0]) == 6  # tiles with no valid key are not listed
+    want = reference.block_mask_to_token_mask(mask, uniform(hkv, seq_q, block), uniform(hkv, seq_k, block), lens)
+    assert torch.equal(tiles_to_token_mask(plan), want)
+
+
+def test_work_order_longest_first_and_complete():
+    mask = random_selection(4, 8, 8, topk=3)
+    mask[1, 2] = True
+    mask[3, 5] = False
+    plan = planner.plan_tiles(mask, uniform(4, 512, 64), uniform(4, 512, 64), 512, 512, 8)
+    work = plan.work.tolist()
+    assert sorted(work) == list(range(8 * 8))
+    counts = [int(plan.tile_cnt[(u // 8) // 2, u % 8]) for u in work]
+    assert counts == sorted(counts, reverse=True)
+    assert counts[0] == 8 and counts[-1] == 0
+
+
+def test_bsr_and_selection_masks_match_reference():
+    indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
+    indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)
+    assert torch.equal(planner.bsr_block_mask(indptr, indices, 3, 3)[0], reference.bsr_to_block_mask(indptr, indices, 3, 3))
+    sel = torch.tensor([[[2, 0, 1], [1, 1, 0]]], dtype=torch.int32)
+    num = torch.tensor([[2, 1]], dtype=torch.int32)
+    assert torch.equal(planner.selection_block_mask(sel, num, 3), reference.selections_to_block_mask(sel, num, 3))
+    assert planner.selection_block_mask(sel, num, 3)[0].tolist() == [[True, False, True], [False, True, False]]
