@@ -83,7 +83,7 @@ def test_bsr_plan_rejects_bad_block_mask_and_selections():
     sel = torch.zeros(4, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="mutually exclusive"):
         wrapper.plan(None, None, *rest, block_mask=torch.ones(4, 4, 4, dtype=torch.bool), q2k_indices=sel)
-    with pytest.raises(ValueError, match=r"q2k_indices holds block indices in \[0, 9\]"):
+    with pytest.raises(ValueError, match=r"q2k_indices holds block indices in \[9, 9\]"):
         wrapper.plan(None, None, *rest, q2k_indices=sel + 9)
     with pytest.raises(ValueError, match=r"q2k_num values must lie in \[0, 2\]"):
         wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=torch.full((4, 4), 3, dtype=torch.int32))

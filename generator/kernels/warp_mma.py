@@ -132,7 +132,7 @@ class BlockSparseFwdWarpMma:
         kv_head = head // (mQ.shape[1] // mK.shape[1])
         num_tiles = mTileCnt[kv_head, chunk]
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)

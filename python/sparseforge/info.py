@@ -17,7 +17,10 @@ def build_summary() -> list[str]:
         groups[(v["family"], v["arch"], v["template"])].append(v["params"])
     for (family, arch_name, template), params in sorted(groups.items()):
         keys = sorted({k for p in params for k in p})
-        XX
+        values = "; ".join(
+            f"{k} {'/'.join(str(x) for x in sorted({p[k] for p in params}, key=lambda x: (str(type(x)), x)))}"
+            for k in keys
+        )
         lines.append(f"  {family} / {arch_name}: {template} x{len(params)} ({values})")
     lib = _library.PACKAGE_DIR / _library.LIBRARY_NAME
     size = f"{lib.stat().st_size / 1e6:.1f} MB" if lib.exists() else "MISSING"

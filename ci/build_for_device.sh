@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Build the package here (no GPU needed) into .gpu/site for the device tool to carry:
+#   bash ci/build_for_device.sh && device run: bash ci/gpu_tests.sh   (carry: [".gpu"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu/site
+pip install -q --no-deps --no-build-isolation --target .gpu/site .
+du -sh .gpu/site

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU tests, demo and benchmark on the lent H200, from the build carried in .gpu/site
+# (made here by ci/build_for_device.sh; the device has no nvidia-cutlass-dsl and needs none).
+# Logs go to $OUT (the device tool brings them back). Usage, through the device tool:
+#   bash ci/gpu_tests.sh [pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sparseforge-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -m sparseforge info 2>&1 | tee "$OUT/info.txt" || status=1
+python3 -m pytest tests -q -m gpu -p no:cacheprovider "$@" 2>&1 | tail -n 200 > "$OUT/gpu_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+tail -n 15 "$OUT/gpu_tests.log"
+python3 -m sparseforge demo 2>&1 | tee "$OUT/demo.txt" || status=1
+if [ "${SPARSEFORGE_BENCH:-1}" = 1 ]; then
+  python3 -m sparseforge.bench --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+exit $status
