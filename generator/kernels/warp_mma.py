@@ -228,6 +228,8 @@ class BlockSparseFwdWarpMma:
             self.gemm_rA(tiled_mma, acc_O, tOrP, s2r_V, tOsVt, tOrVt_view, tOrVt)
 
         # Epilogue: normalise, LSE, O through shared memory (reusing sQ) to 16-byte stores.
+        # A unit with no tiles never waited for its Q copy: wait before sQ is overwritten.
+        cute.arch.cp_async_wait_group(0)
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
         softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
         lane = tidx % 32
