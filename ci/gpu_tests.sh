@@ -11,11 +11,15 @@ export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m sparseforge info 2>&1 | tee "$OUT/info.txt" || status=1
-python3 -m pytest tests -q -m gpu -p no:cacheprovider "$@" 2>&1 | tail -n 200 > "$OUT/gpu_tests.log"
+# A deadlocked kernel would hang the run: pytest-timeout (on the device image) ends it.
+timeout_args=()
+python3 -c "import pytest_timeout" 2>/dev/null && timeout_args=(--timeout 300 --timeout-method thread)
+python3 -m pytest tests -q -m gpu -p no:cacheprovider "${timeout_args[@]}" "$@" 2>&1 | tail -n 300 > "$OUT/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 tail -n 15 "$OUT/gpu_tests.log"
 python3 -m sparseforge demo 2>&1 | tee "$OUT/demo.txt" || status=1
 if [ "${SPARSEFORGE_BENCH:-1}" = 1 ]; then
   python3 -m sparseforge.bench --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1
+  python3 -m sparseforge.bench --backend warp_mma --out "$OUT/bench_warp_mma.md" 2>&1 | tail -n 12 || status=1
 fi
 exit $status

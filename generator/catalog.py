@@ -109,7 +109,7 @@ class Variant:
 # Blackwell runs on our H200.
 _TEMPLATES = {
     "block_sparse_fwd": {
-        "sm_90a": ("warp_mma",),
+        "sm_90a": ("sm90_wgmma", "warp_mma"),
         "sm_100a": ("warp_mma",),
         "sm_120a": ("warp_mma",),
     },

@@ -88,26 +88,64 @@ class Kernel:
         if code:
             raise KernelLaunchError(f"loading {self.name} failed: {_error_text(code)}")
 
-    def pack(self, *args) -> ctypes.Array:
-        """Argument words: per tensor its pointer, run-time extents, run-time strides."""
-        words = []
-        for spec, value in zip(self.abi, args, strict=True):
-            if spec["kind"] == "scalar":
-                if spec["dtype"] == "f32":
-                    words.append(struct.unpack("<i", struct.pack("<f", value))[0])
-                else:
-                    words.append(int(value))
-                continue
-            words.append(value.data_ptr())
-            shape, stride = value.shape, value.stride()
-            words.extend(shape[i] for i, s in enumerate(spec["shape"]) if s is None)
-            words.extend(stride[i] for i, s in enumerate(spec["stride"]) if s is None)
-        return (ctypes.c_int64 * len(words))(*words)
+    def bind(self, *static_args) -> "BoundLaunch":
+        """Fix the trailing arguments (plan tensors, scalars) once; see BoundLaunch."""
+        return BoundLaunch(self, static_args)
 
-    def launch(self, words: ctypes.Array, stream: int) -> None:
-        code = library().sf_launch(self.entry, words, stream)
+
+def _tensor_words(spec: dict, tensor, swap01: bool = False) -> list[int]:
+    """Pointer, run-time extents, run-time strides; swap01 views (a, b, ...) as (b, a, ...)."""
+    shape, stride = list(tensor.shape), list(tensor.stride())
+    if swap01:
+        shape[0], shape[1] = shape[1], shape[0]
+        stride[0], stride[1] = stride[1], stride[0]
+    return (
+        [tensor.data_ptr()]
+        + [shape[i] for i, s in enumerate(spec["shape"]) if s is None]
+        + [stride[i] for i, s in enumerate(spec["stride"]) if s is None]
+    )
+
+
+def _scalar_word(spec: dict, value) -> int:
+    if spec["dtype"] == "f32":
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    return int(value)
+
+
+class BoundLaunch:
+    """A kernel with its trailing arguments packed at plan time.
+
+    run() then packs only the leading tensors (q, k, v, out, lse) into a preallocated word
+    buffer and makes one C call: no allocation, no host synchronisation.
+    """
+
+    def __init__(self, kernel: Kernel, static_args: tuple):
+        self.kernel = kernel
+        self.num_dynamic = len(kernel.abi) - len(static_args)
+        self.dynamic_specs = kernel.abi[: self.num_dynamic]
+        static_words = []
+        for spec, value in zip(kernel.abi[self.num_dynamic :], static_args, strict=True):
+            if spec["kind"] == "scalar":
+                static_words.append(_scalar_word(spec, value))
+            else:
+                static_words.extend(_tensor_words(spec, value))
+        self.dynamic_len = sum(
+            1 + sum(s is None for s in spec["shape"]) + sum(s is None for s in spec["stride"])
+            for spec in self.dynamic_specs
+        )
+        self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
+        self.words[self.dynamic_len :] = static_words
+        self.static_args = static_args  # keeps the plan tensors alive while bound
+
+    def __call__(self, tensors, stream: int, swap01: bool = False) -> None:
+        """Launch with `tensors` as the leading arguments; swap01 passes each as its (1, 0) view."""
+        words = []
+        for spec, tensor in zip(self.dynamic_specs, tensors, strict=True):
+            words.extend(_tensor_words(spec, tensor, swap01))
+        self.words[: self.dynamic_len] = words
+        code = library().sf_launch(self.kernel.entry, self.words, stream)
         if code:
-            raise KernelLaunchError(f"launching {self.name} failed: {_error_text(code)}")
+            raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
 
 
 def find_kernel(family: str, arch: str, template: str | None = None, **params) -> Kernel:

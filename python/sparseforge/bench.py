@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_host_overhead(calls: int = 2000) -> float:
+def run_host_overhead(backend: str = "auto", calls: int = 2000) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given)."""
     import time
 
@@ -152,7 +153,7 @@ def run_host_overhead(calls: int = 2000) -> float:
     q = torch.randn(1, 64, 128, device=device, dtype=torch.bfloat16)
     mask = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
     sizes = torch.full((1, 1), 64, dtype=torch.int32, device=device)
-    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
+    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device), backend=backend)
     wrapper.plan(mask, sizes, sizes, 1, 1, 128, q_data_type=torch.bfloat16)
     out = torch.empty_like(q)
     for _ in range(50):
@@ -167,10 +168,13 @@ def run_host_overhead(calls: int = 2000) -> float:
 
 
 def describe_run() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    """Date, commit (SPARSEFORGE_COMMIT when the tree has no .git, as on the device), GPU."""
+    commit = os.environ.get("SPARSEFORGE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
     return (
         f"date {datetime.date.today()}, commit {commit or 'unknown'}, GPU {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}"
@@ -191,8 +195,10 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         rows.append(run_workload(WORKLOADS[name], args.backend, args.iters))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    overhead = run_host_overhead()
-    report = "\n".join([describe_run(), "", table(rows), "", f"run() host overhead: {overhead:.1f} us per call"])
+    overhead = run_host_overhead(args.backend)
+    report = "\n".join(
+        [describe_run(), f"backend {args.backend}", "", table(rows), "", f"run() host overhead: {overhead:.1f} us per call"]
+    )
     print(report)
     if args.out:
         with open(args.out, "w") as f:

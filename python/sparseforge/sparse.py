@@ -163,12 +163,10 @@ class _BlockSparseBase:
         return kernel.template, kernel
 
     # --- run helpers ---
-    def _run_kernel(self, q_shd, k_shd, v_shd, o_shd, lse_sh):
-        plan = self._plan
-        kernel = plan["kernel"]
-        tiles = plan["tiles"]
-        words = kernel.pack(q_shd, k_shd, v_shd, o_shd, lse_sh, *tiles.tensors(), plan["scale_log2"])
-        kernel.launch(words, torch.cuda.current_stream(q_shd.device).cuda_stream)
+    def _run_kernel(self, q, k, v, out, lse, hnd: bool):
+        """Launch on the current stream; hnd: the tensors are (heads, seq, ...) views."""
+        device = self._device.index
+        self._plan["launch"]((q, k, v, out, lse), _current_stream(device), swap01=hnd)
 
     def _check_run_inputs(self, q, k, v, q_shape, kv_shape):
         plan = self._plan
@@ -187,7 +185,9 @@ class _BlockSparseBase:
             _check_tensor("out", out, out_shape, plan["dtype"], self._device)
             if plan["path"] != "torch":
                 _check_kernel_operand("out", out)
-        if lse is None:
+        if lse is None and not return_lse and plan["path"] != "torch":
+            lse = plan.setdefault("lse_scratch", torch.empty(lse_shape, dtype=torch.float32, device=self._device))
+        elif lse is None:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
         else:
             _check_tensor("lse", lse, lse_shape, torch.float32, self._device)
@@ -302,9 +302,8 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
-            plan["tiles"] = planner.plan_tiles(
-                head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C
-            )
+            tiles = planner.plan_tiles(head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C)
+            plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
         self._plan = plan
 
     def run(self, q, k, v, scale_q=None, scale_k=None, scale_v=None, out=None, lse=None,
@@ -326,7 +325,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             out.copy_(o_ref.transpose(0, 1))
             lse.copy_(lse_ref.transpose(0, 1))
         else:
-            self._run_kernel(q, k, v, out, lse)
+            self._run_kernel(q, k, v, out, lse, hnd=False)
         return (out, lse) if return_lse else out
 
 
@@ -386,7 +385,8 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(block_mask_map, row_sizes, col_sizes, None)
         else:
-            plan["tiles"] = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
+            tiles = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
+            plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
         self._plan = plan
 
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
@@ -403,8 +403,16 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             out.copy_(o_ref)
             lse.copy_(lse_ref)
         else:
-            self._run_kernel(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), out.transpose(0, 1), lse.transpose(0, 1))
+            self._run_kernel(q, k, v, out, lse, hnd=True)
         return (out, lse) if return_lse else out
+
+
+def _current_stream(device_index: int) -> int:
+    """The current torch stream's handle, without building a torch.cuda.Stream object."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _check_bsr(indptr, indices, num_col_blocks):
