@@ -172,6 +172,9 @@ class BlockSparseFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
+        # layout (element units), not of the pointer (byte units, as for the wgmma operands).
+        sO = storage.sQ.get_tensor(sO_layout)
 
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
@@ -191,7 +194,7 @@ class BlockSparseFwdSm90:
             )
         if warp < PRODUCER_WARP:
             self.consume(
-                qk_mma, pv_mma, sQ, sK, sV, sO_layout, q_consumer, kv_consumer,
+                qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
                 mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx,
             )
 
@@ -228,7 +231,7 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sO_layout, q_consumer, kv_consumer,
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
         mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx,
     ):
         d = self.head_dim
@@ -282,7 +285,6 @@ class BlockSparseFwdSm90:
             if tidx % 4 == 0 and row < rows_left:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
-        sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, sO_layout.inner), sO_layout.outer)
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         self.consumer_barrier.arrive_and_wait()
