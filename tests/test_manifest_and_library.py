@@ -4,33 +4,15 @@ cuobjdump does not see the cubins that export_to_c embeds, so the library file i
 for CUDA ELF images (e_machine 190; SM number in bits 8-15 of e_flags).
 """
 
-import struct
-from collections import defaultdict
-
 import pytest
 
 from sparseforge import _library
 from sparseforge.arch import ARCH_FOR_CAPABILITY
 
+from ci import compile_matrix
+
 EXPECTED_ARCHS = sorted(set(ARCH_FOR_CAPABILITY.values()))
-ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}
-# Kernel class name of each template, as it appears in its cubin's symbols.
-TEMPLATE_KERNEL = {"warp_mma": b"BlockSparseFwdWarpMma", "sm90_wgmma": b"BlockSparseFwdSm90"}
-
-
-def cuda_elf_images(data: bytes):
-    """(sm, image bytes) of every embedded 64-bit CUDA ELF image."""
-    images = []
-    pos = data.find(b"\x7fELF")
-    while pos >= 0:
-        if data[pos + 4] == 2 and struct.unpack_from("<H", data, pos + 18)[0] == 190:
-            flags = struct.unpack_from("<I", data, pos + 48)[0]
-            shoff, = struct.unpack_from("<Q", data, pos + 40)
-            shentsize, shnum = struct.unpack_from("<HH", data, pos + 58)
-            end = pos + shoff + shentsize * shnum
-            images.append(((flags >> 8) & 0xFF, data[pos:end]))
-        pos = data.find(b"\x7fELF", pos + 1)
-    return images
+ARCH_SM = compile_matrix.ARCH_SM
 
 
 def test_manifest_schema():
@@ -53,22 +35,19 @@ def test_default_build_has_every_arch():
 
 def test_library_holds_code_for_every_family_and_arch():
     m = _library.manifest()
-    data = (_library.PACKAGE_DIR / _library.LIBRARY_NAME).read_bytes()
-    images = cuda_elf_images(data)
+    library = _library.PACKAGE_DIR / _library.LIBRARY_NAME
+    images = compile_matrix.cuda_elf_images(library.read_bytes())
     assert len(images) == len(m["variants"]), "one cubin per variant"
-    found = defaultdict(int)
-    for sm, image in images:
-        for template, symbol in TEMPLATE_KERNEL.items():
-            if symbol in image:
-                found[(template, sm)] += 1
-    expected = defaultdict(int)
-    for v in m["variants"]:
-        expected[(v["template"], ARCH_SM[v["arch"]])] += 1
-    assert dict(found) == dict(expected)
-    families = {v["family"] for v in m["variants"]}
-    for family in families:
-        sms = {ARCH_SM[v["arch"]] for v in m["variants"] if v["family"] == family}
+    found = compile_matrix.matrix(library)
+    assert found == compile_matrix.expected(m)
+    for family in {v["family"] for v in m["variants"]}:
+        templates = {v["template"] for v in m["variants"] if v["family"] == family}
+        sms = {sm for (t, sm) in found if t in templates}
         assert sms == {90, 100, 120}, family
+
+
+def test_compile_matrix_script_passes():
+    assert compile_matrix.main([str(_library.PACKAGE_DIR / _library.LIBRARY_NAME)]) == 0
 
 
 def test_library_exports_only_the_c_api():

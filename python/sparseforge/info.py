@@ -48,8 +48,18 @@ def device_name(index: int) -> str:
     return name.split(b"\0", 1)[0].decode() if int(err) == 0 else "unknown"
 
 
+def distribution_version() -> str:
+    """The installed wheel's version: X.Y.Z for the fat wheel, X.Y.Z+sm90a for an arch wheel."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sparseforge")
+    except metadata.PackageNotFoundError:
+        return sparseforge.__version__
+
+
 def main() -> int:
-    print(f"sparseforge {sparseforge.__version__}")
+    print(f"sparseforge {distribution_version()}")
     try:
         for line in build_summary():
             print(line)
