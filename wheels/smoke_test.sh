@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Install a built wheel into a fresh virtual environment and run `python -m sparseforge info`.
 #   bash wheels/smoke_test.sh WHEEL [EXPECTED_ARCHS]     e.g. ... wheelhouse/*+sm90a*.whl sm_90a
-# The venv sees the system site-packages so torch is not downloaded again; sparseforge
-# itself comes only from the wheel.
+# The venv also sees the calling environment's site-packages (appended to its path) so torch
+# is not downloaded again; sparseforge itself must come from the wheel, which is checked.
 set -euo pipefail
 wheel=$1
 expected=${2:-}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m venv --system-site-packages "$tmp/venv"
+python3 -m venv "$tmp/venv"
+parent_site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+venv_site=$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$parent_site" > "$venv_site/_parent_env.pth"
 "$tmp/venv/bin/pip" install -q --force-reinstall --no-deps "$wheel"
 "$tmp/venv/bin/python" -c "import torch, cuda.bindings" || { echo "smoke test: torch or cuda-bindings missing"; exit 1; }
 cd "$tmp"  # away from the source tree: the import must come from the wheel
