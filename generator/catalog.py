@@ -88,10 +88,12 @@ class Variant:
     arch: str
     dtype: str
     head_dim: int
+    units: int = 1  # 64-row query units per CTA sharing one tile list (sm90_wgmma)
 
     @property
     def name(self) -> str:
-        return f"{self.family}__{self.template}__{self.dtype}_d{self.head_dim}__{self.arch}"
+        units = f"_u{self.units}" if self.units != 1 else ""
+        return f"{self.family}__{self.template}__{self.dtype}_d{self.head_dim}{units}__{self.arch}"
 
     @property
     def abi(self):
@@ -116,8 +118,12 @@ _TEMPLATES = {
 }
 
 _CONFIGS = {
-    "block_sparse_fwd": [
-        dict(dtype=dtype, head_dim=head_dim) for dtype in DTYPES for head_dim in (64, 128)
+    "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
+    "sm90_wgmma": [
+        dict(dtype=dtype, head_dim=hd, units=units)
+        for dtype in DTYPES
+        for hd in (64, 128)
+        for units in (1, 2)
     ],
 }
 
@@ -133,7 +139,7 @@ def catalog(archs=ALL_ARCHS) -> list[Variant]:
             if arch not in archs:
                 continue
             for template in by_arch.get(arch, ()):
-                for cfg in _CONFIGS[family]:
+                for cfg in _CONFIGS[template]:
                     out.append(Variant(family=family, template=template, arch=arch, **cfg))
     return out
 

@@ -97,7 +97,7 @@ def reference_for(mask, row_sz, col_sz, q, k, v, sm_scale=None, col_valid=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 def test_variable_wrapper_ragged(backend, dtype, head_dim, block, group):
     torch.manual_seed(zlib.crc32(f"{backend}{dtype}{head_dim}{block}{group}".encode()))
     hkv = 2 if group < 8 else 1

@@ -22,7 +22,9 @@ def test_manifest_schema():
     for index, v in enumerate(m["variants"]):
         assert set(v) == {"name", "family", "template", "arch", "params", "entry", "abi"}
         assert v["entry"] == index and v["arch"] in m["archs"]
-        assert v["name"] == f"{v['family']}__{v['template']}__{v['params']['dtype']}_d{v['params']['head_dim']}__{v['arch']}"
+        units = v["params"]["units"]
+        config = f"{v['params']['dtype']}_d{v['params']['head_dim']}" + (f"_u{units}" if units != 1 else "")
+        assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"
         for arg in v["abi"]:
             assert arg["kind"] in ("tensor", "scalar")
             if arg["kind"] == "tensor":
