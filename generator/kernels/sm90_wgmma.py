@@ -41,19 +41,21 @@ WARPGROUP = 128
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, units: int):
+    def __init__(self, dtype, head_dim: int, units: int, stages: int, overlap: bool):
         self.dtype = dtype
         self.head_dim = head_dim
         self.units = units
+        self.kv_stages = stages
+        self.overlap = overlap
         self.producer_warp = 4 * units
         self.num_threads = WARPGROUP * units + 32
-        # Shared memory: 2 CTAs per SM for one unit, 1 CTA holding more stages for two.
-        self.kv_stages = 5 if units == 1 else 8
-        self.ctas_per_sm = 2 if units == 1 else 1
+        # As many CTAs per SM as shared memory holds (Q tiles + K/V stages, 16 KB each at D=128).
+        tile_kb = TILE_M * 128 * 2 // 1024
+        self.ctas_per_sm = min(3, 220 // (tile_kb * (units + stages) + 2))
 
     @staticmethod
-    def can_implement(head_dim: int, units: int) -> bool:
-        return head_dim in (64, 128) and units in (1, 2)
+    def can_implement(head_dim: int, units: int, stages: int) -> bool:
+        return head_dim in (64, 128) and units in (1, 2) and stages >= 2
 
     @cute.jit
     def __call__(
@@ -258,6 +260,10 @@ class BlockSparseFwdSm90:
         mTileLen, scale_log2, head, chunk, kv_head, list_chunk, num_tiles, consumer, writes, tidx,
     ):
         d = self.head_dim
+        # Both MMAs always accumulate (S is zeroed before each tile). Set once, here: a field set
+        # inside a branch would not dominate its uses in later regions.
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -270,34 +276,46 @@ class BlockSparseFwdSm90:
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
 
         q_handle = q_consumer.wait_and_advance()
-        for j in cutlass.range(num_tiles, unroll=1):
-            tile_len = mTileLen[mTileIdx[kv_head, list_chunk, j]]
-            acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-            k_handle = kv_consumer.wait_and_advance()
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k, q_handle.index], tSrK[None, None, k, k_handle.index], acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            k_handle.release()
-
-            acc_S_mn = acc_mn_view(acc_S)
-            if tile_len < TILE_N:
-                mask_columns(acc_S_mn, tScS_mn, tile_len)
-            softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            tOrP = cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
-
-            v_handle = kv_consumer.wait_and_advance()
-            warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(pv_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, v_handle.index], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            v_handle.release()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        if cutlass.const_expr(self.overlap):
+            # S of tile j+1 is computed on the tensor cores while tile j's softmax runs.
+            acc_S_next = cute.make_rmem_tensor_like(acc_S)
+            if num_tiles > 0:
+                k_handle = kv_consumer.wait_and_advance()
+                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+                warpgroup.wait_group(0)
+                k_handle.release()
+            for j in cutlass.range(num_tiles - 1, unroll=1):
+                tile_len = mTileLen[mTileIdx[kv_head, list_chunk, j]]
+                v_handle = kv_consumer.wait_and_advance()
+                k_handle = kv_consumer.wait_and_advance()
+                self.qk(qk_mma, acc_S_next, sQ_stage, tSrK[None, None, None, k_handle.index])
+                tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+                warpgroup.wait_group(0)
+                k_handle.release()
+                v_handle.release()
+                acc_S.store(acc_S_next.load())
+            if num_tiles > 0:
+                tile_len = mTileLen[mTileIdx[kv_head, list_chunk, num_tiles - 1]]
+                v_handle = kv_consumer.wait_and_advance()
+                tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+                warpgroup.wait_group(0)
+                v_handle.release()
+        else:
+            for j in cutlass.range(num_tiles, unroll=1):
+                tile_len = mTileLen[mTileIdx[kv_head, list_chunk, j]]
+                k_handle = kv_consumer.wait_and_advance()
+                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+                warpgroup.wait_group(0)
+                k_handle.release()
+                tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+                v_handle = kv_consumer.wait_and_advance()
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+                warpgroup.wait_group(0)
+                v_handle.release()
 
         # Epilogue: normalise, LSE, O through shared memory (sQ is free now) to 16-byte stores.
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
@@ -334,6 +352,34 @@ class BlockSparseFwdSm90:
             if writes and tOcO[0, m, 0][0] < rows_left:
                 cute.copy(store, tOrO[None, m, None], tOgO[None, m, None])
 
+    @cute.jit
+    def qk(self, qk_mma, acc_S, tSrQ, tSrK):
+        """Issue S = Q K^T for one tile (asynchronous: wait_group before reading acc_S)."""
+        acc_S.fill(0.0)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv(self, pv_mma, acc_O, tOrP, tOrV):
+        """Issue O += P V for one tile (asynchronous)."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def probabilities(self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2):
+        """Mask, online softmax (rescaling acc_O), and P in the A-operand register layout."""
+        acc_S_mn = acc_mn_view(acc_S)
+        if tile_len < TILE_N:
+            mask_columns(acc_S_mn, tScS_mn, tile_len)
+        softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        return cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
+
     def c_layout_as_a_layout(self, layout):
         """wgmma accumulator ((2, 2, N/8), M, 1) as the A operand ((2, 2, 2), M, N/16).
 
@@ -348,6 +394,6 @@ class BlockSparseFwdSm90:
 
 def make_kernel(variant):
     dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
-    if not BlockSparseFwdSm90.can_implement(variant.head_dim, variant.units):
-        raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} / units {variant.units} not supported")
-    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.units)
+    if not BlockSparseFwdSm90.can_implement(variant.head_dim, variant.units, variant.stages):
+        raise ValueError(f"sm90_wgmma: {variant} not supported")
+    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.units, variant.stages, variant.overlap)

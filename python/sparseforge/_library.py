@@ -148,6 +148,19 @@ class BoundLaunch:
             raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
 
 
+def find_kernel_by_name(name: str, family: str, arch: str, **params) -> Kernel:
+    """The variant called `name`, checked against what the caller needs."""
+    for v in manifest()["variants"]:
+        if v["name"] == name:
+            wrong = {k: v["params"].get(k) for k, want in params.items() if v["params"].get(k) != want}
+            if v["family"] != family or v["arch"] != arch or wrong:
+                raise VariantNotBuiltError(
+                    f"variant {name} does not fit: needs {family} on {arch} with {params}, has {wrong}"
+                )
+            return Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
+    raise VariantNotBuiltError(f"no variant named {name} in this build")
+
+
 def find_kernel(family: str, arch: str, template: str | None = None, **params) -> Kernel:
     """The built variant of `family` for `arch` whose parameters match, or a clear error."""
     candidates = [

@@ -187,14 +187,26 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", help="also write the table (markdown) here")
+    parser.add_argument(
+        "--variants", default="", help="comma list of variant names to time one by one (tuning)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: the benchmark needs one", file=sys.stderr)
         return 1
     rows = []
-    for name in args.workloads.split(","):
-        rows.append(run_workload(WORKLOADS[name], args.backend, args.iters))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for variant in args.variants.split(",") if args.variants else [""]:
+        os.environ["SPARSEFORGE_VARIANT"] = variant
+        for name in args.workloads.split(","):
+            try:
+                rows.append(run_workload(WORKLOADS[name], args.backend, args.iters))
+            except Exception as exc:  # a variant that does not fit a workload: skip the row
+                print(f"{variant or 'default'} {name}: {exc}")
+                continue
+            if variant:
+                rows[-1]["path"] = variant.split("__")[2]
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    os.environ.pop("SPARSEFORGE_VARIANT", None)
     overhead = run_host_overhead(args.backend)
     report = "\n".join(
         [describe_run(), f"backend {args.backend}", "", table(rows), "", f"run() host overhead: {overhead:.1f} us per call"]

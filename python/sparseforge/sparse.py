@@ -7,6 +7,9 @@ plan() validates everything and builds the kernels' tile lists on the GPU; run()
 tensors it is given and launches on the current stream, allocating nothing when out= (and
 lse=, if return_lse) are given.
 
+SPARSEFORGE_VARIANT=<variant name> (see `python -m sparseforge info` / manifest.json) forces
+one kernel variant, for tuning and debugging; it must fit the plan.
+
 Backends: "auto" (default) runs our kernels when the block sizes are multiples of 64 and
 otherwise the PyTorch reference (`sparseforge.reference`, dense masked attention: correct,
 O(Sq*Sk) memory, slow) with a warning; "sparseforge" (FlashInfer's "fa2", "fa3", "cake"
@@ -18,12 +21,13 @@ default is the wgmma kernel when it is built).
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
 
 from sparseforge import planner, reference
-from sparseforge._library import find_kernel
+from sparseforge._library import find_kernel, find_kernel_by_name
 from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
 
@@ -157,7 +161,12 @@ class _BlockSparseBase:
         arch = arch_for_device(self._device.index if self._device.index is not None else torch.cuda.current_device())
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
         kernel = None
-        if self._backend != "warp_mma":
+        forced = os.environ.get("SPARSEFORGE_VARIANT")
+        if forced:
+            kernel = find_kernel_by_name(forced, FAMILY, arch, **params)
+            if kernel.params.get("units", 1) == 2 and not pair:
+                raise VariantNotBuiltError(f"SPARSEFORGE_VARIANT={forced} pairs units; this plan cannot")
+        elif self._backend != "warp_mma":
             try:
                 kernel = find_kernel(FAMILY, arch, template="sm90_wgmma", units=2 if pair else 1, **params)
             except VariantNotBuiltError:
