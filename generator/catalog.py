@@ -88,16 +88,10 @@ class Variant:
     arch: str
     dtype: str
     head_dim: int
-    units: int = 1  # 64-row query units per CTA sharing one tile list (sm90_wgmma)
-    stages: int = 0  # K/V pipeline stages (sm90_wgmma); 0: the template has none to choose
-    overlap: bool = False  # S of tile j+1 computed during tile j's softmax (sm90_wgmma)
 
     @property
     def name(self) -> str:
-        config = f"{self.dtype}_d{self.head_dim}"
-        if self.units != 1 or self.stages:
-            config += f"_u{self.units}_s{self.stages}" + ("_ov" if self.overlap else "")
-        return f"{self.family}__{self.template}__{config}__{self.arch}"
+        return f"{self.family}__{self.template}__{self.dtype}_d{self.head_dim}__{self.arch}"
 
     @property
     def abi(self):
@@ -122,14 +116,8 @@ _TEMPLATES = {
 }
 
 _CONFIGS = {
-    "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
-    # (units, stages, overlap): the runtime takes the first row that fits a plan.
-    "sm90_wgmma": [
-        dict(dtype=dtype, head_dim=hd, units=units, stages=stages, overlap=overlap)
-        for dtype in DTYPES
-        for hd in (64, 128)
-        for units, stages, overlap in ((1, 5, True), (1, 5, False), (1, 3, False), (2, 8, True), (2, 8, False))
-    ],
+    template: [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)]
+    for template in ("warp_mma", "sm90_wgmma")
 }
 
 

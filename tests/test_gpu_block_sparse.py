@@ -188,7 +188,10 @@ def test_kv_block_lens(backend):
     lens = torch.tensor([128, 1, 64, 100], dtype=torch.int32)
     mask = torch.ones(4, 4, dtype=torch.bool)
     q, k, v = random_inputs(hq, hkv, seq, seq, d, torch.bfloat16)
-    k[:, 200:256] = float("inf")  # keys past a block's valid length must not be read into results
+    # Keys past a block's valid length must not reach the results, whatever they hold.
+    k[:, 200:256] = float("inf")
+    v[:, 129:256] = float("nan")
+    v[:, 292:320] = float("inf")
     w = BlockSparseAttentionWrapper(workspace(), backend=backend)
     indptr = torch.arange(0, 17, 4, dtype=torch.int32, device=DEV)
     indices = torch.arange(4, dtype=torch.int32, device=DEV).repeat(4)

@@ -22,10 +22,7 @@ def test_manifest_schema():
     for index, v in enumerate(m["variants"]):
         assert set(v) == {"name", "family", "template", "arch", "params", "entry", "abi"}
         assert v["entry"] == index and v["arch"] in m["archs"]
-        p = v["params"]
-        config = f"{p['dtype']}_d{p['head_dim']}"
-        if p["units"] != 1 or p["stages"]:
-            config += f"_u{p['units']}_s{p['stages']}" + ("_ov" if p["overlap"] else "")
+        config = f"{v['params']['dtype']}_d{v['params']['head_dim']}"
         assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"
         for arg in v["abi"]:
             assert arg["kind"] in ("tensor", "scalar")

@@ -85,35 +85,3 @@ def test_bsr_and_selection_masks_match_reference():
     assert torch.equal(planner.selection_block_mask(sel, num, 3), reference.selections_to_block_mask(sel, num, 3))
     assert planner.selection_block_mask(sel, num, 3)[0].tolist() == [[True, False, True], [False, True, False]]
 
-
-@pytest.mark.parametrize(
-    "group, block_r, pair",
-    [(2, 64, "heads"), (4, 64, "heads"), (8, 128, "heads"), (1, 128, "chunks"), (3, 256, "chunks")],
-)
-def test_pairs_share_lists_and_cover_every_unit(group, block_r, pair):
-    hkv, seq = 2, 1000
-    assert planner.pairing(group, block_r % 128 == 0) == pair
-    mb, nb = -(-seq // block_r), -(-seq // 64)
-    mask = torch.rand(hkv, mb, nb, generator=torch.Generator().manual_seed(group)) < 0.3
-    plan = planner.plan_tiles(mask, uniform(hkv, seq, block_r), uniform(hkv, seq, 64), seq, seq, hkv * group, pair=pair)
-    units = plan.tile_idx.shape[1]
-    work = plan.work.view(-1, 2).tolist()
-    listed = [u for p in work for u in p if u >= 0]
-    assert sorted(listed) == list(range(hkv * group * units))
-    counts = []
-    for first, second in work:
-        assert first >= 0
-        h0, r0 = divmod(first, units)
-        cnt = int(plan.tile_cnt[h0 // group, r0])
-        counts.append(cnt)
-        if second >= 0:
-            h1, r1 = divmod(second, units)
-            assert h1 // group == h0 // group
-            assert int(plan.tile_cnt[h1 // group, r1]) == cnt
-            assert torch.equal(plan.tile_idx[h1 // group, r1, :cnt], plan.tile_idx[h0 // group, r0, :cnt])
-    assert counts == sorted(counts, reverse=True)
-
-
-def test_no_pairing_for_odd_groups_of_64_row_blocks():
-    assert planner.pairing(1, False) is None
-    assert planner.pairing(3, False) is None

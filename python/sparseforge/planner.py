@@ -9,10 +9,6 @@ block sizes per head, then mapped onto units and tiles:
 So any block size that is a multiple of 64 is exact (the last block of a sequence may be
 short). The lists are compacted with a prefix sum, not a sort, and the units are launched
 longest list first. All of it is torch arithmetic: no Python loop over heads or rows.
-
-Kernels that run two units per CTA (sm90_wgmma units=2) load each K/V tile once for both;
-`pairing` says which units share a list: two heads of a GQA group at the same rows, or the
-two 64-row halves of a 128-row-aligned block of one head.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ class TilePlan:
     tile_idx: torch.Tensor  # (Hkv, R, T) int32, first tile_cnt entries valid, ascending
     tile_cnt: torch.Tensor  # (Hkv, R) int32
     tile_len: torch.Tensor  # (NT,) int32 valid keys per tile
-    work: torch.Tensor  # (Hq * R,) int32 unit ids h * R + r, longest first (pairs: -1 = none)
+    work: torch.Tensor  # (Hq * R,) int32 unit ids h * R + r, longest list first
     seq_q: int
     seq_k: int
     num_qo_heads: int
@@ -43,18 +39,9 @@ def num_tiles(tokens: int) -> int:
     return -(-tokens // TILE)
 
 
-def sizes_tile_aligned(sizes: torch.Tensor, multiple: int = TILE) -> bool:
-    """True when every block but the last of each row of `sizes` is a multiple of `multiple`."""
-    return bool((sizes[..., :-1] % multiple == 0).all())
-
-
-def pairing(group: int, rows_aligned_to_128: bool) -> str | None:
-    """How two units can share one tile list: 'heads', 'chunks', or None."""
-    if group % 2 == 0:
-        return "heads"
-    if rows_aligned_to_128:
-        return "chunks"
-    return None
+def sizes_tile_aligned(sizes: torch.Tensor) -> bool:
+    """True when every block but the last of each row of `sizes` is a multiple of 64."""
+    return bool((sizes[..., :-1] % TILE == 0).all())
 
 
 def block_of_position(sizes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -89,12 +76,8 @@ def plan_tiles(
     num_qo_heads: int,
     kv_block_lens: torch.Tensor | None = None,
     kv_block_size: int = TILE,
-    pair: str | None = None,
 ) -> TilePlan:
-    """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
-
-    pair: None for one unit per CTA, else the `pairing` mode for two.
-    """
+    """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens."""
     device = block_mask.device
     hkv = block_mask.shape[0]
     n_units, n_tiles = num_tiles(seq_q), num_tiles(seq_k)
@@ -116,7 +99,9 @@ def plan_tiles(
     tile_idx.scatter_(2, position.long(), tile_ids)
     tile_cnt = listed.sum(dim=-1, dtype=torch.int32)
 
-    work = _work_order(tile_cnt, num_qo_heads // hkv, pair)
+    group = num_qo_heads // hkv
+    unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+    work = torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
     return TilePlan(
         tile_idx=tile_idx[..., :n_tiles],
         tile_cnt=tile_cnt,
@@ -127,30 +112,6 @@ def plan_tiles(
         num_qo_heads=num_qo_heads,
         num_kv_heads=hkv,
     )
-
-
-def _work_order(tile_cnt: torch.Tensor, group: int, pair: str | None) -> torch.Tensor:
-    """Unit ids (h * R + r) in launch order, longest list first; pairs take two entries."""
-    hkv, units = tile_cnt.shape
-    device = tile_cnt.device
-    heads = torch.arange(hkv * group, device=device).unsqueeze(1)
-    chunks = torch.arange(units, device=device).unsqueeze(0)
-    if pair is None:
-        first, second = heads * units + chunks, None
-        count = tile_cnt.repeat_interleave(group, dim=0)
-    elif pair == "heads":
-        pair_heads = heads[0::2]
-        first, second = pair_heads * units + chunks, (pair_heads + 1) * units + chunks
-        count = tile_cnt.repeat_interleave(group // 2, dim=0)
-    else:
-        pair_chunks = chunks[:, 0::2]
-        first = heads * units + pair_chunks
-        second = torch.where(pair_chunks + 1 < units, first + 1, -1)
-        count = tile_cnt[:, 0::2].repeat_interleave(group, dim=0)
-    order = torch.argsort(count.reshape(-1), descending=True, stable=True)
-    if second is None:
-        return first.reshape(-1)[order].to(torch.int32)
-    return torch.stack([first.reshape(-1)[order], second.reshape(-1)[order]], dim=1).reshape(-1).to(torch.int32)
 
 
 def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int) -> torch.Tensor:

@@ -143,38 +143,31 @@ class _BlockSparseBase:
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         return dtype, scale
 
-    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim, pair):
-        """(path, kernel, pairing used) for this plan; errors or warns per the backend rules.
-
-        pair: how two units could share one tile list (planner.pairing), or None. On sm_90a
-        such plans take the two-units-per-CTA wgmma kernel, which loads each tile once for both.
-        """
+    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim):
+        """(path, kernel) for this plan; errors or warns per the backend rules above."""
         if self._backend == "torch":
-            return "torch", None, None
+            return "torch", None
         if not kernel_ok:
             if self._backend != "auto":
                 raise NotImplementedError(f"{why_not}; backend={self._backend!r} has no kernel for it")
             warnings.warn(f"{why_not}: running the PyTorch reference (slow, dense memory)", stacklevel=3)
-            return "torch", None, None
+            return "torch", None
         if self._device.type != "cuda":
             raise ValueError(f"the workspace buffer is on {self._device}; sparseforge kernels need a CUDA device")
         arch = arch_for_device(self._device.index if self._device.index is not None else torch.cuda.current_device())
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
-        kernel = None
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
             kernel = find_kernel_by_name(forced, FAMILY, arch, **params)
-            if kernel.params.get("units", 1) == 2 and not pair:
-                raise VariantNotBuiltError(f"SPARSEFORGE_VARIANT={forced} pairs units; this plan cannot")
-        elif self._backend != "warp_mma":
+        elif self._backend == "warp_mma":
+            kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
+        else:
             try:
-                kernel = find_kernel(FAMILY, arch, template="sm90_wgmma", units=2 if pair else 1, **params)
+                kernel = find_kernel(FAMILY, arch, template="sm90_wgmma", **params)
             except VariantNotBuiltError:
-                kernel = None
-        if kernel is None:
-            kernel, pair = find_kernel(FAMILY, arch, template="warp_mma", **params), None
+                kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
         kernel.prepare()
-        return kernel.template, kernel, pair if kernel.params.get("units", 1) == 2 else None
+        return kernel.template, kernel
 
     # --- run helpers ---
     def _run_kernel(self, q, k, v, out, lse, hnd: bool):
@@ -305,9 +298,8 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
                 raise ValueError(f"kv_block_lens values must lie in [1, C={C}]")
 
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
-        path, kernel, pair = self._choose_path(
-            tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim,
-            planner.pairing(group, R % 128 == 0),
+        path, kernel = self._choose_path(
+            tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -317,9 +309,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
-            tiles = planner.plan_tiles(
-                head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C, pair
-            )
+            tiles = planner.plan_tiles(head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C)
             plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
         self._plan = plan
 
@@ -393,9 +383,8 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             )
         seq_q, seq_k = int(seq_q[0]), int(seq_k[0])
         tiled = planner.sizes_tile_aligned(row_sizes) and planner.sizes_tile_aligned(col_sizes)
-        pair = planner.pairing(num_qo_heads // num_kv_heads, planner.sizes_tile_aligned(row_sizes, 128))
-        path, kernel, pair = self._choose_path(
-            tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim, pair
+        path, kernel = self._choose_path(
+            tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -403,9 +392,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(block_mask_map, row_sizes, col_sizes, None)
         else:
-            tiles = planner.plan_tiles(
-                block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads, pair=pair
-            )
+            tiles = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
             plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
         self._plan = plan
 
