@@ -188,6 +188,8 @@ def test_kv_block_lens(backend):
     lens = torch.tensor([128, 1, 64, 100], dtype=torch.int32)
     mask = torch.ones(4, 4, dtype=torch.bool)
     q, k, v = random_inputs(hq, hkv, seq, seq, d, torch.bfloat16)
+    sizes = torch.full((hkv, 4), block)
+    want = reference_for(mask.expand(hkv, -1, -1), sizes, sizes, q, k, v, col_valid=lens)
     # Keys past a block's valid length must not reach the results, whatever they hold.
     k[:, 200:256] = float("inf")
     v[:, 129:256] = float("nan")
@@ -197,8 +199,7 @@ def test_kv_block_lens(backend):
     indices = torch.arange(4, dtype=torch.int32, device=DEV).repeat(4)
     w.plan(indptr, indices, seq, seq, block, block, hq, hkv, d, q_data_type=torch.bfloat16, kv_block_lens=lens.to(DEV))
     out, lse = w.run(*(t.transpose(0, 1).contiguous() for t in (q, k, v)), return_lse=True)
-    sizes = torch.full((hkv, 4), block)
-    check(out.transpose(0, 1), lse.transpose(0, 1), *reference_for(mask.expand(hkv, -1, -1), sizes, sizes, q, k, v, col_valid=lens))
+    check(out.transpose(0, 1), lse.transpose(0, 1), *want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
