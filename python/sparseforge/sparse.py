@@ -70,6 +70,11 @@ def _reject(name: str, value, allowed=(None,), why: str = "is not supported by s
         raise NotImplementedError(f"{name}={value!r} {why}")
 
 
+def _reject_sage_scales(q_scale, k_scale, v_scale):
+    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+
+
 def _check_common_options(
     causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta
 ):
@@ -247,8 +252,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         _reject("packed_mask", packed_mask, (None,), "(masks inside blocks) is not supported: give whole blocks")
         _reject("kv_splits", kv_splits, (None, 1), "is not supported (no split-KV path)")
         _reject("use_clc", use_clc, (None,), "is an SM100 scheduler option; not supported")
-        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+        _reject_sage_scales(q_scale, k_scale, v_scale)
         dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
         if o_data_type is not None and _as_dtype(o_data_type, "o_data_type") != dtype:
             raise NotImplementedError(
@@ -362,8 +366,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         v_scale=None,
     ) -> None:
         _check_common_options(causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta)
-        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+        _reject_sage_scales(q_scale, k_scale, v_scale)
         dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
         device = self._device
         if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
