@@ -65,9 +65,9 @@ def test_bsr_plan_rejects_bad_sizes(change, message):
 def test_bsr_plan_rejects_bad_indices():
     wrapper = BlockSparseAttentionWrapper(WS)
     indptr, indices, *rest = bsr_args()
-    with pytest.raises(ValueError, match=r"indices holds block indices in \[0, 4\]; valid: \[0, 3\]"):
+    with pytest.raises(ValueError, match=r"invalid indptr / indices: a block index is out of range \[0, 4\)"):
         wrapper.plan(indptr, torch.tensor([0, 1, 2, 4], dtype=torch.int32), *rest)
-    with pytest.raises(ValueError, match="indptr must start at 0"):
+    with pytest.raises(ValueError, match="invalid indptr / indices: .*indptr must start at 0"):
         wrapper.plan(torch.tensor([0, 2, 1, 3, 4], dtype=torch.int32), indices, *rest)
     with pytest.raises(ValueError, match=r"indptr has shape \(3,\), expected \(5,\)"):
         wrapper.plan(indptr[:3], indices, *rest)
@@ -83,12 +83,22 @@ def test_bsr_plan_rejects_bad_block_mask_and_selections():
     sel = torch.zeros(4, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="mutually exclusive"):
         wrapper.plan(None, None, *rest, block_mask=torch.ones(4, 4, 4, dtype=torch.bool), q2k_indices=sel)
-    with pytest.raises(ValueError, match=r"q2k_indices holds block indices in \[9, 9\]"):
+    with pytest.raises(ValueError, match=r"invalid q2k_indices / q2k_num: a block index is out of range \[0, 4\)"):
         wrapper.plan(None, None, *rest, q2k_indices=sel + 9)
-    with pytest.raises(ValueError, match=r"q2k_num values must lie in \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"q2k_num values must lie in \[0, topk\]"):
         wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=torch.full((4, 4), 3, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"kv_block_lens values must lie in \[1, C=64\]"):
+    with pytest.raises(ValueError, match=r"kv_block_lens values must lie in \[1, C\]"):
         wrapper.plan(*bsr_args(), kv_block_lens=torch.tensor([64, 0, 1, 1], dtype=torch.int32))
+
+
+def test_duplicate_blocks_in_a_row_are_rejected():
+    wrapper = BlockSparseAttentionWrapper(WS)
+    indptr, indices, *rest = bsr_args()
+    with pytest.raises(ValueError, match="a row lists the same block more than once"):
+        wrapper.plan(torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32), torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32), *rest)
+    sel = torch.tensor([[[1, 1]]], dtype=torch.int32).expand(4, 4, 2).contiguous()
+    with pytest.raises(ValueError, match="a row lists the same block more than once"):
+        wrapper.plan(None, None, *rest, q2k_indices=sel)
 
 
 def test_kernel_path_needs_cuda():
@@ -187,3 +197,29 @@ def test_variable_wrapper_rejects_bad_inputs():
 def test_public_names():
     assert sparseforge.BlockSparseAttentionWrapper is BlockSparseAttentionWrapper
     assert math.isclose(1.0, 1.0)
+
+
+def test_custom_op_compiles_fullgraph_on_cpu():
+    """torch.compile(fullgraph=True) traces the op through its fake implementation."""
+    import sparseforge.ops  # noqa: F401  (registers torch.ops.sparseforge)
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    # Tracing uses the fake implementation; running the traced graph here needs a CPU kernel.
+    torch.library.register_kernel("sparseforge::block_sparse_fwd", "cpu", lambda *args: None)
+
+    def attend(q, k, v, out, lse, work, tile_idx, tile_cnt, tile_len):
+        torch.ops.sparseforge.block_sparse_fwd(q, k, v, out, lse, work, tile_idx, tile_cnt, tile_len, 0, True)
+        return out
+
+    compiled = torch.compile(attend, fullgraph=True, backend=record)
+    q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    args = (q, q, q, torch.empty_like(q), torch.empty(2, 64), torch.zeros(2, dtype=torch.int32),
+            torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    compiled(*args)
+    assert len(graphs) == 1
+    assert "sparseforge.block_sparse_fwd" in str(graphs[0].graph)

@@ -79,9 +79,33 @@ def test_work_order_longest_first_and_complete():
 def test_bsr_and_selection_masks_match_reference():
     indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
     indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)
-    assert torch.equal(planner.bsr_block_mask(indptr, indices, 3, 3)[0], reference.bsr_to_block_mask(indptr, indices, 3, 3))
-    sel = torch.tensor([[[2, 0, 1], [1, 1, 0]]], dtype=torch.int32)
+    mask, errors = planner.bsr_block_mask(indptr, indices, 3, 3)
+    assert torch.equal(mask[0], reference.bsr_to_block_mask(indptr, indices, 3, 3)) and int(errors) == 0
+    sel = torch.tensor([[[2, 0, 1], [1, 9, 0]]], dtype=torch.int32)  # 9: past the count, unused
     num = torch.tensor([[2, 1]], dtype=torch.int32)
-    assert torch.equal(planner.selection_block_mask(sel, num, 3), reference.selections_to_block_mask(sel, num, 3))
-    assert planner.selection_block_mask(sel, num, 3)[0].tolist() == [[True, False, True], [False, True, False]]
+    mask, errors = planner.selection_block_mask(sel, num, 3)
+    assert torch.equal(mask, reference.selections_to_block_mask(sel, num, 3)) and int(errors) == 0
+    assert mask[0].tolist() == [[True, False, True], [False, True, False]]
 
+
+@pytest.mark.parametrize(
+    "indptr, indices, bits",
+    [
+        ([0, 1, 3, 5], [2, 0, 3, 1, -1], planner.ERR_INDEX_RANGE),
+        ([0, 2, 3, 5], [1, 1, 2, 1, 2], planner.ERR_DUPLICATE),
+        ([0, 3, 2, 5], [0, 1, 2, 0, 1], planner.ERR_INDPTR),
+        ([1, 1, 3, 5], [2, 0, 2, 1, 2], planner.ERR_INDPTR),
+    ],
+)
+def test_bsr_errors_are_flagged_and_ignored(indptr, indices, bits):
+    mask, errors = planner.bsr_block_mask(torch.tensor(indptr), torch.tensor(indices), 3, 3)
+    assert int(errors) & bits
+    assert mask.shape == (1, 3, 3)  # whatever was wrong, the mask stays in range
+
+
+def test_selection_errors():
+    sel = torch.tensor([[[0, 5], [1, 1]]], dtype=torch.int32)
+    _, errors = planner.selection_block_mask(sel, None, 3)
+    assert int(errors) == planner.ERR_INDEX_RANGE | planner.ERR_DUPLICATE
+    _, errors = planner.selection_block_mask(sel, torch.tensor([[3, 1]], dtype=torch.int32), 3)
+    assert int(errors) == planner.ERR_Q2K_NUM | planner.ERR_INDEX_RANGE

@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from sparseforge.errors import KernelLaunchError, NotBuiltError, VariantNotBuiltError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -136,17 +138,29 @@ class BoundLaunch:
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
+        self.static_tensors = tuple(a for a in static_args if hasattr(a, "data_ptr"))
 
-    def __call__(self, tensors, stream: int, swap01: bool = False) -> None:
-        """Launch with `tensors` as the leading arguments; swap01 passes each as its (1, 0) view."""
+    def __call__(self, tensors, swap01: bool = False) -> None:
+        """Launch on the current stream with `tensors` as the leading arguments; swap01 passes
+        each as its (1, 0)-transposed view."""
         words = []
         for spec, tensor in zip(self.dynamic_specs, tensors, strict=True):
+            if tensor.data_ptr() % 16:
+                raise ValueError(f"{spec['name']} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
             words.extend(_tensor_words(spec, tensor, swap01))
         self.words[: self.dynamic_len] = words
+        stream = _current_stream(tensors[0].device.index)
         code = library().sf_launch(self.kernel.entry, self.words, stream)
         if code:
             raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
 
+
+def _current_stream(device_index: int) -> int:
+    """The current torch stream's handle, without building a torch.cuda.Stream object."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 def find_kernel_by_name(name: str, family: str, arch: str, **params) -> Kernel:
     """The variant called `name`, checked against what the caller needs."""

@@ -167,6 +167,38 @@ def run_host_overhead(backend: str = "auto", calls: int = 2000) -> float:
     return elapsed / calls * 1e6
 
 
+def plan_time_us(w: Workload, iters: int = 20) -> tuple[float, float]:
+    """(GPU time of plan() from a CUDA-graph replay, host wall time of an eager plan()), in
+    microseconds, for the workload's mask given as a GPU block_mask_map (variable wrapper)."""
+    import time
+
+    from sparseforge import VariableBlockSparseAttentionWrapper
+
+    device = torch.device("cuda")
+    mb = w.seq // w.block
+    mask = random_selection(w.heads_kv, mb, mb, w.topk).to(device)
+    sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
+    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
+
+    def plan():
+        wrapper.plan(mask, sizes, sizes, w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+
+    for _ in range(3):
+        plan()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        plan()
+        walls.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan()
+    gpu_us = cuda_time_ms(graph.replay, iters=iters) * 1e3
+    return gpu_us, statistics.median(walls)
+
+
 def describe_run() -> str:
     """Date, commit (SPARSEFORGE_COMMIT when the tree has no .git, as on the device), GPU."""
     commit = os.environ.get("SPARSEFORGE_COMMIT", "")
@@ -208,8 +240,18 @@ def main(argv=None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     os.environ.pop("SPARSEFORGE_VARIANT", None)
     overhead = run_host_overhead(args.backend)
+    plan_gpu, plan_wall = plan_time_us(WORKLOADS["W1"])
     report = "\n".join(
-        [describe_run(), f"backend {args.backend}", "", table(rows), "", f"run() host overhead: {overhead:.1f} us per call"]
+        [
+            describe_run(),
+            f"backend {args.backend}",
+            "",
+            table(rows),
+            "",
+            f"run() host overhead: {overhead:.1f} us per call",
+            f"plan() of the W1 mask (GPU block_mask_map): {plan_gpu:.1f} us GPU time (CUDA-graph "
+            f"replay, median), {plan_wall:.1f} us host time (eager, median)",
+        ]
     )
     print(report)
     if args.out:

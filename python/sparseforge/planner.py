@@ -60,7 +60,7 @@ def tile_lengths(seq_k: int, device, kv_block_lens=None, kv_block_size: int = TI
     start = torch.arange(num_tiles(seq_k), device=device, dtype=torch.int64) * TILE
     length = (seq_k - start).clamp(0, TILE)
     if kv_block_lens is not None:
-        lens = kv_block_lens.to(device=device, dtype=torch.int64)
+        lens = kv_block_lens.to(device=device, dtype=torch.int64).clamp(0, kv_block_size)
         block = (start // kv_block_size).clamp_max(lens.numel() - 1)
         valid_end = block * kv_block_size + lens[block]
         length = torch.minimum(length, (valid_end - start).clamp(0, TILE))
@@ -114,26 +114,77 @@ def plan_tiles(
     )
 
 
-def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int) -> torch.Tensor:
-    """(1, MB, NB) bool mask of a BSR structure shared by all heads."""
+# Error bits of the data checks done on the GPU (see validation.py).
+ERR_INDEX_RANGE = 1
+ERR_DUPLICATE = 2
+ERR_INDPTR = 4
+ERR_KV_BLOCK_LENS = 8
+ERR_Q2K_NUM = 16
+
+
+def _flag(condition: torch.Tensor, bit: int) -> torch.Tensor:
+    """int32 scalar: `bit` when any element of `condition` holds, else 0 (no host sync)."""
+    return condition.any().to(torch.int32) * bit
+
+
+def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
+    """(1, MB, NB) bool mask of a BSR structure shared by all heads, and its error bits.
+
+    Entries that are out of range, or that a malformed indptr puts nowhere, select nothing,
+    so a bad structure can never send a kernel out of bounds; the bits say what was wrong.
+    """
     device = indices.device
-    counts = (indptr[1:] - indptr[:-1]).to(torch.int64)
-    rows = torch.repeat_interleave(
-        torch.arange(num_row_blocks, device=device), counts, output_size=indices.numel()
+    ptr = indptr.to(torch.int64)
+    entry = torch.arange(indices.numel(), device=device)
+    rows = torch.searchsorted(ptr[1:].contiguous(), entry, right=True)
+    cols = indices.to(torch.int64)
+    valid = (cols >= 0) & (cols < num_col_blocks) & (rows < num_row_blocks)
+    mask = torch.zeros(num_row_blocks + 1, num_col_blocks + 1, device=device, dtype=torch.bool)
+    mask[torch.where(valid, rows, num_row_blocks), torch.where(valid, cols, num_col_blocks)] = True
+    mask = mask[:num_row_blocks, :num_col_blocks]
+    per_row = torch.zeros(num_row_blocks + 1, device=device, dtype=torch.int64)
+    per_row.index_add_(0, torch.where(valid, rows, num_row_blocks), valid.to(torch.int64))
+    errors = (
+        _flag((cols < 0) | (cols >= num_col_blocks), ERR_INDEX_RANGE)
+        + _flag(per_row[:num_row_blocks] != mask.sum(-1), ERR_DUPLICATE)
+        + _flag(
+            (ptr[0] != 0) | (ptr[-1] != indices.numel()) | (ptr[1:] < ptr[:-1]).any(), ERR_INDPTR
+        )
     )
-    mask = torch.zeros(1, num_row_blocks, num_col_blocks, device=device, dtype=torch.bool)
-    mask[0, rows, indices.to(torch.int64)] = True
-    return mask
+    return mask.unsqueeze(0), errors
 
 
-def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int) -> torch.Tensor:
-    """(H, MB, NB) bool mask of direct selections (H, MB, topk) with counts (H, MB)."""
+def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
+    """(H, MB, NB) bool mask of direct selections (H, MB, topk) with counts (H, MB), and its
+    error bits. Out-of-range entries select nothing; entries past a row's count are unused."""
     h, mb, topk = q2k_indices.shape
     device = q2k_indices.device
     idx = q2k_indices.to(torch.int64)
+    in_range = (idx >= 0) & (idx < num_col_blocks)
+    used = torch.ones_like(in_range)
+    errors = torch.zeros((), device=device, dtype=torch.int32)
     if q2k_num is not None:
-        valid = torch.arange(topk, device=device) < q2k_num.to(device=device, dtype=torch.int64).unsqueeze(-1)
-        idx = torch.where(valid, idx, num_col_blocks)
+        num = q2k_num.to(device=device, dtype=torch.int64)
+        errors = errors + _flag((num < 0) | (num > topk), ERR_Q2K_NUM)
+        used = torch.arange(topk, device=device) < num.unsqueeze(-1)
+    valid = in_range & used
     mask = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
-    mask.scatter_(2, idx, True)
-    return mask[..., :num_col_blocks]
+    mask.scatter_(2, torch.where(valid, idx, num_col_blocks), True)
+    mask = mask[..., :num_col_blocks]
+    errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
+    errors = errors + _flag(valid.sum(-1) != mask.sum(-1), ERR_DUPLICATE)
+    return mask, errors
+
+
+def kv_block_lens_errors(kv_block_lens, block: int) -> torch.Tensor:
+    """Error bits of kv_block_lens (entries must lie in [1, C]; tile_lengths clamps them)."""
+    return _flag((kv_block_lens < 1) | (kv_block_lens > block), ERR_KV_BLOCK_LENS)
+
+
+def uniform_block_sizes(total: int, block: int, heads: int, device) -> torch.Tensor:
+    """(heads, ceil(total / block)) sizes of `block`-token blocks, the last one short; built
+    on `device` (no host-to-device copy)."""
+    n = -(-total // block)
+    sizes = torch.full((n,), block, device=device, dtype=torch.int64)
+    sizes[-1] = total - block * (n - 1)
+    return sizes.expand(heads, -1)

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 
 import torch
 
-from sparseforge import planner, reference
+from sparseforge import ops, planner, reference, validation
 from sparseforge._library import find_kernel, find_kernel_by_name
 from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
@@ -102,14 +103,20 @@ def _check_tensor(name, t, shape, dtype=None, device=None):
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
+def _check_index_tensor(name, t, shape, dtype, device):
+    """Plan inputs may live on the host (checked there) or on the wrapper's device."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        device = t.device
+    _check_tensor(name, t, shape, dtype, device)
+
+
 def _check_kernel_operand(name, t):
-    """Strides the kernels can load with 16-byte vectors."""
+    """Strides the kernels can load with 16-byte vectors (the launch checks the address)."""
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
-    if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+    if any(s % 8 for s in t.stride()[:-1]):
         raise ValueError(
-            f"{name} must be 16-byte aligned with strides that are multiples of 8 elements, "
-            f"got strides {t.stride()} and address {t.data_ptr():#x}"
+            f"{name} must have strides that are multiples of 8 elements, got {t.stride()}"
         )
 
 
@@ -123,10 +130,27 @@ class _BlockSparseBase:
         self._device = float_workspace_buffer.device
         self._backend = backend
         self._plan = None
+        self._checks = validation.DeferredCheck()
+        self._size_cache = {}
 
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
         """Kept for API compatibility: sparseforge keeps its plan in its own tensors."""
         self._workspace = float_workspace_buffer
+
+    def check_plan(self) -> None:
+        """Wait for the GPU checks of the latest plan()'s inputs; raise ValueError if any
+        failed. run() raises the same error without waiting once the checks are done."""
+        self._checks.raise_if_found(wait=True)
+
+    def _report(self, errors, source: str, num_col_blocks: int) -> None:
+        """Host error bits raise now; device ones are checked without blocking (validation.py)."""
+        if errors is None:
+            self._checks.clear()
+        elif errors.device.type == "cpu":
+            self._checks.clear()
+            validation.raise_host_errors(errors, source, num_col_blocks)
+        else:
+            self._checks.start(errors, source, num_col_blocks)
 
     @property
     def backend_in_use(self) -> str:
@@ -174,16 +198,29 @@ class _BlockSparseBase:
         kernel.prepare()
         return kernel.template, kernel
 
+    def _bind(self, plan, kernel, tiles, lse_shape) -> None:
+        """Pack the plan's arguments once; a scratch LSE lets run() without lse allocate nothing."""
+        plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
+        plan["launch_id"] = ops.register(plan["launch"])
+        plan["lse_scratch"] = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
+
     # --- run helpers ---
     def _run_kernel(self, q, k, v, out, lse, hnd: bool):
         """Launch on the current stream; hnd: the tensors are (heads, seq, ...) views."""
-        device = self._device.index
-        self._plan["launch"]((q, k, v, out, lse), _current_stream(device), swap01=hnd)
+        launch = self._plan["launch"]
+        if torch.compiler.is_compiling():
+            torch.ops.sparseforge.block_sparse_fwd(
+                q, k, v, out, lse, *launch.static_tensors, self._plan["launch_id"], hnd
+            )
+        else:
+            launch((q, k, v, out, lse), swap01=hnd)
 
     def _check_run_inputs(self, q, k, v, q_shape, kv_shape):
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
+        if not torch.compiler.is_compiling():
+            self._checks.raise_if_found()
         for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
             _check_tensor(name, t, shape, plan["dtype"], self._device)
             if plan["path"] != "torch":
@@ -198,7 +235,7 @@ class _BlockSparseBase:
             if plan["path"] != "torch":
                 _check_kernel_operand("out", out)
         if lse is None and not return_lse and plan["path"] != "torch":
-            lse = plan.setdefault("lse_scratch", torch.empty(lse_shape, dtype=torch.float32, device=self._device))
+            lse = plan["lse_scratch"]
         elif lse is None:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
         else:
@@ -268,38 +305,46 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         device = self._device
         group = num_qo_heads // num_kv_heads
 
+        if q2k_num is not None and q2k_indices is None:
+            raise ValueError("q2k_num is given without q2k_indices")
         if q2k_indices is not None:
             if block_mask is not None or indptr is not None or indices is not None:
                 raise ValueError("q2k_indices is mutually exclusive with block_mask and indptr/indices")
-            _check_tensor("q2k_indices", q2k_indices, (num_qo_heads, mb, q2k_indices.shape[-1]), torch.int32, device)
+            _check_index_tensor("q2k_indices", q2k_indices, (num_qo_heads, mb, q2k_indices.shape[-1]), torch.int32, device)
             if q2k_num is not None:
-                _check_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, device)
-                if q2k_num.numel() and (int(q2k_num.min()) < 0 or int(q2k_num.max()) > q2k_indices.shape[-1]):
-                    raise ValueError(f"q2k_num values must lie in [0, {q2k_indices.shape[-1]}]")
-            _check_block_indices("q2k_indices", q2k_indices, nb, q2k_num)
+                _check_index_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, q2k_indices.device)
             # GQA: the first query head of each group selects for the group.
-            head_mask = planner.selection_block_mask(q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb)
+            head_mask, errors = planner.selection_block_mask(
+                q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
+            )
+            source = "q2k_indices / q2k_num"
         elif block_mask is not None:
             if block_mask.dtype != torch.bool or block_mask.dim() != 3 or block_mask.shape[0] not in (num_qo_heads, num_kv_heads) or tuple(block_mask.shape[1:]) != (mb, nb):
                 raise ValueError(
                     f"block_mask must be bool of shape ({num_qo_heads} or {num_kv_heads}, {mb}, {nb}), "
                     f"got {block_mask.dtype} {tuple(block_mask.shape)}"
                 )
-            _check_tensor("block_mask", block_mask, block_mask.shape, torch.bool, device)
+            _check_index_tensor("block_mask", block_mask, block_mask.shape, torch.bool, device)
             head_mask = block_mask[::group] if block_mask.shape[0] == num_qo_heads else block_mask
+            errors, source = None, "block_mask"
         else:
             if indptr is None or indices is None:
                 raise ValueError("give indptr and indices, or block_mask, or q2k_indices")
-            _check_tensor("indptr", indptr, (mb + 1,), torch.int32, device)
-            _check_tensor("indices", indices, (indices.numel(),), torch.int32, device)
-            _check_bsr(indptr, indices, nb)
-            head_mask = planner.bsr_block_mask(indptr, indices, mb, nb).expand(num_kv_heads, -1, -1)
-        if q2k_num is not None and q2k_indices is None:
-            raise ValueError("q2k_num is given without q2k_indices")
+            _check_index_tensor("indptr", indptr, (mb + 1,), torch.int32, device)
+            _check_index_tensor("indices", indices, (indices.numel(),), torch.int32, indptr.device)
+            head_mask, errors = planner.bsr_block_mask(indptr, indices, mb, nb)
+            head_mask = head_mask.expand(num_kv_heads, -1, -1)
+            source = "indptr / indices"
         if kv_block_lens is not None:
-            _check_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
-            if nb and (int(kv_block_lens.min()) < 1 or int(kv_block_lens.max()) > C):
-                raise ValueError(f"kv_block_lens values must lie in [1, C={C}]")
+            _check_index_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
+            lens_errors = planner.kv_block_lens_errors(kv_block_lens, C)
+            if errors is None or lens_errors.device != errors.device:
+                self._report(lens_errors, "kv_block_lens", nb)
+            else:
+                errors = errors + lens_errors
+            kv_block_lens = kv_block_lens.to(device, non_blocking=non_blocking)
+        self._report(errors, source, nb)
+        head_mask = head_mask.to(device, non_blocking=non_blocking)
 
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
@@ -307,14 +352,13 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        row_sizes = reference.uniform_sizes(M, R).to(device).expand(num_kv_heads, -1)
-        col_sizes = torch.full((nb,), C, dtype=torch.int64, device=device).expand(num_kv_heads, -1)
-        head_mask = head_mask.to(device)
+        row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
+        col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
             tiles = planner.plan_tiles(head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C)
-            plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
+            self._bind(plan, kernel, tiles, (M, num_qo_heads))
         self._plan = plan
 
     def run(self, q, k, v, scale_q=None, scale_k=None, scale_v=None, out=None, lse=None,
@@ -372,20 +416,26 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
             raise ValueError("block_mask_map must be a bool tensor of shape (num_kv_heads, MB, NB)")
         _, mb, nb = block_mask_map.shape
-        _check_tensor("block_mask_map", block_mask_map, (num_kv_heads, mb, nb), torch.bool, device)
-        _check_tensor("block_row_sz", block_row_sz, (num_kv_heads, mb), torch.int32, device)
-        _check_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
-        row_sizes, col_sizes = block_row_sz.to(torch.int64), block_col_sz.to(torch.int64)
-        if bool((row_sizes < 1).any()) or bool((col_sizes < 1).any()):
+        _check_index_tensor("block_mask_map", block_mask_map, (num_kv_heads, mb, nb), torch.bool, device)
+        _check_index_tensor("block_row_sz", block_row_sz, (num_kv_heads, mb), torch.int32, device)
+        _check_index_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
+        # The sizes fix the sequence lengths, so the host needs their values: read once per
+        # size tensor (one synchronisation if it lives on the GPU), cached while unmodified.
+        host_rows, host_cols = self._host_sizes(block_row_sz), self._host_sizes(block_col_sz)
+        if bool((host_rows < 1).any()) or bool((host_cols < 1).any()):
             raise ValueError("block_row_sz and block_col_sz must be >= 1")
-        seq_q, seq_k = row_sizes.sum(-1), col_sizes.sum(-1)
+        seq_q, seq_k = host_rows.sum(-1), host_cols.sum(-1)
         if bool((seq_q != seq_q[0]).any()) or bool((seq_k != seq_k[0]).any()):
             raise ValueError(
                 "every kv head's block_row_sz (and block_col_sz) must sum to the same length, got "
                 f"{seq_q.tolist()} and {seq_k.tolist()}"
             )
         seq_q, seq_k = int(seq_q[0]), int(seq_k[0])
-        tiled = planner.sizes_tile_aligned(row_sizes) and planner.sizes_tile_aligned(col_sizes)
+        row_sizes = block_row_sz.to(device, torch.int64, non_blocking=non_blocking)
+        col_sizes = block_col_sz.to(device, torch.int64, non_blocking=non_blocking)
+        block_mask_map = block_mask_map.to(device, non_blocking=non_blocking)
+        self._checks.clear()
+        tiled = planner.sizes_tile_aligned(host_rows) and planner.sizes_tile_aligned(host_cols)
         path, kernel = self._choose_path(
             tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
         )
@@ -396,8 +446,21 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             plan["token_mask"] = _token_mask(block_mask_map, row_sizes, col_sizes, None)
         else:
             tiles = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
-            plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
+            self._bind(plan, kernel, tiles, (num_qo_heads, seq_q))
         self._plan = plan
+
+    def _host_sizes(self, sizes: torch.Tensor) -> torch.Tensor:
+        """Host copy of a block-size tensor, reused while it is the same, unmodified tensor."""
+        cached = self._size_cache.get(id(sizes))
+        if cached is not None:
+            ref, version, host = cached
+            if ref() is sizes and version == sizes._version:
+                return host
+        host = sizes.to("cpu", torch.int64)
+        if len(self._size_cache) > 8:
+            self._size_cache.clear()
+        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host)
+        return host
 
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         """q (Hq, Sq, D), k/v (Hkv, Sk, D) -> out (Hq, Sq, D)[, lse (Hq, Sq)]."""
@@ -415,36 +478,6 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         else:
             self._run_kernel(q, k, v, out, lse, hnd=True)
         return (out, lse) if return_lse else out
-
-
-def _current_stream(device_index: int) -> int:
-    """The current torch stream's handle, without building a torch.cuda.Stream object."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
-def _check_bsr(indptr, indices, num_col_blocks):
-    ptr = indptr.cpu()
-    if int(ptr[0]) != 0 or int(ptr[-1]) != indices.numel() or bool((ptr[1:] < ptr[:-1]).any()):
-        raise ValueError(
-            f"indptr must start at 0, be non-decreasing and end at len(indices)={indices.numel()}"
-        )
-    _check_block_indices("indices", indices, num_col_blocks)
-
-
-def _check_block_indices(name, indices, num_col_blocks, counts=None):
-    """Out-of-range block indices never reach a kernel (checked on the host)."""
-    idx = indices.cpu().to(torch.int64)
-    if counts is not None:
-        valid = torch.arange(idx.shape[-1]) < counts.cpu().to(torch.int64).unsqueeze(-1)
-        idx = idx[valid]
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_col_blocks):
-        raise ValueError(
-            f"{name} holds block indices in [{int(idx.min())}, {int(idx.max())}]; "
-            f"valid: [0, {num_col_blocks - 1}]"
-        )
 
 
 def _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens):

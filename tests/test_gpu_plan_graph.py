@@ -1,0 +1,161 @@
+"""Planning on the GPU without host synchronisation, deferred validation, CUDA graphs and
+torch.compile (issue: plan() as often as run() for per-step dynamic sparsity)."""
+
+import pytest
+import torch
+
+from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, reference
+from sparseforge.bench import random_selection
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+HQ, HKV, D, SEQ, BLOCK = 8, 2, 128, 2048, 64
+MB = SEQ // BLOCK
+
+
+def workspace():
+    return torch.empty(16, dtype=torch.uint8, device=DEV)
+
+
+def inputs(layout="nhd"):
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    shape_q, shape_kv = ((SEQ, HQ, D), (SEQ, HKV, D)) if layout == "nhd" else ((HQ, SEQ, D), (HKV, SEQ, D))
+    q = torch.randn(shape_q, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(shape_kv, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(shape_kv, device=DEV, dtype=torch.bfloat16, generator=gen)
+    return q, k, v
+
+
+def selections(seed, topk=8):
+    """q2k form (HQ, MB, topk) int32 with ragged counts, the same per GQA group."""
+    mask = random_selection(HKV, MB, MB, topk, seed=seed)
+    idx = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :topk].to(torch.int32)
+    num = torch.randint(0, topk + 1, (HKV, MB), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    group = HQ // HKV
+    return idx.repeat_interleave(group, 0).contiguous().to(DEV), num.repeat_interleave(group, 0).contiguous().to(DEV)
+
+
+def bsr_plan_args():
+    mask = random_selection(1, MB, MB, 6, seed=1)[0]
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(-1).cumsum(0)]).to(DEV, torch.int32)
+    indices = mask.nonzero()[:, 1].to(DEV, torch.int32)
+    return indptr, indices
+
+
+def plan_forms():
+    """(wrapper, plan kwargs) for every input form, all on the GPU."""
+    indptr, indices = bsr_plan_args()
+    sel, num = selections(2)
+    block_mask = random_selection(HKV, MB, MB, 5, seed=3).to(DEV)
+    common = (SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
+    sizes = torch.full((HKV, MB), BLOCK, dtype=torch.int32, device=DEV)
+    return {
+        "bsr": (BlockSparseAttentionWrapper, (indptr, indices, *common), {}),
+        "block_mask": (BlockSparseAttentionWrapper, (None, None, *common), dict(block_mask=block_mask)),
+        "q2k": (BlockSparseAttentionWrapper, (None, None, *common), dict(q2k_indices=sel, q2k_num=num)),
+        "variable": (VariableBlockSparseAttentionWrapper, (block_mask, sizes, sizes.clone(), HQ, HKV, D), {}),
+    }
+
+
+@pytest.mark.parametrize("form", ["bsr", "block_mask", "q2k", "variable"])
+def test_plan_and_run_without_host_sync(form):
+    cls, args, kwargs = plan_forms()[form]
+    wrapper = cls(workspace())
+    q, k, v = inputs("hnd" if form == "variable" else "nhd")
+    wrapper.plan(*args, q_data_type=torch.bfloat16, **kwargs)  # warm-up: module load, caches
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        wrapper.plan(*args, q_data_type=torch.bfloat16, **kwargs)
+        wrapper.run(q, k, v, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    wrapper.check_plan()
+    assert torch.isfinite(out.float()).all()
+
+
+def test_gpu_validation_raises_at_check_and_at_run():
+    indptr, indices = bsr_plan_args()
+    bad = indices.clone()
+    bad[3] = MB + 7
+    wrapper = BlockSparseAttentionWrapper(workspace())
+    wrapper.plan(indptr, bad, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16)  # no raise here
+    with pytest.raises(ValueError, match=r"invalid indptr / indices: a block index is out of range \[0, 32\)"):
+        wrapper.check_plan()
+    q, k, v = inputs()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="a block index is out of range"):
+        wrapper.run(q, k, v)
+    sel, num = selections(4)
+    sel[0, 0, 0] = -1
+    num[1, 1] = 99
+    wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    with pytest.raises(ValueError, match="q2k_num values must lie in"):
+        wrapper.check_plan()
+    wrapper.plan(indptr, indices, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16)
+    wrapper.check_plan()  # a good plan clears the error
+
+
+@pytest.mark.parametrize("form", ["bsr", "variable"])
+def test_run_in_cuda_graph_is_bit_identical(form):
+    cls, args, kwargs = plan_forms()[form]
+    wrapper = cls(workspace())
+    q, k, v = inputs("hnd" if form == "variable" else "nhd")
+    wrapper.plan(*args, q_data_type=torch.bfloat16, **kwargs)
+    eager = wrapper.run(q, k, v)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(eager.shape[:2], float("nan"), device=DEV)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, out=out, lse=lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_q2k_plan_and_run_in_cuda_graph_follow_new_selections():
+    q, k, v = inputs()
+    sel, num = selections(5)
+    wrapper = BlockSparseAttentionWrapper(workspace())
+    common = (None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
+    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    wrapper.run(q, k, v)
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+        wrapper.run(q, k, v, out=out)
+    for seed in (6, 7):
+        new_sel, new_num = selections(seed)
+        sel.copy_(new_sel)
+        num.copy_(new_num)
+        graph.replay()
+        eager = BlockSparseAttentionWrapper(workspace())
+        eager.plan(*common, q_data_type=torch.bfloat16, q2k_indices=new_sel, q2k_num=new_num)
+        want = eager.run(q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), seed
+
+
+def test_torch_compile_fullgraph_runs_the_kernel():
+    cls, args, kwargs = plan_forms()["variable"]
+    wrapper = cls(workspace())
+    wrapper.plan(*args, q_data_type=torch.bfloat16, **kwargs)
+    q, k, v = inputs("hnd")
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return wrapper.run(q, k, v).float() * 2.0
+
+    compiled = torch.compile(Attend(), fullgraph=True)
+    got = compiled(q, k, v)
+    want = wrapper.run(q, k, v).float() * 2.0
+    assert torch.equal(got, want)
+    mask, sizes = args[0], args[1]
+    tokens = reference.block_mask_to_token_mask(mask.cpu(), sizes.cpu(), sizes.cpu())
+    ref, _ = reference.attention(q, k, v, tokens.to(DEV), compute_dtype=torch.float32)
+    assert float((got / 2 - ref).norm() / ref.norm()) < 5e-3
