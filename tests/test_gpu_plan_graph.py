@@ -90,7 +90,7 @@ def test_gpu_validation_raises_at_check_and_at_run():
         wrapper.run(q, k, v)
     sel, num = selections(4)
     sel[0, 0, 0] = -1
-    num[1, 1] = 99
+    num[0, 1] = 99  # head 0 selects for its GQA group
     wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
     with pytest.raises(ValueError, match="q2k_num values must lie in"):
         wrapper.check_plan()

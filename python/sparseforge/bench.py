@@ -167,21 +167,33 @@ def run_host_overhead(backend: str = "auto", calls: int = 2000) -> float:
     return elapsed / calls * 1e6
 
 
-def plan_time_us(w: Workload, iters: int = 20) -> tuple[float, float]:
+def plan_time_us(w: Workload, form: str, iters: int = 20) -> tuple[float, float]:
     """(GPU time of plan() from a CUDA-graph replay, host wall time of an eager plan()), in
-    microseconds, for the workload's mask given as a GPU block_mask_map (variable wrapper)."""
+    microseconds, for the workload's selections on the GPU as a `form`: "mask" (variable
+    wrapper, block_mask_map) or "q2k" (BSR wrapper, q2k_indices)."""
     import time
 
-    from sparseforge import VariableBlockSparseAttentionWrapper
+    from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
     device = torch.device("cuda")
     mb = w.seq // w.block
-    mask = random_selection(w.heads_kv, mb, mb, w.topk).to(device)
-    sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
-    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
+    mask = random_selection(w.heads_kv, mb, mb, w.topk)
+    workspace = torch.empty(1, device=device)
+    if form == "mask":
+        mask = mask.to(device)
+        sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
+        wrapper = VariableBlockSparseAttentionWrapper(workspace)
+        args, kwargs = (mask, sizes, sizes, w.heads_q, w.heads_kv, w.head_dim), {}
+    else:
+        selected = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., : w.topk]
+        group = w.heads_q // w.heads_kv
+        q2k = selected.repeat_interleave(group, 0).to(device, torch.int32).contiguous()
+        wrapper = BlockSparseAttentionWrapper(workspace)
+        args = (None, None, w.seq, w.seq, w.block, w.block, w.heads_q, w.heads_kv, w.head_dim)
+        kwargs = dict(q2k_indices=q2k)
 
     def plan():
-        wrapper.plan(mask, sizes, sizes, w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+        wrapper.plan(*args, q_data_type=torch.bfloat16, **kwargs)
 
     for _ in range(3):
         plan()
@@ -240,7 +252,13 @@ def main(argv=None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     os.environ.pop("SPARSEFORGE_VARIANT", None)
     overhead = run_host_overhead(args.backend)
-    plan_gpu, plan_wall = plan_time_us(WORKLOADS["W1"])
+    plan_rows = []
+    for form, what in (("mask", "block_mask_map, variable wrapper"), ("q2k", "q2k_indices, BSR wrapper")):
+        gpu_us, wall_us = plan_time_us(WORKLOADS["W1"], form)
+        plan_rows.append(
+            f"plan() of the W1 selections ({what}, on the GPU): {gpu_us:.1f} us GPU time "
+            f"(CUDA-graph replay, median), {wall_us:.1f} us host time (eager, median)"
+        )
     report = "\n".join(
         [
             describe_run(),
@@ -249,8 +267,7 @@ def main(argv=None) -> int:
             table(rows),
             "",
             f"run() host overhead: {overhead:.1f} us per call",
-            f"plan() of the W1 mask (GPU block_mask_map): {plan_gpu:.1f} us GPU time (CUDA-graph "
-            f"replay, median), {plan_wall:.1f} us host time (eager, median)",
+            *plan_rows,
         ]
     )
     print(report)

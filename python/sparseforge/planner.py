@@ -44,6 +44,11 @@ def sizes_tile_aligned(sizes: torch.Tensor) -> bool:
     return bool((sizes[..., :-1] % TILE == 0).all())
 
 
+def sizes_are_tiles(sizes: torch.Tensor) -> bool:
+    """True when every block is 64 tokens but each row's last, which is at most 64."""
+    return bool((sizes[..., :-1] == TILE).all() and (sizes[..., -1] <= TILE).all())
+
+
 def block_of_position(sizes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Index of the block (per row of `sizes`, (H, B)) that contains each position (P,)."""
     ends = torch.cumsum(sizes, dim=-1)
@@ -76,42 +81,91 @@ def plan_tiles(
     num_qo_heads: int,
     kv_block_lens: torch.Tensor | None = None,
     kv_block_size: int = TILE,
+    blocks_are_tiles: bool = False,
 ) -> TilePlan:
-    """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens."""
+    """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
+
+    blocks_are_tiles: every block is 64 x 64 tokens (the last may be short), so the mask
+    already is the tile mask and the two gathers are skipped.
+    """
     device = block_mask.device
     hkv = block_mask.shape[0]
     n_units, n_tiles = num_tiles(seq_q), num_tiles(seq_k)
-    unit_start = torch.arange(n_units, device=device, dtype=torch.int64) * TILE
-    tile_start = torch.arange(n_tiles, device=device, dtype=torch.int64) * TILE
-    row_block = block_of_position(row_sizes, unit_start)  # (Hkv, R)
-    col_block = block_of_position(col_sizes, tile_start)  # (Hkv, NT)
-
     tile_len = tile_lengths(seq_k, device, kv_block_lens, kv_block_size)
-    rows = torch.gather(block_mask, 1, row_block.unsqueeze(-1).expand(-1, -1, block_mask.shape[2]))
-    listed = torch.gather(rows, 2, col_block.unsqueeze(1).expand(-1, n_units, -1))
-    listed &= tile_len > 0
+    if blocks_are_tiles:
+        listed = block_mask
+    else:
+        unit_start = torch.arange(n_units, device=device, dtype=torch.int64) * TILE
+        tile_start = torch.arange(n_tiles, device=device, dtype=torch.int64) * TILE
+        row_block = block_of_position(row_sizes, unit_start)  # (Hkv, R)
+        col_block = block_of_position(col_sizes, tile_start)  # (Hkv, NT)
+        rows = torch.gather(block_mask, 1, row_block.unsqueeze(-1).expand(-1, -1, block_mask.shape[2]))
+        listed = torch.gather(rows, 2, col_block.unsqueeze(1).expand(-1, n_units, -1))
+    if kv_block_lens is not None:  # only kv_block_lens leaves tiles with no valid key
+        listed = listed & (tile_len > 0)
 
-    # Compact each row: listed tile t goes to position (number of listed tiles before it).
-    position = torch.cumsum(listed, dim=-1, dtype=torch.int32) - 1
-    position = torch.where(listed, position, n_tiles)  # unlisted -> a spare column
+    # Compact each row: listed tile t goes to position (number of listed tiles before it),
+    # unlisted ones to a spare column. int64 from the start: scatter_ wants int64 indices.
+    position = torch.cumsum(listed, dim=-1, dtype=torch.int64)
+    position.sub_(1).masked_fill_(~listed, n_tiles)
     tile_idx = torch.zeros(hkv, n_units, n_tiles + 1, device=device, dtype=torch.int32)
     tile_ids = torch.arange(n_tiles, device=device, dtype=torch.int32).expand(hkv, n_units, -1)
-    tile_idx.scatter_(2, position.long(), tile_ids)
+    tile_idx.scatter_(2, position, tile_ids)
     tile_cnt = listed.sum(dim=-1, dtype=torch.int32)
-
-    group = num_qo_heads // hkv
-    unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
-    work = torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
     return TilePlan(
         tile_idx=tile_idx[..., :n_tiles],
         tile_cnt=tile_cnt,
         tile_len=tile_len.to(torch.int32),
-        work=work,
+        work=longest_first(tile_cnt, num_qo_heads // hkv),
         seq_q=seq_q,
         seq_k=seq_k,
         num_qo_heads=num_qo_heads,
         num_kv_heads=hkv,
     )
+
+
+def longest_first(tile_cnt: torch.Tensor, group: int) -> torch.Tensor:
+    """Unit ids h * R + r of every query head's units, longest tile list first."""
+    unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+    return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
+
+
+def plan_selected_tiles(
+    q2k_indices, q2k_num, num_col_blocks: int, seq_q: int, seq_k: int, num_qo_heads: int, kv_block_lens=None
+):
+    """The direct path for 64-token blocks: the selections are the tile lists.
+
+    q2k_indices (Hkv, MB, topk) and q2k_num (Hkv, MB) are used as they are (no dense mask, no
+    compaction); entries that are out of range are replaced by tile 0 so that no kernel
+    reads out of bounds, and reported in the error bits with duplicates and bad counts.
+    """
+    h, mb, topk = q2k_indices.shape
+    device = q2k_indices.device
+    idx = q2k_indices.to(torch.int32)
+    in_range = (idx >= 0) & (idx < num_col_blocks)
+    errors = torch.zeros((), device=device, dtype=torch.int32)
+    if q2k_num is None:
+        cnt = torch.full((h, mb), topk, device=device, dtype=torch.int32)
+        used = torch.ones_like(in_range)
+    else:
+        cnt = q2k_num.to(torch.int32).clamp(0, topk)
+        errors = errors + _flag(q2k_num != cnt, ERR_Q2K_NUM)
+        used = torch.arange(topk, device=device) < cnt.unsqueeze(-1)
+    errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
+    if topk > 1:
+        ordered = torch.sort(torch.where(used, idx, -1 - torch.arange(topk, device=device, dtype=torch.int32)), dim=-1).values
+        errors = errors + _flag((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0), ERR_DUPLICATE)
+    tiles = TilePlan(
+        tile_idx=torch.where(in_range, idx, 0),
+        tile_cnt=cnt,
+        tile_len=tile_lengths(seq_k, device, kv_block_lens).to(torch.int32),
+        work=longest_first(cnt, num_qo_heads // h),
+        seq_q=seq_q,
+        seq_k=seq_k,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=h,
+    )
+    return tiles, errors
 
 
 # Error bits of the data checks done on the GPU (see validation.py).
@@ -140,7 +194,8 @@ def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
     cols = indices.to(torch.int64)
     valid = (cols >= 0) & (cols < num_col_blocks) & (rows < num_row_blocks)
     mask = torch.zeros(num_row_blocks + 1, num_col_blocks + 1, device=device, dtype=torch.bool)
-    mask[torch.where(valid, rows, num_row_blocks), torch.where(valid, cols, num_col_blocks)] = True
+    hit = (torch.where(valid, rows, num_row_blocks), torch.where(valid, cols, num_col_blocks))
+    mask.index_put_(hit, torch.ones((), device=device, dtype=torch.bool))  # no host scalar copy
     mask = mask[:num_row_blocks, :num_col_blocks]
     per_row = torch.zeros(num_row_blocks + 1, device=device, dtype=torch.int64)
     per_row.index_add_(0, torch.where(valid, rows, num_row_blocks), valid.to(torch.int64))
@@ -186,5 +241,5 @@ def uniform_block_sizes(total: int, block: int, heads: int, device) -> torch.Ten
     on `device` (no host-to-device copy)."""
     n = -(-total // block)
     sizes = torch.full((n,), block, device=device, dtype=torch.int64)
-    sizes[-1] = total - block * (n - 1)
+    sizes[-1:].fill_(total - block * (n - 1))  # a fill kernel, not a host-to-device copy
     return sizes.expand(heads, -1)

@@ -304,6 +304,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         mb, nb = -(-M // R), N // C
         device = self._device
         group = num_qo_heads // num_kv_heads
+        direct = None  # tile lists built straight from q2k selections of 64-token blocks
+        if kv_block_lens is not None:
+            _check_index_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
 
         if q2k_num is not None and q2k_indices is None:
             raise ValueError("q2k_num is given without q2k_indices")
@@ -314,9 +317,12 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             if q2k_num is not None:
                 _check_index_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, q2k_indices.device)
             # GQA: the first query head of each group selects for the group.
-            head_mask, errors = planner.selection_block_mask(
-                q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
-            )
+            group_sel = q2k_indices[::group], None if q2k_num is None else q2k_num[::group]
+            if R == C == planner.TILE and self._backend != "torch" and q2k_indices.device == device:
+                direct, errors = planner.plan_selected_tiles(*group_sel, nb, M, N, num_qo_heads, kv_block_lens)
+                head_mask = None
+            else:
+                head_mask, errors = planner.selection_block_mask(*group_sel, nb)
             source = "q2k_indices / q2k_num"
         elif block_mask is not None:
             if block_mask.dtype != torch.bool or block_mask.dim() != 3 or block_mask.shape[0] not in (num_qo_heads, num_kv_heads) or tuple(block_mask.shape[1:]) != (mb, nb):
@@ -336,7 +342,6 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             head_mask = head_mask.expand(num_kv_heads, -1, -1)
             source = "indptr / indices"
         if kv_block_lens is not None:
-            _check_index_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
             lens_errors = planner.kv_block_lens_errors(kv_block_lens, C)
             if errors is None or lens_errors.device != errors.device:
                 self._report(lens_errors, "kv_block_lens", nb)
@@ -344,7 +349,8 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
                 errors = errors + lens_errors
             kv_block_lens = kv_block_lens.to(device, non_blocking=non_blocking)
         self._report(errors, source, nb)
-        head_mask = head_mask.to(device, non_blocking=non_blocking)
+        if head_mask is not None:
+            head_mask = head_mask.to(device, non_blocking=non_blocking)
 
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
@@ -357,7 +363,10 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
-            tiles = planner.plan_tiles(head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C)
+            tiles = direct if direct is not None else planner.plan_tiles(
+                head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C,
+                blocks_are_tiles=R == C == planner.TILE,
+            )
             self._bind(plan, kernel, tiles, (M, num_qo_heads))
         self._plan = plan
 
@@ -445,7 +454,10 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         if path == "torch":
             plan["token_mask"] = _token_mask(block_mask_map, row_sizes, col_sizes, None)
         else:
-            tiles = planner.plan_tiles(block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads)
+            tiles = planner.plan_tiles(
+                block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads,
+                blocks_are_tiles=planner.sizes_are_tiles(host_rows) and planner.sizes_are_tiles(host_cols),
+            )
             self._bind(plan, kernel, tiles, (num_qo_heads, seq_q))
         self._plan = plan
 
