@@ -89,3 +89,41 @@ def test_variant_not_built_error():
         _library.find_kernel("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=96)
     with pytest.raises(VariantNotBuiltError, match="not built for sm_90a"):
         _library.find_kernel("block_sparse_fwd", "sm_90a", template="no_such_template", dtype="bf16", head_dim=128)
+
+
+def test_bound_launch_packs_the_abi_words(monkeypatch):
+    """The words handed to sf_launch, for NHD tensors and for HND ones passed with swap01."""
+    import ctypes
+    import struct
+
+    import torch
+
+    calls = []
+
+    class FakeLibrary:
+        def sf_launch(self, entry, words, stream):
+            calls.append((entry, list(words)))
+            return 0
+
+    monkeypatch.setattr(_library, "library", lambda: FakeLibrary())
+    monkeypatch.setattr(_library, "_current_stream", lambda index: 7)
+    v = next(v for v in _library.manifest()["variants"] if v["params"]["head_dim"] == 128)
+    kernel = _library.Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
+    plan = [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
+            torch.zeros(2, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)]
+    bound = kernel.bind(*plan, 0.5)
+    q = torch.zeros(4, 96, 128, dtype=torch.bfloat16)  # HND: 4 heads, 96 tokens
+    lse = torch.zeros(4, 96)
+    bound((q, q, q, q, lse), swap01=True)
+    entry, words = calls[-1]
+    assert entry == v["entry"]
+    qw = [q.data_ptr(), 96, 4, 128, 96 * 128]  # (S, H, D) view: extents (96, 4), strides (128, 12288)
+    assert words[:20] == qw * 4
+    assert words[20:25] == [lse.data_ptr(), 96, 4, 1, 96]
+    assert words[25:27] == [plan[0].data_ptr(), 3]
+    assert words[27:33] == [plan[1].data_ptr(), 2, 3, 3, 12, 4]
+    assert words[-1] == struct.unpack("<i", struct.pack("<f", 0.5))[0]
+    assert isinstance(bound.words, ctypes.Array)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        shifted = torch.zeros(4 * 96 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 96, 128)
+        bound((shifted, q, q, q, lse), swap01=True)

@@ -95,12 +95,9 @@ class Kernel:
         return BoundLaunch(self, static_args)
 
 
-def _tensor_words(spec: dict, tensor, swap01: bool = False) -> list[int]:
-    """Pointer, run-time extents, run-time strides; swap01 views (a, b, ...) as (b, a, ...)."""
-    shape, stride = list(tensor.shape), list(tensor.stride())
-    if swap01:
-        shape[0], shape[1] = shape[1], shape[0]
-        stride[0], stride[1] = stride[1], stride[0]
+def _tensor_words(spec: dict, tensor) -> list[int]:
+    """Pointer, run-time extents, run-time strides."""
+    shape, stride = tensor.shape, tensor.stride()
     return (
         [tensor.data_ptr()]
         + [shape[i] for i, s in enumerate(spec["shape"]) if s is None]
@@ -124,17 +121,22 @@ class BoundLaunch:
     def __init__(self, kernel: Kernel, static_args: tuple):
         self.kernel = kernel
         self.num_dynamic = len(kernel.abi) - len(static_args)
-        self.dynamic_specs = kernel.abi[: self.num_dynamic]
+        # Per leading tensor: the modes whose extents and strides are run-time words, as read
+        # from the tensor itself ([False]) or from its (1, 0)-transposed view ([True]).
+        swap = lambda modes: [{0: 1, 1: 0}.get(i, i) for i in modes]  # noqa: E731
+        self.dynamic_modes = {False: [], True: []}
+        for spec in kernel.abi[: self.num_dynamic]:
+            shape = [i for i, s in enumerate(spec["shape"]) if s is None]
+            stride = [i for i, s in enumerate(spec["stride"]) if s is None]
+            self.dynamic_modes[False].append((shape, stride, spec["name"]))
+            self.dynamic_modes[True].append((swap(shape), swap(stride), spec["name"]))
         static_words = []
         for spec, value in zip(kernel.abi[self.num_dynamic :], static_args, strict=True):
             if spec["kind"] == "scalar":
                 static_words.append(_scalar_word(spec, value))
             else:
                 static_words.extend(_tensor_words(spec, value))
-        self.dynamic_len = sum(
-            1 + sum(s is None for s in spec["shape"]) + sum(s is None for s in spec["stride"])
-            for spec in self.dynamic_specs
-        )
+        self.dynamic_len = sum(1 + len(shape) + len(stride) for shape, stride, _ in self.dynamic_modes[False])
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
@@ -144,13 +146,16 @@ class BoundLaunch:
         """Launch on the current stream with `tensors` as the leading arguments; swap01 passes
         each as its (1, 0)-transposed view."""
         words = []
-        for spec, tensor in zip(self.dynamic_specs, tensors, strict=True):
-            if tensor.data_ptr() % 16:
-                raise ValueError(f"{spec['name']} must be 16-byte aligned, got address {tensor.data_ptr():#x}")
-            words.extend(_tensor_words(spec, tensor, swap01))
+        for (shape_modes, stride_modes, name), tensor in zip(self.dynamic_modes[swap01], tensors):
+            pointer = tensor.data_ptr()
+            if pointer % 16:
+                raise ValueError(f"{name} must be 16-byte aligned, got address {pointer:#x}")
+            shape, stride = tensor.shape, tensor.stride()
+            words.append(pointer)
+            words.extend([shape[i] for i in shape_modes])
+            words.extend([stride[i] for i in stride_modes])
         self.words[: self.dynamic_len] = words
-        stream = _current_stream(tensors[0].device.index)
-        code = library().sf_launch(self.kernel.entry, self.words, stream)
+        code = library().sf_launch(self.kernel.entry, self.words, _current_stream(tensors[0].device.index))
         if code:
             raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
 

@@ -112,12 +112,11 @@ def _check_index_tensor(name, t, shape, dtype, device):
 
 def _check_kernel_operand(name, t):
     """Strides the kernels can load with 16-byte vectors (the launch checks the address)."""
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
-    if any(s % 8 for s in t.stride()[:-1]):
-        raise ValueError(
-            f"{name} must have strides that are multiples of 8 elements, got {t.stride()}"
-        )
+    stride = t.stride()
+    if stride[-1] != 1:
+        raise ValueError(f"{name} must have unit stride on head_dim, got strides {stride}")
+    if stride[0] % 8 or stride[1] % 8:
+        raise ValueError(f"{name} must have strides that are multiples of 8 elements, got {stride}")
 
 
 class _BlockSparseBase:
