@@ -151,10 +151,12 @@ def plan_selected_tiles(
         cnt = q2k_num.to(torch.int32).clamp(0, topk)
         errors = errors + _flag(q2k_num != cnt, ERR_Q2K_NUM)
         used = torch.arange(topk, device=device) < cnt.unsqueeze(-1)
+    valid = used & in_range
     errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
-    if topk > 1:
-        ordered = torch.sort(torch.where(used, idx, -1 - torch.arange(topk, device=device, dtype=torch.int32)), dim=-1).values
-        errors = errors + _flag((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0), ERR_DUPLICATE)
+    # A duplicate shows as fewer distinct blocks than valid entries (a scatter, not a sort).
+    seen = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
+    seen.scatter_(2, torch.where(valid, idx, num_col_blocks).to(torch.int64), True)
+    errors = errors + _flag(seen[..., :num_col_blocks].sum(-1) != valid.sum(-1), ERR_DUPLICATE)
     tiles = TilePlan(
         tile_idx=torch.where(in_range, idx, 0),
         tile_cnt=cnt,
