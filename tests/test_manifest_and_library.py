@@ -111,6 +111,8 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     kernel = _library.Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
     plan = [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
             torch.zeros(2, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)]
+    with pytest.raises(ValueError, match="mTileCnt: shape"):
+        kernel.bind(plan[0], plan[1], torch.zeros(2, 3, 4, dtype=torch.int32)[..., 0], plan[3], 0.5)
     bound = kernel.bind(*plan, 0.5)
     q = torch.zeros(4, 96, 128, dtype=torch.bfloat16)  # HND: 4 heads, 96 tokens
     lse = torch.zeros(4, 96)

@@ -140,3 +140,19 @@ def test_blocks_are_tiles_shortcut_matches_the_general_path():
     slow = planner.plan_tiles(mask, sizes, sizes, 1000, 1000, 4)
     for a, b in zip(fast.tensors(), slow.tensors()):
         assert torch.equal(a, b)
+
+
+def test_plan_tensors_have_the_kernel_abi_strides():
+    """The kernels take tile_cnt, tile_len and work with unit inner stride (family ABI)."""
+    mask = torch.rand(2, 16, 16, generator=torch.Generator().manual_seed(2)) < 0.4
+    sizes = uniform(2, 1000, 64)
+    sel = torch.randint(0, 16, (4, 16, 3), dtype=torch.int32)[::2]
+    plans = [
+        planner.plan_tiles(mask, sizes, sizes, 1000, 1000, 4, blocks_are_tiles=True),
+        planner.plan_tiles(mask, sizes, sizes, 1000, 1000, 4),
+        planner.plan_selected_tiles(sel, None, 16, 1000, 1000, 4)[0],
+    ]
+    for plan in plans:
+        assert plan.tile_idx.stride(-1) == 1
+        assert plan.tile_cnt.stride(-1) == 1 and plan.tile_len.is_contiguous() and plan.work.is_contiguous()
+        assert plan.tile_idx.dtype == plan.tile_cnt.dtype == plan.tile_len.dtype == plan.work.dtype == torch.int32

@@ -96,8 +96,16 @@ class Kernel:
 
 
 def _tensor_words(spec: dict, tensor) -> list[int]:
-    """Pointer, run-time extents, run-time strides."""
+    """Pointer, run-time extents, run-time strides; compile-time ones must match the ABI."""
     shape, stride = tensor.shape, tensor.stride()
+    for i, (want_extent, want_stride) in enumerate(zip(spec["shape"], spec["stride"])):
+        if (want_extent is not None and shape[i] != want_extent) or (
+            want_stride is not None and stride[i] != want_stride
+        ):
+            raise ValueError(
+                f"{spec['name']}: shape {tuple(shape)} / strides {stride} do not fit the kernel's "
+                f"{spec['shape']} / {spec['stride']}"
+            )
     return (
         [tensor.data_ptr()]
         + [shape[i] for i, s in enumerate(spec["shape"]) if s is None]

@@ -22,7 +22,7 @@ TILE = 64
 
 @dataclass
 class TilePlan:
-    tile_idx: torch.Tensor  # (Hkv, R, T) int32, first tile_cnt entries valid, ascending
+    tile_idx: torch.Tensor  # (Hkv, R, T) int32: the first tile_cnt entries are read
     tile_cnt: torch.Tensor  # (Hkv, R) int32
     tile_len: torch.Tensor  # (NT,) int32 valid keys per tile
     work: torch.Tensor  # (Hq * R,) int32 unit ids h * R + r, longest list first
@@ -62,6 +62,8 @@ def tile_lengths(seq_k: int, device, kv_block_lens=None, kv_block_size: int = TI
     kv_block_lens (NB,) applies to uniform key blocks of kv_block_size tokens: block b holds
     valid keys b*C .. b*C + len_b - 1.
     """
+    if kv_block_lens is None and seq_k % TILE == 0:
+        return torch.full((seq_k // TILE,), TILE, device=device, dtype=torch.int32)
     start = torch.arange(num_tiles(seq_k), device=device, dtype=torch.int64) * TILE
     length = (seq_k - start).clamp(0, TILE)
     if kv_block_lens is not None:
@@ -69,7 +71,7 @@ def tile_lengths(seq_k: int, device, kv_block_lens=None, kv_block_size: int = TI
         block = (start // kv_block_size).clamp_max(lens.numel() - 1)
         valid_end = block * kv_block_size + lens[block]
         length = torch.minimum(length, (valid_end - start).clamp(0, TILE))
-    return length
+    return length.to(torch.int32)
 
 
 def plan_tiles(
@@ -104,18 +106,16 @@ def plan_tiles(
     if kv_block_lens is not None:  # only kv_block_lens leaves tiles with no valid key
         listed = listed & (tile_len > 0)
 
-    # Compact each row: listed tile t goes to position (number of listed tiles before it),
-    # unlisted ones to a spare column. int64 from the start: scatter_ wants int64 indices.
-    position = torch.cumsum(listed, dim=-1, dtype=torch.int64)
-    position.sub_(1).masked_fill_(~listed, n_tiles)
-    tile_idx = torch.zeros(hkv, n_units, n_tiles + 1, device=device, dtype=torch.int32)
-    tile_ids = torch.arange(n_tiles, device=device, dtype=torch.int32).expand(hkv, n_units, -1)
-    tile_idx.scatter_(2, position, tile_ids)
-    tile_cnt = listed.sum(dim=-1, dtype=torch.int32)
+    # Compact each row with a prefix sum and a search: the j-th listed tile is the first t
+    # whose inclusive count reaches j + 1 (entries past the row's count are not read).
+    count = torch.cumsum(listed, dim=-1, dtype=torch.int32)
+    ranks = torch.arange(1, n_tiles + 1, device=device, dtype=torch.int32).repeat(hkv, n_units, 1)
+    tile_idx = torch.searchsorted(count, ranks, out_int32=True)
+    tile_cnt = count[..., -1].contiguous()
     return TilePlan(
-        tile_idx=tile_idx[..., :n_tiles],
+        tile_idx=tile_idx,
         tile_cnt=tile_cnt,
-        tile_len=tile_len.to(torch.int32),
+        tile_len=tile_len,
         work=longest_first(tile_cnt, num_qo_heads // hkv),
         seq_q=seq_q,
         seq_k=seq_k,
@@ -126,7 +126,7 @@ def plan_tiles(
 
 def longest_first(tile_cnt: torch.Tensor, group: int) -> torch.Tensor:
     """Unit ids h * R + r of every query head's units, longest tile list first."""
-    unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+    unit_cnt = (tile_cnt if group == 1 else tile_cnt.repeat_interleave(group, dim=0)).reshape(-1)
     return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
 
 
@@ -160,7 +160,7 @@ def plan_selected_tiles(
     tiles = TilePlan(
         tile_idx=torch.where(in_range, idx, 0),
         tile_cnt=cnt,
-        tile_len=tile_lengths(seq_k, device, kv_block_lens).to(torch.int32),
+        tile_len=tile_lengths(seq_k, device, kv_block_lens),
         work=longest_first(cnt, num_qo_heads // h),
         seq_q=seq_q,
         seq_k=seq_k,

@@ -357,8 +357,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
-        col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
+        if direct is None:
+            row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
+            col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
