@@ -3,9 +3,11 @@
     BlockSparseAttentionWrapper          BSR / per-head block mask / direct selections, NHD
     VariableBlockSparseAttentionWrapper  per-kv-head block masks with variable block sizes, HND
 
-plan() validates everything and builds the kernels' tile lists on the GPU; run() checks the
-tensors it is given and launches on the current stream, allocating nothing when out= (and
-lse=, if return_lse) are given.
+plan() checks its arguments and builds the kernels' tile lists on the GPU without a host
+synchronisation; checks that need the values of GPU index tensors finish on the GPU and are
+raised by check_plan() or the next run() (validation.py). run() checks the tensors it is
+given and launches on the current stream, allocating nothing when out= (and lse=, if
+return_lse) are given.
 
 SPARSEFORGE_VARIANT=<variant name> (see `python -m sparseforge info` / manifest.json) forces
 one kernel variant, for tuning and debugging; it must fit the plan.
