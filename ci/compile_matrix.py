@@ -20,7 +20,11 @@ from pathlib import Path
 EM_CUDA = 190
 REQUIRED_SMS = (90, 100, 120)
 # Kernel class of each template, as it appears in its cubin's symbol names.
-TEMPLATE_KERNEL = {"warp_mma": b"BlockSparseFwdWarpMma", "sm90_wgmma": b"BlockSparseFwdSm90"}
+TEMPLATE_KERNEL = {
+    "warp_mma": b"BlockSparseFwdWarpMma",
+    "sm90_wgmma": b"BlockSparseFwdSm90",
+    "tile_compact": b"TileCompact",
+}
 ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}
 
 

@@ -36,6 +36,7 @@ def cutlass_dtype(name: str, variant: Variant):
         "fp16": cutlass.Float16,
         "f32": cutlass.Float32,
         "i32": cutlass.Int32,
+        "u8": cutlass.Uint8,
     }[name]
 
 
@@ -54,7 +55,7 @@ def fake_args(variant: Variant) -> list:
         stride = tuple(
             cute.sym_int64(divisibility=arg.divisibility) if s is None else s for s in arg.stride
         )
-        align = 16 if arg.divisibility * dtype.width >= 128 else dtype.width // 8
+        align = 16 if arg.divisibility * dtype.width >= 128 else max(1, dtype.width // 8)
         args.append(cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align))
     args.append(cute.runtime.make_fake_stream())
     return args

@@ -76,8 +76,23 @@ def _abi_block_sparse_fwd(head_dim: int):
     )
 
 
+def _abi_tile_compact(head_dim=None):
+    """Arguments of the planner's row compaction (one warp per row).
+
+      mListed  (Hkv, R, NT)  uint8, 1 where tile t is listed for (kv head, 64-row unit)
+      mTileIdx (Hkv, R, NT)  int32 out: the listed tile ids of each row, ascending
+      mTileCnt (Hkv, R)      int32 out: how many
+    """
+    return (
+        TensorArg("mListed", "u8", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
+    )
+
+
 FAMILY_ABI = {
     "block_sparse_fwd": _abi_block_sparse_fwd,
+    "tile_compact": _abi_tile_compact,
 }
 
 
@@ -86,12 +101,13 @@ class Variant:
     family: str
     template: str  # module name under generator/kernels
     arch: str
-    dtype: str
-    head_dim: int
+    dtype: str | None = None  # element type of the attention operands
+    head_dim: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.family}__{self.template}__{self.dtype}_d{self.head_dim}__{self.arch}"
+        config = f"{self.dtype}_d{self.head_dim}" if self.dtype else "any"
+        return f"{self.family}__{self.template}__{config}__{self.arch}"
 
     @property
     def abi(self):
@@ -113,11 +129,16 @@ _TEMPLATES = {
         "sm_100a": ("warp_mma",),
         "sm_120a": ("warp_mma",),
     },
+    # Plain CUDA-core code: the same template on every arch.
+    "tile_compact": {arch: ("tile_compact",) for arch in ALL_ARCHS},
 }
 
 _CONFIGS = {
-    template: [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)]
-    for template in ("warp_mma", "sm90_wgmma")
+    **{
+        template: [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)]
+        for template in ("warp_mma", "sm90_wgmma")
+    },
+    "tile_compact": [{}],
 }
 
 

@@ -159,3 +159,20 @@ def test_torch_compile_fullgraph_runs_the_kernel():
     tokens = reference.block_mask_to_token_mask(mask.cpu(), sizes.cpu(), sizes.cpu())
     ref, _ = reference.attention(q, k, v, tokens.to(DEV), compute_dtype=torch.float32)
     assert float((got / 2 - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_tile_compact_kernel_matches_the_torch_compaction():
+    from sparseforge import planner
+
+    for shape, density in (((3, 40, 517), 0.3), ((2, 7, 64), 0.9), ((1, 5, 31), 0.0)):
+        listed = torch.rand(shape, generator=torch.Generator().manual_seed(5)) < density
+        want_idx, want_cnt = planner.compact_rows(listed)
+        got_idx, got_cnt = planner.compact_rows(listed.to(DEV))
+        assert torch.equal(got_cnt.cpu(), want_cnt)
+        for h in range(shape[0]):
+            for r in range(shape[1]):
+                n = int(want_cnt[h, r])
+                assert torch.equal(got_idx[h, r, :n].cpu(), want_idx[h, r, :n])
+    expanded = (torch.rand(1, 6, 70, generator=torch.Generator().manual_seed(6)) < 0.5).expand(4, -1, -1)
+    got_idx, got_cnt = planner.compact_rows(expanded.to(DEV))  # stride-0 head mode, as BSR plans pass
+    assert torch.equal(got_cnt.cpu(), expanded.sum(-1, dtype=torch.int32))

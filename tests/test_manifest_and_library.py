@@ -22,7 +22,8 @@ def test_manifest_schema():
     for index, v in enumerate(m["variants"]):
         assert set(v) == {"name", "family", "template", "arch", "params", "entry", "abi"}
         assert v["entry"] == index and v["arch"] in m["archs"]
-        config = f"{v['params']['dtype']}_d{v['params']['head_dim']}"
+        p = v["params"]
+        config = f"{p['dtype']}_d{p['head_dim']}" if p["dtype"] else "any"
         assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"
         for arg in v["abi"]:
             assert arg["kind"] in ("tensor", "scalar")
@@ -108,6 +109,7 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     monkeypatch.setattr(_library, "library", lambda: FakeLibrary())
     monkeypatch.setattr(_library, "_current_stream", lambda index: 7)
     v = next(v for v in _library.manifest()["variants"] if v["params"]["head_dim"] == 128)
+    assert [a["align"] for a in v["abi"][:5]] == [16, 16, 16, 16, 4]
     kernel = _library.Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
     plan = [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
             torch.zeros(2, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)]

@@ -111,28 +111,6 @@ def test_selection_errors():
     assert int(errors) == planner.ERR_Q2K_NUM | planner.ERR_INDEX_RANGE
 
 
-def test_direct_selection_plan_matches_the_mask_plan():
-    hkv, mb, topk, seq = 2, 16, 5, 1000
-    sel = torch.stack([torch.randperm(mb, generator=torch.Generator().manual_seed(i))[:topk] for i in range(hkv * mb)])
-    sel = sel.view(hkv, mb, topk).to(torch.int32)
-    num = torch.randint(0, topk + 1, (hkv, mb), generator=torch.Generator().manual_seed(1)).to(torch.int32)
-    direct, errors = planner.plan_selected_tiles(sel, num, mb, seq, seq, hkv * 2)
-    assert int(errors) == 0
-    mask, _ = planner.selection_block_mask(sel, num, mb)
-    via_mask = planner.plan_tiles(mask, uniform(hkv, seq, 64), uniform(hkv, seq, 64), seq, seq, hkv * 2, blocks_are_tiles=True)
-    assert torch.equal(tiles_to_token_mask(direct), tiles_to_token_mask(via_mask))
-    assert torch.equal(direct.tile_cnt, via_mask.tile_cnt)
-
-
-def test_direct_selection_plan_flags_and_neutralises_bad_entries():
-    sel = torch.tensor([[[0, 7, 2], [1, 1, 0]]], dtype=torch.int32)
-    tiles, errors = planner.plan_selected_tiles(sel, torch.tensor([[3, 2]], dtype=torch.int32), 4, 128, 256, 1)
-    assert int(errors) == planner.ERR_INDEX_RANGE | planner.ERR_DUPLICATE
-    assert int(tiles.tile_idx.max()) < 4
-    _, errors = planner.plan_selected_tiles(sel[:, 1:], torch.tensor([[5]], dtype=torch.int32), 4, 128, 256, 1)
-    assert int(errors) == planner.ERR_Q2K_NUM | planner.ERR_DUPLICATE
-
-
 def test_blocks_are_tiles_shortcut_matches_the_general_path():
     mask = torch.rand(2, 16, 16, generator=torch.Generator().manual_seed(8)) < 0.4
     sizes = uniform(2, 1000, 64)
@@ -146,11 +124,9 @@ def test_plan_tensors_have_the_kernel_abi_strides():
     """The kernels take tile_cnt, tile_len and work with unit inner stride (family ABI)."""
     mask = torch.rand(2, 16, 16, generator=torch.Generator().manual_seed(2)) < 0.4
     sizes = uniform(2, 1000, 64)
-    sel = torch.randint(0, 16, (4, 16, 3), dtype=torch.int32)[::2]
     plans = [
         planner.plan_tiles(mask, sizes, sizes, 1000, 1000, 4, blocks_are_tiles=True),
         planner.plan_tiles(mask, sizes, sizes, 1000, 1000, 4),
-        planner.plan_selected_tiles(sel, None, 16, 1000, 1000, 4)[0],
     ]
     for plan in plans:
         assert plan.tile_idx.stride(-1) == 1

@@ -136,15 +136,15 @@ class BoundLaunch:
         for spec in kernel.abi[: self.num_dynamic]:
             shape = [i for i, s in enumerate(spec["shape"]) if s is None]
             stride = [i for i, s in enumerate(spec["stride"]) if s is None]
-            self.dynamic_modes[False].append((shape, stride, spec["name"]))
-            self.dynamic_modes[True].append((swap(shape), swap(stride), spec["name"]))
+            self.dynamic_modes[False].append((shape, stride, spec["name"], spec["align"]))
+            self.dynamic_modes[True].append((swap(shape), swap(stride), spec["name"], spec["align"]))
         static_words = []
         for spec, value in zip(kernel.abi[self.num_dynamic :], static_args, strict=True):
             if spec["kind"] == "scalar":
                 static_words.append(_scalar_word(spec, value))
             else:
                 static_words.extend(_tensor_words(spec, value))
-        self.dynamic_len = sum(1 + len(shape) + len(stride) for shape, stride, _ in self.dynamic_modes[False])
+        self.dynamic_len = sum(1 + len(shape) + len(stride) for shape, stride, _, _ in self.dynamic_modes[False])
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
@@ -154,10 +154,10 @@ class BoundLaunch:
         """Launch on the current stream with `tensors` as the leading arguments; swap01 passes
         each as its (1, 0)-transposed view."""
         words = []
-        for (shape_modes, stride_modes, name), tensor in zip(self.dynamic_modes[swap01], tensors):
+        for (shape_modes, stride_modes, name, align), tensor in zip(self.dynamic_modes[swap01], tensors):
             pointer = tensor.data_ptr()
-            if pointer % 16:
-                raise ValueError(f"{name} must be 16-byte aligned, got address {pointer:#x}")
+            if pointer % align:
+                raise ValueError(f"{name} must be {align}-byte aligned, got address {pointer:#x}")
             shape, stride = tensor.shape, tensor.stride()
             words.append(pointer)
             words.extend([shape[i] for i in shape_modes])

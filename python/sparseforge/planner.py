@@ -13,6 +13,7 @@ longest list first. All of it is torch arithmetic: no Python loop over heads or 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,12 +107,7 @@ def plan_tiles(
     if kv_block_lens is not None:  # only kv_block_lens leaves tiles with no valid key
         listed = listed & (tile_len > 0)
 
-    # Compact each row with a prefix sum and a search: the j-th listed tile is the first t
-    # whose inclusive count reaches j + 1 (entries past the row's count are not read).
-    count = torch.cumsum(listed, dim=-1, dtype=torch.int32)
-    ranks = torch.arange(1, n_tiles + 1, device=device, dtype=torch.int32).repeat(hkv, n_units, 1)
-    tile_idx = torch.searchsorted(count, ranks, out_int32=True)
-    tile_cnt = count[..., -1].contiguous()
+    tile_idx, tile_cnt = compact_rows(listed)
     return TilePlan(
         tile_idx=tile_idx,
         tile_cnt=tile_cnt,
@@ -124,50 +120,37 @@ def plan_tiles(
     )
 
 
+def compact_rows(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_idx, tile_cnt) of a (Hkv, R, NT) bool tile mask: each row's listed tile ids,
+    ascending, and their count (entries past the count are not read).
+
+    On a GPU this is the tile_compact kernel (one warp per row); elsewhere a prefix sum and a
+    search: the j-th listed tile is the first t whose inclusive count reaches j + 1.
+    """
+    if listed.is_cuda:
+        tile_idx = torch.empty(listed.shape, device=listed.device, dtype=torch.int32)
+        tile_cnt = torch.empty(listed.shape[:2], device=listed.device, dtype=torch.int32)
+        _compact_launch(listed.device.index)((listed.view(torch.uint8), tile_idx, tile_cnt))
+        return tile_idx, tile_cnt
+    count = torch.cumsum(listed, dim=-1, dtype=torch.int32)
+    ranks = torch.arange(1, listed.shape[-1] + 1, dtype=torch.int32).repeat(*listed.shape[:2], 1)
+    return torch.searchsorted(count, ranks, out_int32=True), count[..., -1].contiguous()
+
+
+@functools.cache
+def _compact_launch(device_index: int):
+    from sparseforge._library import find_kernel
+    from sparseforge.arch import arch_for_device
+
+    kernel = find_kernel("tile_compact", arch_for_device(device_index))
+    kernel.prepare()
+    return kernel.bind()
+
+
 def longest_first(tile_cnt: torch.Tensor, group: int) -> torch.Tensor:
     """Unit ids h * R + r of every query head's units, longest tile list first."""
     unit_cnt = (tile_cnt if group == 1 else tile_cnt.repeat_interleave(group, dim=0)).reshape(-1)
     return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
-
-
-def plan_selected_tiles(
-    q2k_indices, q2k_num, num_col_blocks: int, seq_q: int, seq_k: int, num_qo_heads: int, kv_block_lens=None
-):
-    """The direct path for 64-token blocks: the selections are the tile lists.
-
-    q2k_indices (Hkv, MB, topk) and q2k_num (Hkv, MB) are used as they are (no dense mask, no
-    compaction); entries that are out of range are replaced by tile 0 so that no kernel
-    reads out of bounds, and reported in the error bits with duplicates and bad counts.
-    """
-    h, mb, topk = q2k_indices.shape
-    device = q2k_indices.device
-    idx = q2k_indices.to(torch.int32)
-    in_range = (idx >= 0) & (idx < num_col_blocks)
-    errors = torch.zeros((), device=device, dtype=torch.int32)
-    if q2k_num is None:
-        cnt = torch.full((h, mb), topk, device=device, dtype=torch.int32)
-        used = torch.ones_like(in_range)
-    else:
-        cnt = q2k_num.to(torch.int32).clamp(0, topk)
-        errors = errors + _flag(q2k_num != cnt, ERR_Q2K_NUM)
-        used = torch.arange(topk, device=device) < cnt.unsqueeze(-1)
-    valid = used & in_range
-    errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
-    # A duplicate shows as fewer distinct blocks than valid entries (a scatter, not a sort).
-    seen = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
-    seen.scatter_(2, torch.where(valid, idx, num_col_blocks).to(torch.int64), True)
-    errors = errors + _flag(seen[..., :num_col_blocks].sum(-1) != valid.sum(-1), ERR_DUPLICATE)
-    tiles = TilePlan(
-        tile_idx=torch.where(in_range, idx, 0),
-        tile_cnt=cnt,
-        tile_len=tile_lengths(seq_k, device, kv_block_lens),
-        work=longest_first(cnt, num_qo_heads // h),
-        seq_q=seq_q,
-        seq_k=seq_k,
-        num_qo_heads=num_qo_heads,
-        num_kv_heads=h,
-    )
-    return tiles, errors
 
 
 # Error bits of the data checks done on the GPU (see validation.py).
@@ -203,7 +186,7 @@ def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
     per_row.index_add_(0, torch.where(valid, rows, num_row_blocks), valid.to(torch.int64))
     errors = (
         _flag((cols < 0) | (cols >= num_col_blocks), ERR_INDEX_RANGE)
-        + _flag(per_row[:num_row_blocks] != mask.sum(-1), ERR_DUPLICATE)
+        + _flag(per_row[:num_row_blocks] != mask.sum(-1, dtype=torch.int64), ERR_DUPLICATE)
         + _flag(
             (ptr[0] != 0) | (ptr[-1] != indices.numel()) | (ptr[1:] < ptr[:-1]).any(), ERR_INDPTR
         )
@@ -229,7 +212,7 @@ def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
     mask.scatter_(2, torch.where(valid, idx, num_col_blocks), True)
     mask = mask[..., :num_col_blocks]
     errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
-    errors = errors + _flag(valid.sum(-1) != mask.sum(-1), ERR_DUPLICATE)
+    errors = errors + _flag(valid.sum(-1, dtype=torch.int32) != mask.sum(-1, dtype=torch.int32), ERR_DUPLICATE)
     return mask, errors
 
 

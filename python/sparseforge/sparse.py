@@ -305,7 +305,6 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         mb, nb = -(-M // R), N // C
         device = self._device
         group = num_qo_heads // num_kv_heads
-        direct = None  # tile lists built straight from q2k selections of 64-token blocks
         if kv_block_lens is not None:
             _check_index_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
 
@@ -318,12 +317,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             if q2k_num is not None:
                 _check_index_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, q2k_indices.device)
             # GQA: the first query head of each group selects for the group.
-            group_sel = q2k_indices[::group], None if q2k_num is None else q2k_num[::group]
-            if R == C == planner.TILE and self._backend != "torch" and q2k_indices.device == device:
-                direct, errors = planner.plan_selected_tiles(*group_sel, nb, M, N, num_qo_heads, kv_block_lens)
-                head_mask = None
-            else:
-                head_mask, errors = planner.selection_block_mask(*group_sel, nb)
+            head_mask, errors = planner.selection_block_mask(
+                q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
+            )
             source = "q2k_indices / q2k_num"
         elif block_mask is not None:
             if block_mask.dtype != torch.bool or block_mask.dim() != 3 or block_mask.shape[0] not in (num_qo_heads, num_kv_heads) or tuple(block_mask.shape[1:]) != (mb, nb):
@@ -350,8 +346,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
                 errors = errors + lens_errors
             kv_block_lens = kv_block_lens.to(device, non_blocking=non_blocking)
         self._report(errors, source, nb)
-        if head_mask is not None:
-            head_mask = head_mask.to(device, non_blocking=non_blocking)
+        head_mask = head_mask.to(device, non_blocking=non_blocking)
 
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
@@ -359,13 +354,12 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        if direct is None:
-            row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
-            col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
+        row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
+        col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
         if path == "torch":
             plan["token_mask"] = _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens)
         else:
-            tiles = direct if direct is not None else planner.plan_tiles(
+            tiles = planner.plan_tiles(
                 head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C,
                 blocks_are_tiles=R == C == planner.TILE,
             )
