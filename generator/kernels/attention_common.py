@@ -14,6 +14,11 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+def element_type(name: str):
+    """The cutlass numeric type of a catalog dtype name."""
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+
+
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     """View an MMA accumulator fragment as (rows of this thread, columns of this thread).
 

@@ -28,6 +28,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from generator.kernels.attention_common import (
+    element_type,
     acc_mn_view,
     mask_columns,
     new_softmax_state,
@@ -366,7 +367,7 @@ class BlockSparseFwdSm90:
 
 
 def make_kernel(variant):
-    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
+    dtype = element_type(variant.dtype)
     if not BlockSparseFwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} not supported")
     return BlockSparseFwdSm90(dtype, variant.head_dim)

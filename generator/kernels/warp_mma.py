@@ -23,6 +23,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.kernels.attention_common import (
+    element_type,
     acc_mn_view,
     mask_columns,
     new_softmax_state,
@@ -302,7 +303,7 @@ class BlockSparseFwdWarpMma:
 
 
 def make_kernel(variant):
-    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
+    dtype = element_type(variant.dtype)
     if not BlockSparseFwdWarpMma.can_implement(variant.head_dim):
         raise ValueError(f"warp_mma: head_dim {variant.head_dim} not supported")
     return BlockSparseFwdWarpMma(dtype, variant.head_dim)
