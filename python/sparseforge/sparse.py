@@ -217,9 +217,8 @@ class _BlockSparseBase:
             launch((q, k, v, out, lse), swap01=hnd)
 
     def _check_run_inputs(self, q, k, v, q_shape, kv_shape):
+        """After run() has checked that a plan exists."""
         plan = self._plan
-        if plan is None:
-            raise RuntimeError("plan() must be called before run()")
         if not torch.compiler.is_compiling():
             self._checks.raise_if_found()
         for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
