@@ -34,6 +34,7 @@ def cutlass_dtype(name: str, variant: Variant):
     return {
         "bf16": cutlass.BFloat16,
         "fp16": cutlass.Float16,
+        "e4m3": cutlass.Float8E4M3FN,
         "f32": cutlass.Float32,
         "i32": cutlass.Int32,
         "u8": cutlass.Uint8,

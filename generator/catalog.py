@@ -16,6 +16,7 @@ ALL_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 
 # Element types by short name; the templates map them to cutlass numeric types.
 DTYPES = ("bf16", "fp16")
+SAGE_DTYPES = ("e4m3",)  # Sage FP8: e4m3 q/k/v with fp32 scales, bf16 output
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,41 @@ def _abi_block_sparse_fwd(head_dim: int):
     )
 
 
+def _abi_sage_fp8_fwd(head_dim: int):
+    """Arguments of the Sage FP8 block-sparse forward kernels (all templates).
+
+    Same units and tiles as block_sparse_fwd. Scores are (q8 . k8) * q_scale[row] *
+    k_scale[key // 16] * sm_scale; the output is (P V8) * v_scale[channel], in bf16.
+      mQ         (Sq, Hq, D)    e4m3, unit stride on D
+      mK         (Sk, Hkv, D)   e4m3, unit stride on D
+      mVt        (D, Sk, Hkv)   e4m3, unit stride on the keys (V transposed: the K-major
+                                B operand of P V that e4m3 MMAs need)
+      mO         (Sq, Hq, D)    bf16
+      mLSE       (Sq, Hq)       fp32, natural log
+      mQScale    (Sq, Hq)       fp32 per query token
+      mKScale    (G, Hkv)       fp32 per 16 keys, G = ceil(Sk / 16)
+      mVScale    (D, Hkv)       fp32 per channel
+      mWork, mTileIdx, mTileCnt, mTileLen, scale_log2 as in block_sparse_fwd.
+    The leading five are per run(); the scales and the plan are bound by plan().
+    """
+    fp8 = dict(divisibility=16)
+    return (
+        TensorArg("mQ", "input", shape=(None, None, head_dim), stride=(None, None, 1), **fp8),
+        TensorArg("mK", "input", shape=(None, None, head_dim), stride=(None, None, 1), **fp8),
+        TensorArg("mVt", "input", shape=(head_dim, None, None), stride=(None, 1, None), **fp8),
+        TensorArg("mO", "bf16", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8),
+        TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None)),
+        TensorArg("mQScale", "f32", shape=(None, None), stride=(None, None)),
+        TensorArg("mKScale", "f32", shape=(None, None), stride=(None, None)),
+        TensorArg("mVScale", "f32", shape=(head_dim, None), stride=(None, None)),
+        TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
+        ScalarArg("scale_log2", "f32"),
+    )
+
+
 def _abi_tile_compact(head_dim=None):
     """Arguments of the planner's row compaction (one warp per row).
 
@@ -92,6 +128,7 @@ def _abi_tile_compact(head_dim=None):
 
 FAMILY_ABI = {
     "block_sparse_fwd": _abi_block_sparse_fwd,
+    "sage_fp8_fwd": _abi_sage_fp8_fwd,
     "tile_compact": _abi_tile_compact,
 }
 
@@ -129,6 +166,13 @@ _TEMPLATES = {
         "sm_100a": ("warp_mma",),
         "sm_120a": ("warp_mma",),
     },
+    # e4m3 wgmma on Hopper; the portable e4m3 mma.sync template elsewhere (native QMMA on
+    # sm_120a, emulated on sm_90a/sm_100a: built there to be run on the H200 / for coverage).
+    "sage_fp8_fwd": {
+        "sm_90a": ("sm90_sage_fp8", "warp_mma_fp8"),
+        "sm_100a": ("warp_mma_fp8",),
+        "sm_120a": ("warp_mma_fp8",),
+    },
     # Plain CUDA-core code: the same template on every arch.
     "tile_compact": {arch: ("tile_compact",) for arch in ALL_ARCHS},
 }
@@ -137,6 +181,10 @@ _CONFIGS = {
     **{
         template: [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)]
         for template in ("warp_mma", "sm90_wgmma")
+    },
+    **{
+        template: [dict(dtype=dtype, head_dim=hd) for dtype in SAGE_DTYPES for hd in (64, 128)]
+        for template in ("warp_mma_fp8", "sm90_sage_fp8")
     },
     "tile_compact": [{}],
 }

@@ -34,8 +34,8 @@ def bsr_args(M=256, N=256, R=64, C=64, hq=4, hkv=2, d=128):
         (dict(packed_mask=torch.ones(8, dtype=torch.uint8)), "masks inside blocks"),
         (dict(kv_splits=4), "kv_splits=4 is not supported"),
         (dict(use_clc=True), "use_clc=True"),
-        (dict(q_data_type=torch.float8_e4m3fn), "Sage FP8"),
-        (dict(q_scale=torch.ones(1)), "q_scale="),
+        (dict(q_data_type=torch.float8_e4m3fn), "needs q_scale, k_scale and v_scale; missing q_scale, k_scale, v_scale"),
+        (dict(q_scale=torch.ones(1)), "q_scale are for q_data_type=torch.float8_e4m3fn"),
         (dict(q_data_type="int8"), "q_data_type='int8' is not a dtype"),
         (dict(q_data_type=torch.float16, o_data_type=torch.bfloat16), "o_data_type"),
         (dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), "kv_data_type"),
@@ -213,7 +213,7 @@ def test_custom_op_compiles_fullgraph_on_cpu():
     torch.library.register_kernel("sparseforge::block_sparse_fwd", "cpu", lambda *args: None)
 
     def attend(q, k, v, out, lse, work, tile_idx, tile_cnt, tile_len):
-        torch.ops.sparseforge.block_sparse_fwd(q, k, v, out, lse, work, tile_idx, tile_cnt, tile_len, 0, True)
+        torch.ops.sparseforge.block_sparse_fwd(q, k, v, out, lse, [work, tile_idx, tile_cnt, tile_len], 0, True)
         return out
 
     compiled = torch.compile(attend, fullgraph=True, backend=record)

@@ -16,7 +16,7 @@ LN_2 = math.log(2.0)
 
 def element_type(name: str):
     """The cutlass numeric type of a catalog dtype name."""
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[name]
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:

@@ -49,6 +49,9 @@ class BlockSparseFwdSm90:
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.v_major = OperandMajorMode.MN
+        self.kv_stages = KV_STAGES
+        self.ctas_per_sm = CTAS_PER_SM
         self.consumer_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
 
     @staticmethod
@@ -70,58 +73,17 @@ class BlockSparseFwdSm90:
         scale_log2: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        d = self.head_dim
-        # TMA views with the head last: Q, K as (seq, D, heads) (K-major operands) and V as
-        # (D, seq, heads), the MN-major B operand of O += P V.
-        q_view = cute.make_tensor(
-            mQ.iterator,
-            cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
-        )
-        k_view = cute.make_tensor(
-            mK.iterator,
-            cute.make_layout((mK.shape[0], d, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])),
-        )
         v_view = cute.make_tensor(
             mV.iterator,
-            cute.make_layout((d, mV.shape[0], mV.shape[1]), stride=(1, mV.stride[0], mV.stride[1])),
+            cute.make_layout((self.head_dim, mV.shape[0], mV.shape[1]), stride=(1, mV.stride[0], mV.stride[1])),
         )
-
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (TILE_M, TILE_N),
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (TILE_M, d), warpgroup.OperandSource.RMEM,
-        )
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1)
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, KV_STAGES)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), self.dtype, KV_STAGES)
-        # Output staging reuses sQ: plain 8x64 swizzled rows for 16-byte global stores.
-        sO_layout = cute.tile_to_shape(
-            cute.make_composed_layout(
-                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-            ),
-            (TILE_M, d),
-            (0, 1),
-        )
-
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, d)
-        )
-        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
-        )
-        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
-        )
-        tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, v_view)
 
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
@@ -134,9 +96,83 @@ class BlockSparseFwdSm90:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM,
+            min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )
+
+    def operands(self, mQ, mK, v_view):
+        """MMAs, shared-memory layouts and TMA atoms (trace time).
+
+        TMA views have the head last: Q, K as (seq, D, heads), the K-major operands of
+        S = Q K^T; `v_view` is V as (D, seq, heads), the B operand of O += P V, whose major
+        mode is `self.v_major` (MN for 16-bit V in its natural layout, K for e4m3).
+        """
+        d = self.head_dim
+        q_view = cute.make_tensor(
+            mQ.iterator,
+            cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
+        )
+        k_view = cute.make_tensor(
+            mK.iterator,
+            cute.make_layout((mK.shape[0], d, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])),
+        )
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (TILE_M, TILE_N),
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, self.v_major,
+            cutlass.Float32, (1, 1, 1), (TILE_M, d), warpgroup.OperandSource.RMEM,
+        )
+        v_enum = LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages)
+        # Output staging: plain 8x64 swizzled rows (16-bit) for 16-byte global stores.
+        sO_layout = cute.tile_to_shape(
+            cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            ),
+            (TILE_M, d),
+            (0, 1),
+        )
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, d)
+        )
+        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
+        )
+        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
+        )
+        tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+                sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes)
+
+    def unit(self, mWork, num_rows, num_qo_heads, num_kv_heads, mTileCnt):
+        """(head, 64-row chunk, kv head, listed tiles) of this CTA's unit."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_chunks = cute.ceil_div(num_rows, TILE_M)
+        unit = mWork[bidx]
+        head = unit // num_chunks
+        chunk = unit - head * num_chunks
+        kv_head = head // (num_qo_heads // num_kv_heads)
+        return head, chunk, kv_head, mTileCnt[kv_head, chunk]
+
+    def pipelines(self, storage, tile_bytes):
+        """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup."""
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
+        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
+            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
+        ).make_participants()
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_barriers.data_ptr(), num_stages=self.kv_stages,
+            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
+        ).make_participants()
+        return q_producer, q_consumer, kv_producer, kv_consumer
 
     @cute.kernel
     def kernel(
@@ -164,14 +200,8 @@ class BlockSparseFwdSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        num_chunks = cute.ceil_div(mO.shape[0], TILE_M)
-        unit = mWork[bidx]
-        head = unit // num_chunks
-        chunk = unit - head * num_chunks
-        kv_head = head // (mO.shape[1] // mK_tma.shape[2])
-        num_tiles = mTileCnt[kv_head, chunk]
+        head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -181,17 +211,7 @@ class BlockSparseFwdSm90:
         # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
         # layout (element units), not of the pointer (byte units, as for the wgmma operands).
         sO = storage.sQ.get_tensor(sO_layout)
-
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
-        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
-        ).make_participants()
-        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(), num_stages=KV_STAGES,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
-        ).make_participants()
+        q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
         if warp == PRODUCER_WARP:
             self.produce(
@@ -253,7 +273,6 @@ class BlockSparseFwdSm90:
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
         acc_O.fill(0.0)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
 
         q_handle = q_consumer.wait_and_advance()
@@ -273,7 +292,14 @@ class BlockSparseFwdSm90:
             warpgroup.wait_group(0)
             v_handle.release()
 
-        # Epilogue: normalise, LSE, O through shared memory (sQ is free now) to 16-byte stores.
+        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
+
+    @cute.jit
+    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
+        """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
+        d = self.head_dim
+        out_dtype = mO.element_type
+        tOcO_mn = acc_mn_view(pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d))))
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
         softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
         rows_left = mO.shape[0] - chunk * TILE_M
@@ -282,18 +308,18 @@ class BlockSparseFwdSm90:
             if tidx % 4 == 0 and row < rows_left:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_fragment_like(acc_O, out_dtype)
+        rO.store(acc_O.load().to(out_dtype))
         self.consumer_barrier.arrive_and_wait()
-        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), pv_mma)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma)
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
         self.consumer_barrier.arrive_and_wait()
 
-        elems = 128 // self.dtype.width
+        elems = 128 // out_dtype.width
         per_row = d // elems if d < 64 else 64 // elems
         store = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128),
             cute.make_layout((CONSUMER_THREADS // per_row, per_row), stride=(per_row, 1)),
             cute.make_layout((1, elems)),
         )
@@ -302,7 +328,7 @@ class BlockSparseFwdSm90:
         tOsO = thr_store.partition_S(sO)
         tOgO = thr_store.partition_D(gO)
         tOcO = thr_store.partition_D(cute.make_identity_tensor((TILE_M, d)))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        tOrO = cute.make_fragment_like(tOgO, out_dtype)
         cute.copy(store, tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             if tOcO[0, m, 0][0] < rows_left:

@@ -3,7 +3,8 @@
 Eager run() calls the bound launch directly (fewer microseconds per call); under
 torch.compile it calls `torch.ops.sparseforge.block_sparse_fwd`, whose fake implementation
 lets the compiler trace it. The op mutates `out` and `lse` and returns nothing. The plan's
-tensors are passed too, so the compiler sees every buffer the kernel reads.
+tensors (tile lists, Sage scales) are passed too, so the compiler sees every buffer the kernel
+reads.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ def block_sparse_fwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    work: torch.Tensor,
-    tile_idx: torch.Tensor,
-    tile_cnt: torch.Tensor,
-    tile_len: torch.Tensor,
+    plan_tensors: list[torch.Tensor],
     launch_id: int,
     hnd: bool,
 ) -> None:
@@ -45,5 +43,5 @@ def block_sparse_fwd(
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, out, lse, work, tile_idx, tile_cnt, tile_len, launch_id, hnd) -> None:
+def _(q, k, v, out, lse, plan_tensors, launch_id, hnd) -> None:
     return None

@@ -91,3 +91,13 @@ def uniform_sizes(total: int, block: int):
     sizes = torch.full((n,), block, dtype=torch.int64)
     sizes[-1] = total - block * (n - 1)
     return sizes
+
+
+def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
+    """fp32 q, k, v (HND) of Sage FP8 tensors: q8 (Hq, Sq, D) * q_scale (1, Hq, Sq) per token,
+    k8 (Hkv, Sk, D) * k_scale (1, Hkv, ceil(Sk / 16)) per 16 keys, v8 * v_scale (Hkv, D) per channel."""
+    sk = k8.shape[1]
+    q = q8.to(dtype) * q_scale[0].to(dtype).unsqueeze(-1)
+    k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(16, dim=-1)[:, :sk].unsqueeze(-1)
+    v = v8.to(dtype) * v_scale.to(dtype).unsqueeze(1)
+    return q, k, v

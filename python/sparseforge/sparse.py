@@ -36,6 +36,10 @@ from sparseforge.errors import VariantNotBuiltError
 
 LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
+SAGE_FAMILY = "sage_fp8_fwd"
+SAGE_DTYPE = torch.float8_e4m3fn
+# Preferred template of each family on sm_90a, then the portable one.
+_TEMPLATES = {FAMILY: ("sm90_wgmma", "warp_mma"), SAGE_FAMILY: ("sm90_sage_fp8", "warp_mma_fp8")}
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
 BACKENDS = ("auto", "torch", "warp_mma", *KERNEL_BACKENDS)
 
@@ -48,7 +52,7 @@ _DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "e4m3": torch.float8_e4m3fn,
 }
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", SAGE_DTYPE: "e4m3"}
 
 
 def _as_dtype(value, name: str) -> torch.dtype:
@@ -57,14 +61,14 @@ def _as_dtype(value, name: str) -> torch.dtype:
     elif isinstance(value, str) and value.replace("torch.", "") in _DTYPES:
         dtype = _DTYPES[value.replace("torch.", "")]
     else:
-        raise ValueError(f"{name}={value!r} is not a dtype; use torch.float16 or torch.bfloat16")
-    if dtype == torch.float8_e4m3fn:
-        raise NotImplementedError(
-            f"{name}=float8_e4m3fn (Sage FP8) is not in this release of sparseforge; "
-            "use torch.float16 or torch.bfloat16"
+        raise ValueError(
+            f"{name}={value!r} is not a dtype; use torch.float16, torch.bfloat16 or torch.float8_e4m3fn"
         )
     if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{name}={dtype} is not supported; use torch.float16 or torch.bfloat16")
+        raise ValueError(
+            f"{name}={dtype} is not supported; use torch.float16, torch.bfloat16 or "
+            "torch.float8_e4m3fn (Sage FP8)"
+        )
     return dtype
 
 
@@ -73,9 +77,26 @@ def _reject(name: str, value, allowed=(None,), why: str = "is not supported by s
         raise NotImplementedError(f"{name}={value!r} {why}")
 
 
-def _reject_sage_scales(q_scale, k_scale, v_scale):
-    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        _reject(name, value, (None,), "(Sage FP8) is not in this release of sparseforge")
+def _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, seq_q, seq_k, head_dim, device):
+    """The Sage FP8 scales as the kernel's (tokens, heads) views, or None for 16-bit plans.
+
+    The three are given with q_data_type=torch.float8_e4m3fn, or none of them at all."""
+    given = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+    if dtype != SAGE_DTYPE:
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} are for q_data_type=torch.float8_e4m3fn (Sage FP8) only")
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"q_data_type=float8_e4m3fn (Sage FP8) needs q_scale, k_scale and v_scale; missing "
+            f"{', '.join(missing)} (sparseforge.sage_fp8_quantize makes all three)"
+        )
+    _check_tensor("q_scale", q_scale, (1, num_qo_heads, seq_q), torch.float32, device)
+    _check_tensor("k_scale", k_scale, (1, num_kv_heads, -(-seq_k // 16)), torch.float32, device)
+    _check_tensor("v_scale", v_scale, (num_kv_heads, head_dim), torch.float32, device)
+    return q_scale[0].t(), k_scale[0].t(), v_scale.t()
 
 
 def _check_common_options(
@@ -117,8 +138,25 @@ def _check_kernel_operand(name, t):
     stride = t.stride()
     if stride[-1] != 1:
         raise ValueError(f"{name} must have unit stride on head_dim, got strides {stride}")
-    if stride[0] % 8 or stride[1] % 8:
-        raise ValueError(f"{name} must have strides that are multiples of 8 elements, got {stride}")
+    per_16_bytes = 16 // t.element_size()
+    if stride[0] % per_16_bytes or stride[1] % per_16_bytes:
+        raise ValueError(
+            f"{name} must have strides that are multiples of {per_16_bytes} elements (16 bytes), got {stride}"
+        )
+
+
+def _keys_contiguous(v):
+    """Sage V (Sk, Hkv, D) with unit stride on the keys, as e4m3 MMAs need V K-major.
+
+    sparseforge.sage_fp8_quantize returns v in that layout (a transposed view), which is used
+    as is; any other layout is transposed here into a new buffer (one extra pass over V)."""
+    sk, hkv, d = v.shape
+    if v.stride(0) == 1 and v.stride(1) % 16 == 0 and v.stride(2) % 16 == 0:
+        return v
+    keys = -(-sk // 16) * 16
+    buf = torch.zeros((hkv, d, keys), dtype=v.dtype, device=v.device)
+    buf[:, :, :sk].copy_(v.permute(1, 2, 0))
+    return buf[:, :, :sk].permute(2, 0, 1)
 
 
 class _BlockSparseBase:
@@ -174,7 +212,9 @@ class _BlockSparseBase:
         return dtype, scale
 
     def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim):
-        """(path, kernel) for this plan; errors or warns per the backend rules above."""
+        """(path, kernel) for this plan; errors or warns per the backend rules above.
+
+        float8_e4m3fn plans use the sage_fp8_fwd family, 16-bit ones block_sparse_fwd."""
         if self._backend == "torch":
             return "torch", None
         if not kernel_ok:
@@ -186,22 +226,24 @@ class _BlockSparseBase:
             raise ValueError(f"the workspace buffer is on {self._device}; sparseforge kernels need a CUDA device")
         arch = arch_for_device(self._device.index if self._device.index is not None else torch.cuda.current_device())
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
+        family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
+        native, portable = _TEMPLATES[family]
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
-            kernel = find_kernel_by_name(forced, FAMILY, arch, **params)
+            kernel = find_kernel_by_name(forced, family, arch, **params)
         elif self._backend == "warp_mma":
-            kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
+            kernel = find_kernel(family, arch, template=portable, **params)
         else:
             try:
-                kernel = find_kernel(FAMILY, arch, template="sm90_wgmma", **params)
+                kernel = find_kernel(family, arch, template=native, **params)
             except VariantNotBuiltError:
-                kernel = find_kernel(FAMILY, arch, template="warp_mma", **params)
+                kernel = find_kernel(family, arch, template=portable, **params)
         kernel.prepare()
         return kernel.template, kernel
 
     def _bind(self, plan, kernel, tiles, lse_shape) -> None:
         """Pack the plan's arguments once; a scratch LSE lets run() without lse allocate nothing."""
-        plan["launch"] = kernel.bind(*tiles.tensors(), plan["scale_log2"])
+        plan["launch"] = kernel.bind(*(plan["scales"] or ()), *tiles.tensors(), plan["scale_log2"])
         plan["launch_id"] = ops.register(plan["launch"])
         plan["lse_scratch"] = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
 
@@ -209,9 +251,16 @@ class _BlockSparseBase:
     def _run_kernel(self, q, k, v, out, lse, hnd: bool):
         """Launch on the current stream; hnd: the tensors are (heads, seq, ...) views."""
         launch = self._plan["launch"]
+        if self._plan["scales"] is not None:
+            # The Sage ABI takes V transposed, (D, Sk, Hkv) with unit key stride; the others
+            # are passed as (seq, heads, ...) views.
+            v = _keys_contiguous(v.transpose(0, 1) if hnd else v).permute(2, 0, 1)
+            if hnd:
+                q, k, out, lse = q.transpose(0, 1), k.transpose(0, 1), out.transpose(0, 1), lse.t()
+            hnd = False
         if torch.compiler.is_compiling():
             torch.ops.sparseforge.block_sparse_fwd(
-                q, k, v, out, lse, *launch.static_tensors, self._plan["launch_id"], hnd
+                q, k, v, out, lse, list(launch.static_tensors), self._plan["launch_id"], hnd
             )
         else:
             launch((q, k, v, out, lse), swap01=hnd)
@@ -223,15 +272,15 @@ class _BlockSparseBase:
             self._checks.raise_if_found()
         for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
             _check_tensor(name, t, shape, plan["dtype"], self._device)
-            if plan["path"] != "torch":
+            if plan["path"] != "torch" and not (name == "v" and plan["scales"] is not None):
                 _check_kernel_operand(name, t)
 
     def _outputs(self, out, lse, out_shape, lse_shape, return_lse):
         plan = self._plan
         if out is None:
-            out = torch.empty(out_shape, dtype=plan["dtype"], device=self._device)
+            out = torch.empty(out_shape, dtype=plan["out_dtype"], device=self._device)
         else:
-            _check_tensor("out", out, out_shape, plan["dtype"], self._device)
+            _check_tensor("out", out, out_shape, plan["out_dtype"], self._device)
             if plan["path"] != "torch":
                 _check_kernel_operand("out", out)
         if lse is None and not return_lse and plan["path"] != "torch":
@@ -289,16 +338,17 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         _reject("packed_mask", packed_mask, (None,), "(masks inside blocks) is not supported: give whole blocks")
         _reject("kv_splits", kv_splits, (None, 1), "is not supported (no split-KV path)")
         _reject("use_clc", use_clc, (None,), "is an SM100 scheduler option; not supported")
-        _reject_sage_scales(q_scale, k_scale, v_scale)
         dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
-        if o_data_type is not None and _as_dtype(o_data_type, "o_data_type") != dtype:
+        out_dtype = _output_dtype(dtype)
+        if o_data_type is not None and _as_dtype(o_data_type, "o_data_type") != out_dtype:
             raise NotImplementedError(
-                f"o_data_type {o_data_type} differs from q_data_type {dtype}: the output is "
-                "written in the input dtype"
+                f"o_data_type {o_data_type} is not supported for q_data_type {dtype}: the output is "
+                f"written in {out_dtype}"
             )
         for name, value in (("M", M), ("N", N), ("R", R), ("C", C)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        scales = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, M, N, head_dim, self._device)
         if N % C:
             raise ValueError(f"N ({N}) must be divisible by C ({C})")
         mb, nb = -(-M // R), N // C
@@ -351,7 +401,8 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         path, kernel = self._choose_path(
             tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim
         )
-        plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
+        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, scales=scales,
+                    sage=(q_scale, k_scale, v_scale), scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
         col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
@@ -378,9 +429,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         self._check_run_inputs(q, k, v, (p["M"], p["num_qo_heads"], hd), (p["N"], p["num_kv_heads"], hd))
         out, lse = self._outputs(out, lse, (p["M"], p["num_qo_heads"], hd), (p["M"], p["num_qo_heads"]), return_lse)
         if p["path"] == "torch":
-            o_ref, lse_ref = reference.attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), p["token_mask"], p["scale"]
-            )
+            o_ref, lse_ref = _reference(p, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             out.copy_(o_ref.transpose(0, 1))
             lse.copy_(lse_ref.transpose(0, 1))
         else:
@@ -414,7 +463,6 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         v_scale=None,
     ) -> None:
         _check_common_options(causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta)
-        _reject_sage_scales(q_scale, k_scale, v_scale)
         dtype, scale = self._plan_common(num_qo_heads, num_kv_heads, head_dim, sm_scale, q_data_type, kv_data_type)
         device = self._device
         if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
@@ -435,6 +483,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
                 f"{seq_q.tolist()} and {seq_k.tolist()}"
             )
         seq_q, seq_k = int(seq_q[0]), int(seq_k[0])
+        scales = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, seq_q, seq_k, head_dim, device)
         row_sizes = block_row_sz.to(device, torch.int64, non_blocking=non_blocking)
         col_sizes = block_col_sz.to(device, torch.int64, non_blocking=non_blocking)
         block_mask_map = block_mask_map.to(device, non_blocking=non_blocking)
@@ -443,7 +492,8 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         path, kernel = self._choose_path(
             tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
         )
-        plan = dict(path=path, kernel=kernel, dtype=dtype, scale=scale, scale_log2=scale * LOG2_E,
+        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), scales=scales,
+                    sage=(q_scale, k_scale, v_scale), scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)
         if path == "torch":
@@ -479,12 +529,24 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         self._check_run_inputs(q, k, v, (hq, p["seq_q"], hd), (hkv, p["seq_k"], hd))
         out, lse = self._outputs(out, lse, (hq, p["seq_q"], hd), (hq, p["seq_q"]), return_lse)
         if p["path"] == "torch":
-            o_ref, lse_ref = reference.attention(q, k, v, p["token_mask"], p["scale"])
+            o_ref, lse_ref = _reference(p, q, k, v)
             out.copy_(o_ref)
             lse.copy_(lse_ref)
         else:
             self._run_kernel(q, k, v, out, lse, hnd=True)
         return (out, lse) if return_lse else out
+
+
+def _output_dtype(dtype):
+    """Sage FP8 writes bf16; 16-bit plans write their input dtype."""
+    return torch.bfloat16 if dtype == SAGE_DTYPE else dtype
+
+
+def _reference(plan, q, k, v):
+    """The reference path on HND tensors (Sage FP8 ones dequantized with the plan's scales)."""
+    if plan["scales"] is not None:
+        q, k, v = reference.sage_dequantize(q, k, v, *plan["sage"])
+    return reference.attention(q, k, v, plan["token_mask"], plan["scale"])
 
 
 def _token_mask(head_mask, row_sizes, col_sizes, kv_block_lens):

@@ -1,0 +1,117 @@
+"""Pieces shared by the Sage FP8 attention templates (sage_fp8_fwd family).
+
+Scores: S = (q8 . k8) * q_scale[row] * k_scale[key // 16] * sm_scale, kept in the log2
+domain (times log2 e) as in attention_common. Each 64-key tile's probabilities are
+quantized to e4m3 with a per-row scale, multiplied by V in a fresh fp32 accumulator, and
+that partial product is added to O in fp32 ("two-level accumulation"): no long chain of
+e4m3 MMAs accumulates in the tensor core, and every tile uses e4m3's full range.
+
+Per row and tile, with m the running max and t the tile's max (log2 units):
+    P8    = exp2(x - t + 8)            in (0, 256]: the tile's row max is 256
+    beta  = exp2(t - m_new - 8)        turns P8 back into exp2(x - m_new)
+    alpha = exp2(m_old - m_new)        the usual online-softmax correction
+    O     = O * alpha + (P8 V8) * beta,   l = l * alpha + sum(P8) * beta
+
+Register layouts: the fp32 accumulator of S (wgmma m64nNk32 and mma.sync m16n8k32 alike)
+gives each thread, per 8-key chunk, keys 2i, 2i+1 (i = lane % 4); the e4m3 A operand wants
+keys 4i..4i+3 of each 16. `scores_to_e4m3_operand` moves the bytes with two shuffles and a
+byte permute per 32-bit word, so V needs no reordering.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from generator.kernels.attention_common import quad_max
+
+P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
+KEYS_PER_SCALE = 16  # k_scale granularity
+NEG_INF = -cutlass.Float32.inf
+
+
+@cute.jit
+def load_row_scales(mQScale, head, first_row, coord_mn, scale_log2, out):
+    """out[r] = q_scale of this thread's row r * sm_scale * log2(e); rows past Sq read 0."""
+    for r in cutlass.range_constexpr(cute.size(out)):
+        row = first_row + coord_mn[r, 0][0]
+        out[r] = cutlass.Float32(0.0)
+        if row < mQScale.shape[0]:
+            out[r] = mQScale[row, head] * scale_log2
+
+
+@cute.jit
+def load_key_scales(mKScale, kv_head, tile, tile_keys: cutlass.Constexpr, out):
+    """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile` (clamped to the last
+    group: keys past the sequence are masked anyway)."""
+    last = mKScale.shape[0] - 1
+    for g in cutlass.range_constexpr(tile_keys // KEYS_PER_SCALE):
+        out[g] = mKScale[cutlass.min(tile * (tile_keys // KEYS_PER_SCALE) + g, last), kv_head]
+
+
+@cute.jit
+def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_max, row_sum,
+                      alpha, beta):
+    """Scale and mask one tile's scores, update (row_max, row_sum), leave P8 (as fp32, in
+    (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring).
+
+    Column j of a thread's row lies in the 16-key group j // 4 (8-key chunks, 2 keys each).
+    """
+    cols = cute.size(acc_s_mn, mode=[1])
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        for j in cutlass.range_constexpr(cols):
+            acc_s_mn[r, j] = acc_s_mn[r, j] * (row_scale[r] * key_scale[j // 4])
+            if coord_mn[0, j][1] >= tile_len:
+                acc_s_mn[r, j] = NEG_INF
+        row = acc_s_mn[r, None].load()
+        tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
+        new_max = cute.arch.fmax(row_max[r], tile_max)
+        # A row with no valid key so far keeps -inf; exponent bases of 0 keep NaN out.
+        tile_base = tile_max
+        if tile_max == NEG_INF:
+            tile_base = cutlass.Float32(0.0)
+        new_base = new_max
+        if new_max == NEG_INF:
+            new_base = cutlass.Float32(0.0)
+        probs = cute.math.exp2(row - (tile_base - P_EXP2_OFFSET), fastmath=True)
+        alpha[r] = cute.math.exp2(row_max[r] - new_base, fastmath=True)
+        beta[r] = cute.math.exp2(tile_max - new_base - P_EXP2_OFFSET, fastmath=True)
+        row_sum[r] = row_sum[r] * alpha[r] + probs.reduce(
+            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+        ) * beta[r]
+        row_max[r] = new_max
+        acc_s_mn[r, None] = probs
+
+
+@cute.jit
+def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
+    """O = O * alpha + partial * beta, row by row (the second level of the accumulation)."""
+    for r in cutlass.range_constexpr(cute.size(alpha)):
+        acc_o_mn[r, None] = acc_o_mn[r, None].load() * alpha[r] + partial_mn[r, None].load() * beta[r]
+
+
+@cute.jit
+def scores_to_e4m3_operand(p_mn, operand_a):
+    """Quantize P (fp32 accumulator, (rows, keys) view) into the e4m3 A-operand fragment
+    ((4, 2, 2), 1, K / 32) of P V: byte b of register (v1, v2) of k-block kb holds row v1's
+    key 32 kb + 16 v2 + 4 (lane % 4) + b.
+
+    A thread's word w of row r holds its keys of chunks 2w and 2w+1 (keys 8 (2w) + 2i + {0,1}
+    and 8 (2w + 1) + 2i + {0,1}). Lane i wants keys 4i..4i+3 of a 16-key group: two from
+    lane 2 (i % 2) and two from lane 2 (i % 2) + 1, from chunk i // 2 of that word.
+    """
+    rows = cute.size(p_mn, mode=[0])
+    p8 = cute.make_rmem_tensor(cute.make_layout((rows, cute.size(p_mn, mode=[1])), stride=(cute.size(p_mn, mode=[1]), 1)), cutlass.Float8E4M3FN)
+    for r in cutlass.range_constexpr(rows):
+        p8[r, None] = p_mn[r, None].load().to(cutlass.Float8E4M3FN)
+    words = cute.recast_tensor(p8, cutlass.Int32)  # (rows, keys / 4)
+    out = cute.recast_tensor(operand_a, cutlass.Int32)  # ((1, 2, 2), 1, K / 32)
+    lane = cute.arch.lane_idx()
+    quad = lane % 4
+    first_src = lane - quad + 2 * (quad % 2)
+    selector = 0x5410 + (quad // 2) * 0x2222  # bytes {0,1} or {2,3} of each source word
+    for kb in cutlass.range_constexpr(cute.size(operand_a, mode=[2])):
+        for v2 in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(rows):
+                word = words[r, 2 * kb + v2]
+                x = cute.arch.shuffle_sync(word, first_src)
+                y = cute.arch.shuffle_sync(word, first_src + 1)
+                out[(0, r, v2), 0, kb] = cutlass.Int32(cute.arch.prmt(x, y, selector))

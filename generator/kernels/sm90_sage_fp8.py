@@ -1,0 +1,205 @@
+"""Sage FP8 block-sparse attention forward for Hopper (sm_90a): e4m3 wgmma, bf16 output.
+
+The sm90_wgmma kernel's structure (one CTA per 64-row unit, TMA producer warp, one consumer
+warpgroup, K/V ring) with e4m3 operands and the Sage scales (generator/kernels/sage_common.py):
+    S       = Q8 K8^T (e4m3 wgmma, fp32)        * q_scale[row] * k_scale[key // 16] * sm_scale
+    P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
+    partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
+    O       = O * alpha + partial * beta        fp32 (two-level accumulation)
+    out     = bf16(O / l * v_scale[channel])
+The fp32 partial accumulator costs D/2 registers, so head_dim 128 runs two CTAs per SM
+(about 180 registers each) and head_dim 64 three; e4m3 tiles are half the bytes of bf16,
+so the ring holds more stages.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state
+from generator.kernels.sage_common import (
+    accumulate_tile,
+    load_key_scales,
+    load_row_scales,
+    sage_softmax_step,
+    scores_to_e4m3_operand,
+)
+from generator.kernels.sm90_wgmma import (
+    NUM_THREADS,
+    PRODUCER_WARP,
+    TILE_M,
+    TILE_N,
+    BlockSparseFwdSm90,
+)
+
+KV_STAGES = 6
+CTAS_PER_SM = {64: 3, 128: 2}
+
+
+class SageFp8FwdSm90(BlockSparseFwdSm90):
+    def __init__(self, head_dim: int):
+        super().__init__(cutlass.Float8E4M3FN, head_dim)
+        self.v_major = OperandMajorMode.K
+        self.kv_stages = KV_STAGES
+        self.ctas_per_sm = CTAS_PER_SM[head_dim]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQScale: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, mVt)
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
+        ).launch(
+            grid=[mWork.shape[0], 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV_tma: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQScale: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tile_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.
+        sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
+        q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
+
+        if warp == PRODUCER_WARP:
+            self.produce(
+                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
+                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
+            )
+        if warp < PRODUCER_WARP:
+            self.consume_sage(
+                qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+                mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+                head, kv_head, chunk, num_tiles, tidx,
+            )
+
+    @cute.jit
+    def consume_sage(
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+        mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+        head, kv_head, chunk, num_tiles, tidx,
+    ):
+        d = self.head_dim
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_thr = qk_mma.get_slice(tidx)
+        pv_thr = pv_mma.get_slice(tidx)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((TILE_M, TILE_N)), self.dtype)
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_PV = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_O.fill(0.0)
+        acc_S_mn = acc_mn_view(acc_S)
+        tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        rows = cute.size(tScS_mn, mode=[0])
+        row_max, row_sum = new_softmax_state(rows)
+        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
+        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+        key_scale = cute.make_rmem_tensor(TILE_N // 16, cutlass.Float32)
+        load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
+
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = mTileIdx[kv_head, chunk, j]
+            tile_len = mTileLen[tile]
+            load_key_scales(mKScale, kv_head, tile, TILE_N, key_scale)
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
+            sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
+            scores_to_e4m3_operand(acc_S_mn, tOrP)
+            v_handle = kv_consumer.wait_and_advance()
+            if tile_len < TILE_N:
+                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+            acc_PV.fill(0.0)
+            self.pv(pv_mma, acc_PV, tOrP, tOrV[None, None, None, v_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            accumulate_tile(acc_mn_view(acc_O), acc_mn_view(acc_PV), alpha, beta)
+
+        # V was quantized per channel: scale the output columns back.
+        acc_O_mn = acc_mn_view(acc_O)
+        tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
+            for r in cutlass.range_constexpr(rows):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        # Scores are already in log2 units (scale_log2 is inside row_scale).
+        self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
+
+
+def make_kernel(variant):
+    if variant.dtype != "e4m3" or not SageFp8FwdSm90.can_implement(variant.head_dim):
+        raise ValueError(f"sm90_sage_fp8: {variant.dtype} head_dim {variant.head_dim} not supported")
+    return SageFp8FwdSm90(variant.head_dim)
