@@ -21,7 +21,7 @@ byte permute per 32-bit word, so V needs no reordering.
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.attention_common import quad_max
+from generator.kernels.attention_common import mask_columns, quad_max
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 KEYS_PER_SCALE = 16  # k_scale granularity
@@ -55,12 +55,12 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
 
     Column j of a thread's row lies in the 16-key group j // 4 (8-key chunks, 2 keys each).
     """
-    cols = cute.size(acc_s_mn, mode=[1])
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        for j in cutlass.range_constexpr(cols):
+        for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
             acc_s_mn[r, j] = acc_s_mn[r, j] * (row_scale[r] * key_scale[j // 4])
-            if coord_mn[0, j][1] >= tile_len:
-                acc_s_mn[r, j] = NEG_INF
+    if tile_len < cute.size(coord_mn, mode=[1]) * 4:  # a short tile: rare
+        mask_columns(acc_s_mn, coord_mn, tile_len)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
         row = acc_s_mn[r, None].load()
         tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
         new_max = cute.arch.fmax(row_max[r], tile_max)

@@ -4,8 +4,10 @@
 
 Per workload: per-head random selections (torch.Generator seed 0 on the CPU), N(0,1) bf16
 q/k/v in HND, the variable wrapper; median of CUDA-event timings after warm-up; cuDNN dense
-SDPA on the same shape in the same process; relative L2 error against an fp32 reference on
-a slice of heads and rows.
+SDPA (bf16) on the same shape in the same process; relative L2 error and cosine similarity
+against an fp32 reference on the unquantized inputs, on a slice of heads and rows.
+Sage FP8 workloads (F1, F3) quantize the bf16 inputs with sparseforge.sage_fp8_quantize
+(timed separately, not in the attention time) and run the e4m3 kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from sparseforge import reference
 
 MATMUL_CEILING_TFLOPS = 788.0  # bf16 dense matmul measured on the H200 (BENCHMARKS.md)
+FP8_MATMUL_CEILING_TFLOPS = 1343.0  # e4m3 dense matmul (torch._scaled_mm), same source
 HBM_TBPS = 4.3
 
 
@@ -36,6 +39,7 @@ class Workload:
     block: int
     topk: int
     head_dim: int = 128
+    sage: bool = False  # Sage FP8 (e4m3 q/k/v, bf16 out)
 
 
 WORKLOADS = {
@@ -46,6 +50,8 @@ WORKLOADS = {
         Workload("W3", 32, 8, 32768, 64, 64),
         Workload("W4", 32, 32, 65536, 64, 64),
         Workload("W5", 32, 32, 32768, 128, 32),
+        Workload("F1", 32, 32, 32768, 64, 64, sage=True),
+        Workload("F3", 32, 8, 32768, 64, 64, sage=True),
     )
 }
 
@@ -84,10 +90,11 @@ def cudnn_dense_ms(q, k, v, iters: int = 30) -> float:
         return cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd), iters=iters)
 
 
-def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int = 1024) -> float:
-    """‖out - ref‖ / ‖ref‖ over a slice of heads and the first `rows` query rows."""
+def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int = 1024) -> tuple[float, float]:
+    """(‖out - ref‖ / ‖ref‖, cosine similarity of out and ref) over a slice of heads and the
+    first `rows` query rows."""
     group = q.shape[0] // k.shape[0]
-    num, den = 0.0, 0.0
+    num, den, dot, norm_out = 0.0, 0.0, 0.0, 0.0
     seq_q, seq_k = q.shape[1], k.shape[1]
     for h in heads:
         hk = h // group
@@ -98,10 +105,24 @@ def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int =
             reference.uniform_sizes(seq_k, block),
         )[:, :rows].to(q.device)
         ref, _ = reference.attention(q[h : h + 1, :rows], k[hk : hk + 1], v[hk : hk + 1], mask, compute_dtype=torch.float32)
-        diff = out[h : h + 1, :rows].float() - ref
-        num += float(diff.pow(2).sum())
+        got = out[h : h + 1, :rows].float()
+        num += float((got - ref).pow(2).sum())
         den += float(ref.pow(2).sum())
-    return math.sqrt(num / den)
+        dot += float((got * ref).sum())
+        norm_out += float(got.pow(2).sum())
+    return math.sqrt(num / den), dot / math.sqrt(den * norm_out)
+
+
+def sage_inputs(q, k, v, smooth_k: bool = True):
+    """(quantized tensors, quantizer ms, quantizer GB/s) of bf16 HND q/k/v."""
+    from sparseforge import sage_fp8_quantize
+
+    quantized = sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
+    ms = cuda_time_ms(lambda: sage_fp8_quantize(q, k, v, smooth_k=smooth_k))
+    # Reads k and v twice (column statistics, then quantization) when smoothing, else v twice.
+    read = 2 * (q.numel() + 2 * k.numel() + v.numel())
+    written = q.numel() + 2 * k.numel() + 4 * (q.shape[0] * q.shape[1] + k.shape[0] * (k.shape[1] // 16 + 2 * k.shape[2]))
+    return quantized, ms, (read + written) / (ms * 1e6)
 
 
 def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
@@ -117,28 +138,75 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
     workspace = torch.empty(1, dtype=torch.uint8, device=device)
     wrapper = VariableBlockSparseAttentionWrapper(workspace, backend=backend)
-    wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+    quant_ms = quant_gbps = None
+    if w.sage:
+        quantized, quant_ms, quant_gbps = sage_inputs(q, k, v)
+        wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim,
+                     q_data_type=torch.float8_e4m3fn, q_scale=quantized.q_scale,
+                     k_scale=quantized.k_scale, v_scale=quantized.v_scale)
+        operands = (quantized.q, quantized.k, quantized.v)
+    else:
+        wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+        operands = (q, k, v)
     out = torch.full_like(q, float("nan"))
-    ms = cuda_time_ms(lambda: wrapper.run(q, k, v, out=out), iters=iters)
-    err = relative_error(out, q, k, v, mask.cpu(), w.block, heads=(0, w.heads_q - 1))
+    ms = cuda_time_ms(lambda: wrapper.run(*operands, out=out), iters=iters)
+    err, cos = relative_error(out, q, k, v, mask.cpu(), w.block, heads=(0, w.heads_q - 1))
     dense_ms = cudnn_dense_ms(q, k, v, iters=iters)
     flops = 4.0 * w.heads_q * w.seq * (w.topk * w.block) * w.head_dim
     dense_flops = 4.0 * w.heads_q * w.seq * w.seq * w.head_dim
-    hbm_bytes = 2 * (2 * q.numel() + 2 * k.numel())
-    floor_ms = max(flops / (MATMUL_CEILING_TFLOPS * 1e9), hbm_bytes / (HBM_TBPS * 1e9))
+    element_bytes = operands[0].element_size()
+    hbm_bytes = element_bytes * (q.numel() + 2 * k.numel()) + 2 * q.numel()
+    ceiling = FP8_MATMUL_CEILING_TFLOPS if w.sage else MATMUL_CEILING_TFLOPS
+    floor_ms = max(flops / (ceiling * 1e9), hbm_bytes / (HBM_TBPS * 1e9))
     return dict(
         workload=w.name, path=wrapper.backend_in_use, ms=ms, tflops=flops / (ms * 1e9),
-        dense_tflops=dense_flops / (dense_ms * 1e9), err=err, floor_ms=floor_ms,
+        dense_tflops=dense_flops / (dense_ms * 1e9), err=err, cos=cos, floor_ms=floor_ms,
+        quant_ms=quant_ms, quant_gbps=quant_gbps,
     )
 
 
+def sage_offset_accuracy(heads: int = 4, seq: int = 8192, offset: float = 8.0) -> list[str]:
+    """Sage FP8 error on N(0,1) inputs whose K has a per-channel offset of N(0, offset^2),
+    with and without K smoothing (W1's block pattern on a smaller problem)."""
+    from sparseforge import VariableBlockSparseAttentionWrapper
+
+    device = torch.device("cuda")
+    block, topk = 64, 16
+    mb = seq // block
+    mask = random_selection(heads, mb, mb, topk).to(device)
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(heads, seq, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(heads, seq, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    k = k + offset * torch.randn(heads, 1, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(heads, seq, 128, device=device, dtype=torch.bfloat16, generator=gen)
+    sizes = torch.full((heads, mb), block, dtype=torch.int32, device=device)
+    lines = []
+    for smooth in (False, True):
+        quantized, _, _ = sage_inputs(q, k, v, smooth_k=smooth)
+        wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
+        wrapper.plan(mask, sizes, sizes, heads, heads, 128, q_data_type=torch.float8_e4m3fn,
+                     q_scale=quantized.q_scale, k_scale=quantized.k_scale, v_scale=quantized.v_scale)
+        out = wrapper.run(quantized.q, quantized.k, quantized.v)
+        err, cos = relative_error(out, q, k, v, mask.cpu(), block, heads=(0, heads - 1))
+        lines.append(
+            f"Sage FP8, K with a per-channel offset N(0, {offset:g}^2), smooth_k={smooth}: "
+            f"rel. L2 error {err:.3e}, cosine {cos:.5f}"
+        )
+    return lines
+
+
 def table(rows: list[dict]) -> str:
-    head = "| workload | kernel | ms | effective TFLOPS | cuDNN dense TFLOPS | ratio | rel. L2 error | floor ms | time / floor |"
-    lines = [head, "|" + " --- |" * 9]
+    head = (
+        "| workload | kernel | ms | effective TFLOPS | cuDNN dense TFLOPS | ratio | rel. L2 error | cosine "
+        "| floor ms | time / floor | quantizer ms (GB/s) |"
+    )
+    lines = [head, "|" + " --- |" * 11]
     for r in rows:
+        quant = "-" if r["quant_ms"] is None else f"{r['quant_ms']:.3f} ({r['quant_gbps']:.0f})"
         lines.append(
             f"| {r['workload']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} "
-            f"| {r['tflops'] / r['dense_tflops']:.2f} | {r['err']:.2e} | {r['floor_ms']:.3f} | {r['ms'] / r['floor_ms']:.2f} |"
+            f"| {r['tflops'] / r['dense_tflops']:.2f} | {r['err']:.2e} | {r['cos']:.5f} | {r['floor_ms']:.3f} "
+            f"| {r['ms'] / r['floor_ms']:.2f} | {quant} |"
         )
     return "\n".join(lines)
 
@@ -251,6 +319,7 @@ def main(argv=None) -> int:
                 rows[-1]["path"] = variant.split("__")[2]
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     os.environ.pop("SPARSEFORGE_VARIANT", None)
+    sage_lines = sage_offset_accuracy() if any(WORKLOADS[n].sage for n in args.workloads.split(",")) else []
     overhead = run_host_overhead(args.backend)
     plan_rows = []
     for form, what in (("mask", "block_mask_map, variable wrapper"), ("q2k", "q2k_indices, BSR wrapper")):
@@ -266,6 +335,7 @@ def main(argv=None) -> int:
             "",
             table(rows),
             "",
+            *sage_lines,
             f"run() host overhead: {overhead:.1f} us per call",
             *plan_rows,
         ]
