@@ -22,7 +22,9 @@ REQUIRED_SMS = (90, 100, 120)
 # Kernel class of each template, as it appears in its cubin's symbol names.
 TEMPLATE_KERNEL = {
     "warp_mma": b"BlockSparseFwdWarpMma",
+    "warp_mma_fp8": b"SageFp8FwdWarpMma",
     "sm90_wgmma": b"BlockSparseFwdSm90",
+    "sm90_sage_fp8": b"SageFp8FwdSm90",
     "tile_compact": b"TileCompact",
 }
 ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}

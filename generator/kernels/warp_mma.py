@@ -184,7 +184,6 @@ class BlockSparseFwdWarpMma:
 
         # Coordinates of this thread's score elements: (query row, key column) in the tile.
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim))))
 
         # Prologue: Q (rows past the sequence are zero) and the first K tile.
         q_rows_left = mQ.shape[0] - chunk * TILE_M
@@ -231,19 +230,41 @@ class BlockSparseFwdWarpMma:
         # Epilogue: normalise, LSE, O through shared memory (reusing sQ) to 16-byte stores.
         # A unit with no tiles never waited for its Q copy: wait before sQ is overwritten.
         cute.arch.cp_async_wait_group(0)
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        self.store_output(
+            tiled_mma, gmem_store, acc_O, row_max, row_sum, scale_log2, sO, gO, tQcQ,
+            q_rows_left, mLSE, chunk, head, tidx,
+        )
+
+    @cute.jit
+    def store_output(
+        self, tiled_mma, gmem_store, acc_O, row_max, row_sum, scale_log2, sO, gO, tOcO,
+        rows_left, mLSE, chunk, head, tidx,
+    ):
+        """Normalise O, write LSE, and O (mO's dtype) through `sO` with 16-byte stores.
+
+        `tOcO` is `gmem_store`'s partition of the tile's coordinates; rows >= rows_left are
+        not written. The caller has waited for every cp.async into the memory under `sO`.
+        """
+        d = self.head_dim
+        out_dtype = gO.element_type
+        tOcO_mn = acc_mn_view(
+            tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
+        )
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
         softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
         lane = tidx % 32
         for r in cutlass.range_constexpr(cute.size(row_lse)):
             row = tOcO_mn[r, 0][0]
-            if lane % 4 == 0 and row < q_rows_left:
+            if lane % 4 == 0 and row < rows_left:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_fragment_like(acc_O, out_dtype)
+        rO.store(acc_O.load().to(out_dtype))
         self.barrier.arrive_and_wait()
-        sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        r2s_O = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma)
+        r2s_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), tiled_mma
+        )
         thr_r2s_O = r2s_O.get_slice(tidx)
         cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
         self.barrier.arrive_and_wait()
@@ -251,10 +272,10 @@ class BlockSparseFwdWarpMma:
         thr_store = gmem_store.get_slice(tidx)
         tOsO = thr_store.partition_S(sO)
         tOgO = thr_store.partition_D(gO)
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        tOrO = cute.make_fragment_like(tOgO, out_dtype)
         cute.copy(gmem_store, tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tQcQ[0, m, 0][0] < q_rows_left:
+            if tOcO[0, m, 0][0] < rows_left:
                 cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit

@@ -1,0 +1,325 @@
+"""Sage FP8 block-sparse attention forward with warp-level e4m3 MMA: the portable template.
+
+mma.sync m16n8k32 e4m3 -> fp32 is native on sm_120a (SASS QMMA). sm_90a and sm_100a accept
+the same PTX and emulate it with fp16 HMMA (correct, slow): the sm_90a build is there so the
+code shipped for SM120 runs and is checked on the H200.
+
+Same units, tiles and math as sm90_sage_fp8 (generator/kernels/sage_common.py):
+    S       = Q8 K8^T (e4m3 mma.sync, fp32)     * q_scale[row] * k_scale[key // 16] * sm_scale
+    P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
+    partial = P8 V8 (e4m3 mma.sync, fresh fp32) V8 is V transposed (K-major, as e4m3 needs)
+    O       = O * alpha + partial * beta        fp32 (two-level accumulation)
+    out     = bf16(O / l * v_scale[channel])
+
+CTA = 4 warps (128 threads), 16 query rows per warp; one CTA owns one unit (64 query rows
+of one head) and walks its list of 64-key tiles exactly as warp_mma does:
+    cp.async Q, K[t0]
+    for each listed tile t_j:
+        wait K[t_j]; barrier; cp.async V^T[t_j]     S = Q K^T (ldmatrix, one k-block ahead)
+        wait V^T[t_j]; barrier; cp.async K[t_j+1]   Sage softmax, P8 into the A operand
+                                                     partial = P8 V^T; O = O alpha + partial beta
+    O *= v_scale; O /= l; LSE; O (bf16) through shared memory to 16-byte stores
+Each barrier orders the reads of one buffer (K by S = Q K^T, V^T by P V) before the next
+cp.async into it. Shared memory (e4m3, 8 x 64-byte swizzled atoms): Q and K (64 x D each,
+contiguous: the bf16 output tile reuses both) and V^T (D x 64, keys contiguous): 12 KB
+(D = 64) or 24 KB (D = 128). Registers on sm_120a (ptxas, no launch bounds): 168 at D = 64
+(3 CTAs per SM), 254 at D = 128 (2 CTAs per SM: O and the per-tile P V accumulator are 64
+fp32 registers each), no spills. Not yet timed on an SM120 GPU.
+
+Tails: Q rows past Sq and K rows >= tile_len are zeroed in shared memory instead of loaded;
+V^T keys >= tile_len are zeroed too (0 * NaN from padding would poison O), and the 16-key
+chunk that tile_len cuts is copied byte by byte so that no key past the tile (possibly past
+the end of the sequence) is read. Scores of keys >= tile_len are masked to -inf; rows past
+Sq are not written; a unit with no tiles writes O = 0 and LSE = -inf.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state
+from generator.kernels.sage_common import (
+    accumulate_tile,
+    load_key_scales,
+    load_row_scales,
+    sage_softmax_step,
+    scores_to_e4m3_operand,
+)
+from generator.kernels.warp_mma import NUM_THREADS, TILE_M, TILE_N, BlockSparseFwdWarpMma
+
+COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
+
+
+class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
+    def __init__(self, head_dim: int):
+        super().__init__(cutlass.Float8E4M3FN, head_dim)
+        self.out_dtype = cutlass.BFloat16
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQScale: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        d = self.head_dim
+        # 8 rows x 64 bytes; Swizzle<2,4,3> spreads the 16-byte units of 8 consecutive rows
+        # over all 8 units of a 128-byte line: conflict-free ldmatrix and cp.async.
+        smem_atom = cute.make_composed_layout(
+            cute.make_swizzle(2, 4, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sQK_layout = cute.tile_to_shape(smem_atom, (TILE_M, d), (0, 1))
+        sVt_layout = cute.tile_to_shape(smem_atom, (d, TILE_N), (0, 1))
+        # bf16 output staging: 8 x 64 swizzled rows (as warp_mma), over sQ and sK.
+        sO_layout = cute.tile_to_shape(
+            cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            ),
+            (TILE_M, d),
+            (0, 1),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            sQK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sQK_layout)], 1024
+            ]
+            sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
+
+        # Q, K: a thread per 16 bytes of a D-byte row. V^T: 64-byte rows (one per channel).
+        load_qk = self.tiled_copy_16b(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, d
+        )
+        load_vt = self.tiled_copy_16b(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, TILE_N
+        )
+        store_o = self.tiled_copy_16b(cute.nvgpu.CopyUniversalOp(), self.out_dtype, 64)
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaFP8Op(self.dtype, cutlass.Float32, (16, 8, 32)),
+            (NUM_THREADS // 32, 1, 1),
+            permutation_mnk=(TILE_M, 16, 32),  # 16 columns of B: one ldmatrix.x4 per k-block
+        )
+        self.kernel(
+            mQ, mK, mVt, mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt,
+            mTileLen, scale_log2, sQK_layout, sVt_layout, sO_layout, load_qk, load_vt, store_o,
+            tiled_mma, SharedStorage,
+        ).launch(grid=[mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @staticmethod
+    def tiled_copy_16b(op, dtype, row_elems: int):
+        """128 threads, 16 bytes each, over rows of `row_elems` elements."""
+        per_copy = COPY_BYTES * 8 // dtype.width
+        per_row = row_elems // per_copy
+        return cute.make_tiled_copy_tv(
+            cute.make_copy_atom(op, dtype, num_bits_per_copy=COPY_BYTES * 8),
+            cute.make_layout((NUM_THREADS // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, per_copy)),
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQScale: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        mWork: cute.Tensor,
+        mTileIdx: cute.Tensor,
+        mTileCnt: cute.Tensor,
+        mTileLen: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQK_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        load_qk: cute.TiledCopy,
+        load_vt: cute.TiledCopy,
+        store_o: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_chunks = cute.ceil_div(mQ.shape[0], TILE_M)
+        unit = mWork[bidx]
+        head = unit // num_chunks
+        chunk = unit - head * num_chunks
+        kv_head = head // (mQ.shape[1] // mK.shape[1])
+        num_tiles = mTileCnt[kv_head, chunk]
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = cute.make_tensor(storage.sQK.data_ptr(), sQK_layout)
+        sK = cute.make_tensor(storage.sQK.data_ptr() + cute.cosize(sQK_layout), sQK_layout)
+        sVt = storage.sVt.get_tensor(sVt_layout)
+        # bf16 64 x D is exactly sQ and sK's bytes; written once both are no longer read.
+        sO = cute.make_tensor(
+            cute.recast_ptr(storage.sQK.data_ptr(), dtype=self.out_dtype), sO_layout
+        )
+
+        gQ = cute.local_tile(mQ[None, head, None], (TILE_M, d), (chunk, 0))
+        gO = cute.local_tile(mO[None, head, None], (TILE_M, d), (chunk, 0))
+        gK = cute.local_tile(mK[None, kv_head, None], (TILE_N, d), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, kv_head], (d, TILE_N), (0, None))
+        # Byte views of V^T for the tile_len cut (see load_vt_tile).
+        gVt_bytes = cute.local_tile(
+            cute.recast_tensor(mVt, cutlass.Uint8)[None, None, kv_head], (d, TILE_N), (0, None)
+        )
+        sVt_bytes = cute.make_tensor(
+            cute.recast_ptr(storage.sVt.data_ptr(), dtype=cutlass.Uint8), sVt_layout
+        )
+
+        thr_qk = load_qk.get_slice(tidx)
+        tQgQ = thr_qk.partition_S(gQ)
+        tQsQ = thr_qk.partition_D(sQ)
+        tQcQ = thr_qk.partition_S(cute.make_identity_tensor((TILE_M, d)))
+        tKgK = thr_qk.partition_S(gK)
+        tKsK = thr_qk.partition_D(sK)
+        thr_vt = load_vt.get_slice(tidx)
+        tVgV = thr_vt.partition_S(gVt)
+        tVsV = thr_vt.partition_D(sVt)
+        tVcV = thr_vt.partition_S(cute.make_identity_tensor((d, TILE_N)))
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        # P8 as the A operand of P V: a compact ((4, 2, 2), 1, TILE_N / 32) e4m3 fragment, the
+        # layout scores_to_e4m3_operand fills.
+        tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((TILE_M, TILE_N)), self.dtype)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_PV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_O.fill(0.0)
+
+        # ldmatrix (non-transposed) reads 4 consecutive bytes along K per register for A and
+        # for both K-major B operands (K, and V^T).
+        ldsm = cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
+        tSsQ = thr_s2r_A.partition_S(sQ)
+        tSrQ_view = thr_s2r_A.retile(tSrQ)
+        tSsK = thr_s2r_B.partition_S(sK)
+        tSrK_view = thr_s2r_B.retile(tSrK)
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        tOsVt = thr_s2r_B.partition_S(sVt)
+        tOrVt_view = thr_s2r_B.retile(tOrVt)
+
+        acc_S_mn = acc_mn_view(acc_S)
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        rows = cute.size(tScS_mn, mode=[0])
+        row_max, row_sum = new_softmax_state(rows)
+        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
+        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+        key_scale = cute.make_rmem_tensor(TILE_N // 16, cutlass.Float32)
+
+        # Prologue: Q (rows past the sequence are zero) and the first K tile.
+        q_rows_left = mQ.shape[0] - chunk * TILE_M
+        self.load_rows(load_qk, tQgQ, tQsQ, tQcQ, q_rows_left)
+        if num_tiles > 0:
+            tile = mTileIdx[kv_head, chunk, 0]
+            self.load_rows(load_qk, tKgK[None, None, None, tile], tKsK, tQcQ, mTileLen[tile])
+        cute.arch.cp_async_commit_group()
+        load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
+
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = mTileIdx[kv_head, chunk, j]
+            tile_len = mTileLen[tile]
+            load_key_scales(mKScale, kv_head, tile, TILE_N, key_scale)
+            # K[t_j] (and Q) landed; every warp is done reading V^T[t_j-1].
+            cute.arch.cp_async_wait_group(0)
+            self.barrier.arrive_and_wait()
+            self.load_vt_tile(
+                load_vt, tVgV[None, None, None, tile], tVsV, tVcV,
+                gVt_bytes[None, None, tile], sVt_bytes, tile_len,
+            )
+            cute.arch.cp_async_commit_group()
+
+            acc_S.fill(0.0)
+            self.gemm_smem(
+                tiled_mma, acc_S, s2r_A, tSsQ, tSrQ_view, tSrQ, s2r_B, tSsK, tSrK_view, tSrK
+            )
+
+            # V^T[t_j] landed; every warp is done reading K[t_j].
+            cute.arch.cp_async_wait_group(0)
+            self.barrier.arrive_and_wait()
+            if j + 1 < num_tiles:
+                next_tile = mTileIdx[kv_head, chunk, j + 1]
+                self.load_rows(
+                    load_qk, tKgK[None, None, None, next_tile], tKsK, tQcQ, mTileLen[next_tile]
+                )
+                cute.arch.cp_async_commit_group()
+
+            sage_softmax_step(
+                acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta
+            )
+            scores_to_e4m3_operand(acc_S_mn, tOrP)
+            acc_PV.fill(0.0)
+            self.gemm_rA(tiled_mma, acc_PV, tOrP, s2r_B, tOsVt, tOrVt_view, tOrVt)
+            accumulate_tile(acc_mn_view(acc_O), acc_mn_view(acc_PV), alpha, beta)
+
+        # A unit with no tiles never waited for its Q copy: wait before sO (over sQ) is written.
+        cute.arch.cp_async_wait_group(0)
+        # V was quantized per channel: scale the output columns back.
+        acc_O_mn = acc_mn_view(acc_O)
+        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, d))))
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
+            for r in cutlass.range_constexpr(rows):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        # Scores are already in log2 units (scale_log2 is inside row_scale).
+        tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
+        self.store_output(
+            tiled_mma, store_o, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, gO, tOcO,
+            q_rows_left, mLSE, chunk, head, tidx,
+        )
+
+    @cute.jit
+    def load_vt_tile(self, load_vt, src, dst, coord, src_bytes, dst_bytes, tile_len):
+        """V^T tile (D x 64 keys): cp.async the 16-key chunks below tile_len, zero the rest.
+
+        A thread's chunks all start at the same key. The chunk that tile_len cuts is zeroed,
+        then its valid keys are copied one byte at a time through the (D, 64) byte views
+        (rare: tiles shorter than 64 keys), so no key at or past tile_len is read from global
+        memory: it may lie past the end of the sequence.
+        """
+        first_key = coord[0, 0, 0][1]
+        if first_key + COPY_BYTES <= tile_len:
+            for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+                cute.copy(load_vt, src[None, m, None], dst[None, m, None])
+        else:
+            for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+                dst[None, m, None].fill(0)
+            if first_key < tile_len:
+                for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+                    channel = coord[0, m, 0][0]
+                    for key in cutlass.range(first_key, tile_len, unroll=1):
+                        dst_bytes[channel, key] = src_bytes[channel, key]
+
+
+def make_kernel(variant):
+    if variant.dtype != "e4m3" or not SageFp8FwdWarpMma.can_implement(variant.head_dim):
+        raise ValueError(
+            f"warp_mma_fp8: {variant.dtype} head_dim {variant.head_dim} not supported"
+        )
+    return SageFp8FwdWarpMma(variant.head_dim)
