@@ -25,6 +25,7 @@ TEMPLATE_KERNEL = {
     "warp_mma_fp8": b"SageFp8FwdWarpMma",
     "sm90_wgmma": b"BlockSparseFwdSm90",
     "sm90_sage_fp8": b"SageFp8FwdSm90",
+    "sage_quantize": b"SageQuantize",
     "tile_compact": b"TileCompact",
 }
 ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}

@@ -126,10 +126,67 @@ def _abi_tile_compact(head_dim=None):
     )
 
 
+def _abi_sage_quantize_stats(head_dim: int):
+    """Launch 1 of sparseforge.sage_fp8_quantize (generator/kernels/sage_quantize.py).
+
+    The tokens of each kv head are cut into P = ceil(Sk / chunk_tokens) chunks.
+      mQ        (Hq, Sq, D)      bf16/fp16, unit stride on D, strides multiples of 8
+      mK, mV    (Hkv, Sk, D)     the same
+      mQ8       (Hq, Sq, D)      e4m3 out: q codes
+      mQScale   (Hq, Sq)         fp32 out: max |q row| / 448
+      mPartial  (Hkv, P, 2, D)   fp32 out: per chunk, the sums of k (0) and max |v| (1)
+      chunk_tokens   tokens per chunk, a multiple of 256
+      smooth_k       0: k is not smoothed (its sums are skipped)
+    """
+    io = dict(shape=(None, None, head_dim), stride=(None, None, 1))
+    partial = dict(shape=(None, None, 2, head_dim), stride=(None, None, head_dim, 1))
+    return (
+        TensorArg("mQ", "input", **io, divisibility=8),
+        TensorArg("mK", "input", **io, divisibility=8),
+        TensorArg("mV", "input", **io, divisibility=8),
+        TensorArg("mQ8", "e4m3", **io, divisibility=16),
+        TensorArg("mQScale", "f32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mPartial", "f32", **partial),
+        ScalarArg("chunk_tokens", "i32"),
+        ScalarArg("smooth_k", "i32"),
+    )
+
+
+def _abi_sage_quantize_kv(head_dim: int):
+    """Launch 2 of sparseforge.sage_fp8_quantize: two CTAs (k, v) per kv head and chunk.
+      mK, mV    (Hkv, Sk, D)      bf16/fp16, unit stride on D, strides multiples of 8
+      mPartial  (Hkv, P, 2, D)    fp32: launch 1's chunk statistics
+      mK8       (Hkv, Sk, D)      e4m3 out: codes of k - k_mean
+      mKScale   (Hkv, G)          fp32 out: per 16 tokens, G = ceil(Sk / 16)
+      mVt       (Hkv, D, Sk_pad)  e4m3 out: v codes transposed, zero past Sk (Sk_pad = 16 G)
+      mVScale   (Hkv, D)          fp32 out: per channel
+      mKMean    (Hkv, D)          fp32 out: mean of k over the tokens (0 unless smooth_k)
+      chunk_tokens, smooth_k      as in launch 1
+    """
+    io = dict(shape=(None, None, head_dim), stride=(None, None, 1))
+    partial = dict(shape=(None, None, 2, head_dim), stride=(None, None, head_dim, 1))
+    per_channel = dict(shape=(None, head_dim), stride=(None, 1))
+    return (
+        TensorArg("mK", "input", **io, divisibility=8),
+        TensorArg("mV", "input", **io, divisibility=8),
+        TensorArg("mPartial", "f32", **partial),
+        TensorArg("mK8", "e4m3", **io, divisibility=16),
+        TensorArg("mKScale", "f32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mVt", "e4m3", shape=(None, head_dim, None), stride=(None, None, 1),
+                  divisibility=16),
+        TensorArg("mVScale", "f32", **per_channel),
+        TensorArg("mKMean", "f32", **per_channel),
+        ScalarArg("chunk_tokens", "i32"),
+        ScalarArg("smooth_k", "i32"),
+    )
+
+
 FAMILY_ABI = {
     "block_sparse_fwd": _abi_block_sparse_fwd,
     "sage_fp8_fwd": _abi_sage_fp8_fwd,
     "tile_compact": _abi_tile_compact,
+    "sage_quantize_stats": _abi_sage_quantize_stats,
+    "sage_quantize_kv": _abi_sage_quantize_kv,
 }
 
 
@@ -175,6 +232,9 @@ _TEMPLATES = {
     },
     # Plain CUDA-core code: the same template on every arch.
     "tile_compact": {arch: ("tile_compact",) for arch in ALL_ARCHS},
+    # The two launches of the Sage FP8 quantizer: CUDA-core code, the same on every arch.
+    "sage_quantize_stats": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
+    "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
 _CONFIGS = {
@@ -187,6 +247,7 @@ _CONFIGS = {
         for template in ("warp_mma_fp8", "sm90_sage_fp8")
     },
     "tile_compact": [{}],
+    "sage_quantize": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
 }
 
 

@@ -11,6 +11,7 @@ from sparseforge.errors import (
     UnsupportedArchError,
     VariantNotBuiltError,
 )
+from sparseforge.sage import SageFP8Tensors, quantize_bandwidth, sage_fp8_quantize
 from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 __version__ = "0.1.0"
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSparseAttentionWrapper",
     "VariableBlockSparseAttentionWrapper",
+    "SageFP8Tensors",
+    "quantize_bandwidth",
+    "sage_fp8_quantize",
     "KernelLaunchError",
     "NoGPUError",
     "NotBuiltError",

@@ -115,14 +115,10 @@ def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int =
 
 def sage_inputs(q, k, v, smooth_k: bool = True):
     """(quantized tensors, quantizer ms, quantizer GB/s) of bf16 HND q/k/v."""
-    from sparseforge import sage_fp8_quantize
+    from sparseforge import quantize_bandwidth, sage_fp8_quantize
 
-    quantized = sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
-    ms = cuda_time_ms(lambda: sage_fp8_quantize(q, k, v, smooth_k=smooth_k))
-    # Reads k and v twice (column statistics, then quantization) when smoothing, else v twice.
-    read = 2 * (q.numel() + 2 * k.numel() + v.numel())
-    written = q.numel() + 2 * k.numel() + 4 * (q.shape[0] * q.shape[1] + k.shape[0] * (k.shape[1] // 16 + 2 * k.shape[2]))
-    return quantized, ms, (read + written) / (ms * 1e6)
+    us, gbps = quantize_bandwidth(q, k, v, smooth_k=smooth_k)
+    return sage_fp8_quantize(q, k, v, smooth_k=smooth_k), us / 1e3, gbps
 
 
 def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:

@@ -101,3 +101,63 @@ def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
     k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(16, dim=-1)[:, :sk].unsqueeze(-1)
     v = v8.to(dtype) * v_scale.to(dtype).unsqueeze(1)
     return q, k, v
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+FP8_AMAX_MIN = 2.0**-100  # amax floor of the Sage quantizer: all-zero sets get a finite scale
+KEYS_PER_SCALE = 16  # k_scale granularity
+
+
+def fp8_quantize(x, amax):
+    """(float8_e4m3fn codes, fp32 scale) of fp32 x for its amax (broadcastable to x):
+    a = max(amax, 2^-100), scale = a / 448, codes = e4m3(x * (448 / a)) saturated to +-448.
+
+    The same fp32 operations in the same order as the quantizer kernels
+    (generator/kernels/sage_quantize.py), so codes and scales agree bit for bit. 448 is a
+    tensor, not a Python number: torch's CUDA division by a host scalar multiplies by its
+    reciprocal instead, which rounds differently.
+    """
+    a = amax.float().clamp_min(FP8_AMAX_MIN)
+    fp8_max = torch.tensor(FP8_MAX, device=x.device)
+    codes = (x * (fp8_max / a)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, a / fp8_max
+
+
+def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None):
+    """sparseforge.sage_fp8_quantize in torch (HND inputs, any device); same outputs and
+    layouts (SageFP8Tensors, contract in sparseforge/sage.py).
+
+    k_mean (Hkv, D) fp32: smooth with this mean instead of computing one. The kernel sums
+    in another order, so its k_mean differs from torch's in the last bits; passed here, it
+    makes every code and scale equal to the kernel's.
+    """
+    from sparseforge.sage import SageFP8Tensors
+
+    hq, sq, d = q.shape
+    hkv, sk, _ = k.shape
+    groups = -(-sk // KEYS_PER_SCALE)
+    pad = groups * KEYS_PER_SCALE
+    qf, kf, vf = q.float(), k.float(), v.float()
+    q8, q_scale = fp8_quantize(qf, qf.abs().amax(-1, keepdim=True))
+    if smooth_k:
+        if k_mean is None:
+            k_mean = kf.double().mean(1).float()
+        kf = kf - k_mean.unsqueeze(1)
+    else:
+        k_mean = None
+    # 16-token groups; zeros pad the last one (they raise no max) and are cut off again.
+    kg = torch.nn.functional.pad(kf, (0, 0, 0, pad - sk)).view(hkv, groups, KEYS_PER_SCALE, d)
+    k8, k_scale = fp8_quantize(kg, kg.abs().amax(dim=(2, 3), keepdim=True))
+    k8 = k8.view(hkv, pad, d)[:, :sk].contiguous()
+    v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))
+    vt = torch.zeros(hkv, d, pad, dtype=torch.float8_e4m3fn, device=v.device)
+    vt[:, :, :sk] = v8.transpose(1, 2)
+    return SageFP8Tensors(
+        q=q8,
+        k=k8,
+        v=vt.transpose(1, 2)[:, :sk],
+        q_scale=q_scale.view(1, hq, sq),
+        k_scale=k_scale.view(1, hkv, groups),
+        v_scale=v_scale.view(hkv, d),
+        k_mean=k_mean,
+    )

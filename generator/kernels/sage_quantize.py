@@ -1,0 +1,438 @@
+"""Sage FP8 quantizer: q, k, v of an attention call to e4m3 codes with fp32 scales, for the
+sage_fp8_fwd kernels. Two launches; the public function and the output contract are in
+python/sparseforge/sage.py, the torch reference in python/sparseforge/reference.py.
+
+Numerics (every arch): for a set of values x (a q row, a 16-token group of k after
+smoothing, a channel of v) with a = max(max |x|, AMAX_MIN),
+    scale = a / 448          codes = e4m3_satfinite(x * (448 / a))
+Both divisions are IEEE (div.rn), the product is one rounding and the conversion rounds to
+nearest even, so a torch reference doing the same fp32 operations reproduces every code and
+scale bit for bit. AMAX_MIN keeps all-zero sets finite: a positive scale and codes 0.
+
+The k mean and the v amax run over all Sk tokens, so the tokens of each kv head are cut into
+P chunks of `chunk_tokens` tokens (a multiple of 256, so whole launch-2 tiles; chosen by the
+host, python/sparseforge/sage.py chunk_tokens). Each CTA has one role on one tensor: a CTA
+that quantized both the k and the v of its chunk needed 255 registers per thread.
+
+  launch 1  SageQuantizeStats   grid: 2 Hkv P stats CTAs (k, v alternating), then q CTAs
+    k stats CTA (kv head, chunk): column sums of k over the chunk  -> mPartial[h, p, 0, :]
+    v stats CTA (kv head, chunk): column maxima of |v|             -> mPartial[h, p, 1, :]
+        Fixed summation order: the result does not depend on scheduling.
+    q CTA (head, 64 rows at D = 128, 128 at D = 64): each row's amax -> q_scale, its codes.
+  launch 2  SageQuantizeKV      grid: 2 Hkv P CTAs (k, v alternating), the same chunks
+    Each CTA first combines its head's P partials of its statistic in chunk order (every CTA
+    of a head gets the same bits): the k mean or the v inverse scale per channel, in shared
+    memory; the chunk-0 CTA also writes k_mean or v_scale. Then per tile of 16384 / D tokens:
+    v CTA: thread = (8 channels, 16 tokens): 16 loads of 16 bytes, then per channel one
+        16-byte store of its 16 codes into the transposed buffer (Hkv, D, Sk_pad); codes of
+        tokens past Sk are masked to 0, which writes the zero padding up to Sk_pad.
+    k CTA: warp = 16-token groups; the warp's max |k - mean| per group -> k_scale; 8-byte
+        code stores.
+
+Threads move 8 elements (16 bytes) of one token row at a time, D / 8 threads per row, so a
+warp's load covers whole rows; each thread keeps 8 (q, k codes) or 16 (stats, v codes) loads
+in flight. Loads are unconditional: rows past the end read the last row (which leaves a max
+unchanged) and are left out of sums and stores. Zero-filled predicated loads instead made
+the compiler hold every row in fp32 (165 registers in launch 1, now 98; launch 2 has 162,
+3 CTAs per SM). Traffic: launch 1 reads q, v (and k when smooth_k) and writes q8; launch 2
+reads k and v again and writes k8 and the transposed v. Scales and partials are a few KB;
+each launch-2 CTA re-reads its head's partials from L2 (4 P D bytes, against 3 chunk_tokens
+D bytes of its own traffic: under 1/12 unless the host shrinks chunks for a small problem).
+
+H200 (CUDA events, both launches and the host's launch time): 204 us = 3.6 TB/s at
+(Hq, Hkv, S, D) = (32, 8, 32768, 128), 3.9 TB/s at (32, 32, 32768, 128), 3.6 TB/s at
+(40, 40, 75600, 128), 3.3-3.4 TB/s at D = 64; ncu: launch 1 at 84% and launch 2 at 77% of
+peak DRAM throughput. A persistent launch 2 (CTAs splitting all tiles evenly) was no faster.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from generator.kernels.attention_common import element_type
+
+NUM_THREADS = 128
+VEC = 8  # elements per 16-byte load of bf16 / fp16
+GROUP = 16  # tokens per k scale, and tokens per thread in a v tile
+FP8_MAX = 448.0  # largest finite e4m3 value
+AMAX_MIN = 2.0**-100  # floor of every amax: all-zero sets get a finite positive scale
+STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
+Q_ROWS_PER_THREAD = 8  # token rows per thread in a q CTA
+K_LOADS = 8  # k loads per thread in flight in a launch-2 k CTA
+STAT_K_SUM, STAT_V_MAX = 0, 1  # index of the statistic in mPartial[h, p, :, :]
+
+
+@cute.jit
+def fp8_scales(amax: cutlass.Float32):
+    """(scale, inverse scale) of a set with this amax; both divisions IEEE."""
+    a = cute.arch.fmax(amax, cutlass.Float32(AMAX_MIN))
+    return a / FP8_MAX, cutlass.Float32(FP8_MAX) / a
+
+
+@cute.jit
+def abs_max(x: cute.Tensor):
+    """max |x| of a register fragment (0 for all zeros)."""
+    return abs(x.load()).reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+
+
+@cute.jit
+def lanes_max(val: cutlass.Float32, lanes: cutlass.Constexpr):
+    """Max over aligned groups of `lanes` consecutive lanes (butterfly: all of them get it)."""
+    offset = lanes // 2
+    while cutlass.const_expr(offset >= 1):
+        other = cute.arch.shuffle_sync_bfly(val, offset=offset, mask=-1, mask_and_clamp=31)
+        val = cute.arch.fmax(val, other)
+        offset //= 2
+    return val
+
+
+@cute.jit
+def to_codes(x: cute.Tensor, inv: cutlass.Float32, codes: cute.Tensor):
+    """codes = e4m3(x * inv), saturating (cvt.rn.satfinite)."""
+    codes.store((x.load() * inv).to(cutlass.Float8E4M3FN))
+
+
+def row_vector(m: cute.Tensor, head, token, group):
+    """Elements 8 group .. 8 group + 7 of m[head, token, :] (16-byte aligned)."""
+    return cute.local_tile(m[head, token, None], (VEC,), (group,))
+
+
+class _Geometry:
+    """The thread layout both launches share: D / 8 threads per token row."""
+
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.threads_per_row = head_dim // VEC  # 16 or 8
+        self.rows_per_step = NUM_THREADS // self.threads_per_row  # 8 or 16
+        self.q_rows = Q_ROWS_PER_THREAD * self.rows_per_step  # rows per q CTA: 64 or 128
+        self.kv_tile = GROUP * self.rows_per_step  # tokens per launch-2 tile: 128 or 256
+        self.rows_per_warp = 32 // self.threads_per_row  # 2 or 4
+        self.groups_per_warp = self.kv_tile // GROUP // (NUM_THREADS // 32)  # 2 or 4
+
+    @staticmethod
+    def can_implement(head_dim: int) -> bool:
+        return head_dim in (64, 128)
+
+
+class SageQuantizeStats(_Geometry):
+    """Launch 1: chunk column statistics of k and v, and q quantized (module docstring)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mQ8: cute.Tensor,
+        mQScale: cute.Tensor,
+        mPartial: cute.Tensor,
+        chunk_tokens: cutlass.Int32,
+        smooth_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        # Stats CTAs first: they are the long ones, so they start in the first wave.
+        num_stats = 2 * mK.shape[0] * mPartial.shape[1]
+        num_q = mQ.shape[0] * cute.ceil_div(mQ.shape[1], self.q_rows)
+        self.kernel(mQ, mK, mV, mQ8, mQScale, mPartial, chunk_tokens, smooth_k).launch(
+            grid=[num_stats + num_q, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mQ8: cute.Tensor,
+        mQScale: cute.Tensor,
+        mPartial: cute.Tensor,
+        chunk_tokens: cutlass.Int32,
+        smooth_k: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_chunks = mPartial.shape[1]
+        num_stats = 2 * mK.shape[0] * num_chunks
+        # (row slot, channel): each thread's result, combined over the slots at the end.
+        smem = cutlass.memory.SmemAllocator()
+        sSlots = smem.allocate_tensor(
+            cutlass.Float32,
+            cute.make_layout((self.rows_per_step, self.head_dim), stride=(self.head_dim, 1)),
+            16,
+        )
+        if bidx < num_stats:
+            unit = bidx // 2
+            head = unit // num_chunks
+            chunk = unit - head * num_chunks
+            first = chunk * chunk_tokens
+            end = cutlass.min(first + chunk_tokens, mK.shape[1])
+            if bidx % 2 == 1:
+                self.column_stats(mV, mPartial, sSlots, head, chunk, first, end, tidx, STAT_V_MAX)
+            elif smooth_k != 0:
+                self.column_stats(mK, mPartial, sSlots, head, chunk, first, end, tidx, STAT_K_SUM)
+        else:
+            q_tiles = cute.ceil_div(mQ.shape[1], self.q_rows)
+            unit = bidx - num_stats
+            head = unit // q_tiles
+            self.quantize_q(mQ, mQ8, mQScale, head, (unit - head * q_tiles) * self.q_rows, tidx)
+
+    @cute.jit
+    def column_stats(
+        self, mX, mPartial, sSlots, head, chunk, first, end, tidx, stat: cutlass.Constexpr
+    ):
+        """mPartial[head, chunk, stat, :] = per channel, the sum of x (STAT_K_SUM) or max |x|
+        (STAT_V_MAX) over tokens first .. end - 1.
+
+        Thread (slot r, channel group cg) walks rows first + r, + rows_per_step, ...,
+        STATS_ROWS at a time; the slots are then combined through shared memory, in order.
+        """
+        cg = tidx % self.threads_per_row
+        slot = tidx // self.threads_per_row
+        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc.fill(0.0)
+        rows_per_iter = STATS_ROWS * self.rows_per_step
+        full_iters = (end - first) // rows_per_iter
+        for it in cutlass.range(full_iters, unroll=1):
+            row = first + it * rows_per_iter + slot
+            self.stats_rows(mX, acc, head, row, end, cg, stat, False)
+        if first + full_iters * rows_per_iter < end:
+            row = first + full_iters * rows_per_iter + slot
+            self.stats_rows(mX, acc, head, row, end, cg, stat, True)
+        cute.autovec_copy(acc, cute.local_tile(sSlots[slot, None], (VEC,), (cg,)))
+        cute.arch.sync_threads()
+        if tidx < self.head_dim:
+            total = sSlots[0, tidx]
+            for s in cutlass.range_constexpr(1, self.rows_per_step):
+                if cutlass.const_expr(stat == STAT_V_MAX):
+                    total = cute.arch.fmax(total, sSlots[s, tidx])
+                else:
+                    total = total + sSlots[s, tidx]
+            mPartial[head, chunk, stat, tidx] = total
+
+    @cute.jit
+    def stats_rows(
+        self, mX, acc, head, first_token, end, cg,
+        stat: cutlass.Constexpr, masked: cutlass.Constexpr,
+    ):
+        """acc (8 channels) += / max= rows first_token + i * rows_per_step, i < STATS_ROWS.
+
+        Loads are unconditional (no zero-filled registers, which made the compiler hold every
+        row in fp32): a masked pass reads rows past `end` from row end - 1 and leaves them
+        out of the sums (a repeated row does not change a max).
+        """
+        rX = cute.make_rmem_tensor(cute.make_layout((STATS_ROWS, VEC), stride=(VEC, 1)), self.dtype)
+        for u in cutlass.range_constexpr(STATS_ROWS):
+            token = first_token + u * self.rows_per_step
+            if cutlass.const_expr(masked):
+                token = cutlass.min(token, end - 1)
+            cute.autovec_copy(row_vector(mX, head, token, cg), rX[u, None])
+        x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        for u in cutlass.range_constexpr(STATS_ROWS):
+            x.store(rX[u, None].load().to(cutlass.Float32))
+            if cutlass.const_expr(stat == STAT_V_MAX):
+                for j in cutlass.range_constexpr(VEC):
+                    acc[j] = cute.arch.fmax(acc[j], abs(x[j]))
+            elif cutlass.const_expr(masked):
+                if first_token + u * self.rows_per_step < end:
+                    acc.store(acc.load() + x.load())
+            else:
+                acc.store(acc.load() + x.load())
+
+    @cute.jit
+    def quantize_q(self, mQ, mQ8, mQScale, head, first_row, tidx):
+        """Rows first_row .. first_row + q_rows - 1 of q[head]: each row's amax over its
+        threads_per_row lanes, then its codes and its scale."""
+        cg = tidx % self.threads_per_row
+        slot = tidx // self.threads_per_row
+        # Rows past Sq load row Sq - 1 (unconditional loads) and are not stored.
+        rQ = cute.make_rmem_tensor(
+            cute.make_layout((Q_ROWS_PER_THREAD, VEC), stride=(VEC, 1)), self.dtype
+        )
+        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
+            row = cutlass.min(first_row + s * self.rows_per_step + slot, mQ.shape[1] - 1)
+            cute.autovec_copy(row_vector(mQ, head, row, cg), rQ[s, None])
+        x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
+            row = first_row + s * self.rows_per_step + slot
+            x.store(rQ[s, None].load().to(cutlass.Float32))
+            scale, inv = fp8_scales(lanes_max(abs_max(x), self.threads_per_row))
+            to_codes(x, inv, codes)
+            if row < mQ.shape[1]:
+                cute.autovec_copy(codes, row_vector(mQ8, head, row, cg))
+                if cg == 0:
+                    mQScale[head, row] = scale
+
+
+class SageQuantizeKV(_Geometry):
+    """Launch 2: the k or the v codes and scales of one chunk of one kv head per CTA."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPartial: cute.Tensor,
+        mK8: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVt: cute.Tensor,
+        mVScale: cute.Tensor,
+        mKMean: cute.Tensor,
+        chunk_tokens: cutlass.Int32,
+        smooth_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            mK, mV, mPartial, mK8, mKScale, mVt, mVScale, mKMean, chunk_tokens, smooth_k
+        ).launch(
+            grid=[2 * mK.shape[0] * mPartial.shape[1], 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPartial: cute.Tensor,
+        mK8: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVt: cute.Tensor,
+        mVScale: cute.Tensor,
+        mKMean: cute.Tensor,
+        chunk_tokens: cutlass.Int32,
+        smooth_k: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_chunks = mPartial.shape[1]
+        unit = bidx // 2
+        head = unit // num_chunks
+        chunk = unit - head * num_chunks
+        seq_k = mK.shape[1]
+        first = chunk * chunk_tokens
+        num_tiles = cute.ceil_div(cutlass.min(first + chunk_tokens, seq_k) - first, self.kv_tile)
+        smem = cutlass.memory.SmemAllocator()
+        sChannel = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.head_dim), 16)
+        if bidx % 2 == 1:
+            # v: sChannel = 448 / amax per channel.
+            if tidx < self.head_dim:
+                peak = cutlass.Float32(0.0)
+                for p in cutlass.range(num_chunks, unroll=8):
+                    peak = cute.arch.fmax(peak, mPartial[head, p, STAT_V_MAX, tidx])
+                scale, inv = fp8_scales(peak)
+                sChannel[tidx] = inv
+                if chunk == 0:
+                    mVScale[head, tidx] = scale
+            cute.arch.sync_threads()
+            # Thread: channels 8 cg .. 8 cg + 7 of the 16-token block `block` of each tile.
+            cg = tidx % self.threads_per_row
+            block = tidx // self.threads_per_row
+            v_inv = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            cute.autovec_copy(cute.local_tile(sChannel, (VEC,), (cg,)), v_inv)
+            for tile in cutlass.range(num_tiles, unroll=1):
+                t0 = first + tile * self.kv_tile
+                self.quantize_v(mV, mVt, v_inv, head, t0 + block * GROUP, cg)
+        else:
+            # k: sChannel = the mean per channel (0 without smoothing: k is quantized as is).
+            if tidx < self.head_dim:
+                mean = cutlass.Float32(0.0)
+                if smooth_k != 0:
+                    total = cutlass.Float32(0.0)
+                    for p in cutlass.range(num_chunks, unroll=8):
+                        total = total + mPartial[head, p, STAT_K_SUM, tidx]
+                    mean = total / cutlass.Float32(seq_k)
+                sChannel[tidx] = mean
+                if chunk == 0:
+                    mKMean[head, tidx] = mean
+            cute.arch.sync_threads()
+            # Lane = (row of a warp step, channel group); a warp owns groups_per_warp groups.
+            lane = tidx % 32
+            cg = lane % self.threads_per_row
+            k_row = lane // self.threads_per_row
+            k_mean = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            cute.autovec_copy(cute.local_tile(sChannel, (VEC,), (cg,)), k_mean)
+            warp_first = (tidx // 32) * self.groups_per_warp * GROUP
+            for tile in cutlass.range(num_tiles, unroll=1):
+                t0 = first + tile * self.kv_tile
+                self.quantize_k(mK, mK8, mKScale, k_mean, head, t0 + warp_first, k_row, cg, lane)
+
+    @cute.jit
+    def quantize_v(self, mV, mVt, v_inv, head, first_token, cg):
+        """Tokens first_token .. +15, channels 8 cg .. 8 cg + 7: one 16-byte store per channel
+        into Vt[head, channel, first_token:first_token + 16].
+
+        Tokens past Sk load token Sk - 1 (unconditional loads) and their codes are masked
+        to 0: the block that holds Sk writes the zero padding up to Sk_pad.
+        """
+        seq_k = mV.shape[1]
+        if first_token < seq_k:
+            rV = cute.make_rmem_tensor(cute.make_layout((GROUP, VEC), stride=(VEC, 1)), self.dtype)
+            for i in cutlass.range_constexpr(GROUP):
+                token = cutlass.min(first_token + i, seq_k - 1)
+                cute.autovec_copy(row_vector(mV, head, token, cg), rV[i, None])
+            # Byte masks of the valid tokens, 4 per 32-bit word of codes.
+            keep = cute.make_rmem_tensor((GROUP // 4,), cutlass.Int32)
+            for w in cutlass.range_constexpr(GROUP // 4):
+                valid_bits = 8 * cutlass.max(cutlass.min(seq_k - first_token - 4 * w, 4), 0)
+                keep[w] = cutlass.Int32((cutlass.Int64(1) << valid_bits) - 1)
+            x = cute.make_rmem_tensor((GROUP,), cutlass.Float32)
+            codes = cute.make_rmem_tensor((GROUP,), cutlass.Float8E4M3FN)
+            words = cute.recast_tensor(codes, cutlass.Int32)
+            block = first_token // GROUP
+            for j in cutlass.range_constexpr(VEC):
+                x.store(rV[None, j].load().to(cutlass.Float32))
+                to_codes(x, v_inv[j], codes)
+                for w in cutlass.range_constexpr(GROUP // 4):
+                    words[w] = words[w] & keep[w]
+                channel = mVt[head, cg * VEC + j, None]
+                cute.autovec_copy(codes, cute.local_tile(channel, (GROUP,), (block,)))
+
+    @cute.jit
+    def quantize_k(self, mK, mK8, mKScale, k_mean, head, first_token, k_row, cg, lane):
+        """The warp's groups_per_warp groups of 16 tokens from first_token on: codes of
+        k - mean with one scale per group.
+
+        Rows past Sk load row Sk - 1 (unconditional loads): in the group that holds Sk that
+        repeats one of its rows, which leaves its max unchanged; nothing past Sk is stored.
+        K_LOADS loads per thread at a time (one group at D = 128, two at D = 64): holding all
+        the warp's groups as fp32 would double the registers.
+        """
+        seq_k = mK.shape[1]
+        steps = GROUP // self.rows_per_warp  # loads per thread per group
+        batch = K_LOADS // steps  # groups per batch
+        rK = cute.make_rmem_tensor(
+            cute.make_layout((batch, steps, VEC), stride=(steps * VEC, VEC, 1)), self.dtype
+        )
+        d = cute.make_rmem_tensor(cute.make_layout((steps, VEC), stride=(VEC, 1)), cutlass.Float32)
+        codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+        for b in cutlass.range_constexpr(self.groups_per_warp // batch):
+            for g in cutlass.range_constexpr(batch):
+                for i in cutlass.range_constexpr(steps):
+                    token = first_token + (b * batch + g) * GROUP + i * self.rows_per_warp + k_row
+                    cute.autovec_copy(
+                        row_vector(mK, head, cutlass.min(token, seq_k - 1), cg), rK[g, i, None]
+                    )
+            for g in cutlass.range_constexpr(batch):
+                group_first = first_token + (b * batch + g) * GROUP
+                amax = cutlass.Float32(0.0)
+                for i in cutlass.range_constexpr(steps):
+                    d[i, None].store(rK[g, i, None].load().to(cutlass.Float32) - k_mean.load())
+                    amax = cute.arch.fmax(amax, abs_max(d[i, None]))
+                scale, inv = fp8_scales(lanes_max(amax, 32))
+                for i in cutlass.range_constexpr(steps):
+                    token = group_first + i * self.rows_per_warp + k_row
+                    to_codes(d[i, None], inv, codes)
+                    if token < seq_k:
+                        cute.autovec_copy(codes, row_vector(mK8, head, token, cg))
+                if lane == 0 and group_first < seq_k:
+                    mKScale[head, group_first // GROUP] = scale
+
+
+def make_kernel(variant):
+    if not _Geometry.can_implement(variant.head_dim):
+        raise ValueError(f"sage_quantize: head_dim {variant.head_dim} not supported")
+    template = {"sage_quantize_stats": SageQuantizeStats, "sage_quantize_kv": SageQuantizeKV}
+    return template[variant.family](element_type(variant.dtype), variant.head_dim)

@@ -1,0 +1,207 @@
+"""Sage FP8 quantization of attention inputs (issue 5): q, k and v to float8_e4m3fn codes with
+fp32 scales, in the layouts the Sage FP8 attention kernels read (the wrappers' plan() with
+q_data_type=torch.float8_e4m3fn and the three scales).
+
+    sage_fp8_quantize(q, k, v, *, smooth_k=True) -> SageFP8Tensors
+
+q (Hq, Sq, D), k and v (Hkv, Sk, D): HND, bfloat16 or float16, on one CUDA device, unit stride
+on D (head and token strides free, multiples of 8 elements), D in {64, 128}, Hq a multiple of
+Hkv. Returns SageFP8Tensors(q, k, v, q_scale, k_scale, v_scale, k_mean), where x8 is the
+e4m3 output and x the input:
+  q        (Hq, Sq, D) e4m3, contiguous.     q8[h, s] * q_scale[0, h, s] ~= q[h, s]
+  q_scale  (1, Hq, Sq) fp32: max |q[h, s, :]| / 448 per token.
+  k        (Hkv, Sk, D) e4m3, contiguous.    k8[h, s] * k_scale[0, h, s // 16] ~= k[h, s] - m[h]
+           (m = k_mean, or 0 without smoothing)
+  k_scale  (1, Hkv, ceil(Sk / 16)) fp32: max |k - k_mean| / 448 over 16 tokens (the last group
+           may be short) and all D channels.
+  v        (Hkv, Sk, D) e4m3, a transposed view: v8 = buf.transpose(1, 2)[:, :Sk] of a buffer
+           buf (Hkv, D, Sk_pad), Sk_pad = Sk rounded up to 16, zero past Sk; so v8.stride() ==
+           (D * Sk_pad, 1, Sk_pad) (e4m3 MMAs need V K-major; the kernels TMA-load this).
+                                              v8[h, :, d] * v_scale[h, d] ~= v[h, :, d]
+  v_scale  (Hkv, D) fp32: max over the tokens of |v[h, :, d]| / 448.
+  k_mean   (Hkv, D) fp32: mean of k over all Sk tokens per channel; None unless smooth_k
+           (then k is quantized as it is).
+Every amax is floored at 2^-100: all-zero rows, groups and channels give codes 0 and a
+finite positive scale. Conversion saturates at +-448 (never NaN). The codes and scales equal,
+bit for bit, those of reference.sage_fp8_quantize given the same k_mean.
+
+Smoothing K. Scores with the smoothed keys are q . (k - m) = q . k - q . m: each query row
+changes by the constant q . m, which softmax removes, so the attention output is unchanged.
+The LSE an attention returns on these inputs is of the smoothed scores: it is smaller by
+sm_scale * (q . k_mean) per row than the LSE of the original scores (add that back if the
+LSE is combined with other attention results). Why smooth: keys often carry a large offset
+per channel, shared by all tokens. With one scale per 16 tokens over all channels, that
+offset sets the scale and leaves few e4m3 steps for the token-to-token differences that
+decide the softmax; without it the scale follows those differences (bench.py:
+sage_offset_accuracy; tests/test_sage_quantize.py: test_smoothing_helps_offset_keys).
+
+Two kernel launches (generator/kernels/sage_quantize.py): column statistics of k and v per
+chunk of tokens plus q's codes, then k's and v's codes. quantize_bandwidth() times them.
+Host time per call is about 95 us on the H200 machine (8 output allocations, two argument
+packings of about 20 us each in _library); large problems hide it behind the GPU queue.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from typing import NamedTuple
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+KEYS_PER_SCALE = 16
+HEAD_DIMS = (64, 128)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Tokens per chunk are a multiple of this: whole launch-2 tiles (128 tokens at D = 128, 256
+# at D = 64; generator/kernels/sage_quantize.py).
+CHUNK_MULTIPLE = 256
+# Preferred tokens per chunk. Launch 2 on the H200 for chunks of 256 .. 8192 tokens: 2048 was
+# the best or within 5% of it at (Hq, Hkv, S, D) = (32, 8, 32768, 128) (63 us), (32, 32, 32768,
+# 128) (218 us) and (40, 40, 75600, 128) (735 us against 704 at 1024); 256 was 1.4-1.7x slower
+# and 8192 1.1-2.3x slower.
+PREFERRED_CHUNK = 2048
+
+
+class SageFP8Tensors(NamedTuple):
+    """The outputs of sage_fp8_quantize; layouts in the module docstring."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_mean: torch.Tensor | None
+
+
+def sage_fp8_quantize(q, k, v, *, smooth_k: bool = True) -> SageFP8Tensors:
+    """Quantize bf16/fp16 HND q, k, v for the Sage FP8 attention kernels (module docstring)."""
+    _check_inputs(q, k, v)
+    hq, sq, d = q.shape
+    hkv, sk, _ = k.shape
+    device = q.device
+    groups = -(-sk // KEYS_PER_SCALE)
+    chunk = chunk_tokens(sk, hkv, _sm_count(device.index))
+    f32 = dict(dtype=torch.float32, device=device)
+    q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
+    q_scale = torch.empty((1, hq, sq), **f32)
+    k8 = torch.empty((hkv, sk, d), dtype=FP8, device=device)
+    k_scale = torch.empty((1, hkv, groups), **f32)
+    vt = torch.empty((hkv, d, groups * KEYS_PER_SCALE), dtype=FP8, device=device)  # padding too
+    v_scale = torch.empty((hkv, d), **f32)
+    k_mean = torch.empty((hkv, d), **f32)  # written (zeros) even without smoothing
+    partial = torch.empty((hkv, -(-sk // chunk), 2, d), **f32)
+    stats, quantize_kv = _launches(device.index, DTYPE_NAMES[q.dtype], d, chunk, int(smooth_k))
+    with torch.cuda.device(device):
+        stats((q, k, v, q8, q_scale[0], partial))
+        quantize_kv((k, v, partial, k8, k_scale[0], vt, v_scale, k_mean))
+    return SageFP8Tensors(
+        q8, k8, vt.transpose(1, 2)[:, :sk], q_scale, k_scale, v_scale, k_mean if smooth_k else None
+    )
+
+
+def chunk_tokens(seq_k: int, num_kv_heads: int, num_sms: int) -> int:
+    """Tokens per chunk, a multiple of 256: PREFERRED_CHUNK, or 4 sqrt(Sk) if more (each
+    launch-2 CTA reads its head's P partials, 4 P D bytes against 3 chunk D bytes of its own
+    traffic: (4/3) Sk / chunk^2 <= 1/12 of it), halved down to 256 while launch 2 would have
+    fewer CTAs (two per chunk and kv head) than the GPU has SMs."""
+    chunk = max(PREFERRED_CHUNK, 4 * math.isqrt(seq_k))
+    while chunk > CHUNK_MULTIPLE and 2 * num_kv_heads * -(-seq_k // chunk) < num_sms:
+        chunk //= 2
+    return -(-chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+
+
+def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
+    """Bytes both launches read and write: q once, k twice with smoothing (else once), v
+    twice; the codes (v with its padding), scales and mean; the chunk partials once each
+    way (launch-2 CTAs re-read them from L2, not counted)."""
+    hq, sq, d = q.shape
+    hkv, sk, _ = k.shape
+    groups = -(-sk // KEYS_PER_SCALE)
+    chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
+    reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
+    codes = q.numel() + k.numel() + hkv * d * groups * KEYS_PER_SCALE
+    scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
+    partials = 2 * 4 * hkv * chunks * 2 * d
+    return reads + codes + scales + partials
+
+
+def quantize_bandwidth(q, k, v, *, smooth_k: bool = True, iters: int = 20) -> tuple[float, float]:
+    """(microseconds, GB/s) of sage_fp8_quantize: median of `iters` CUDA-event timings after
+    three warm-up calls; GB/s counts quantize_bytes(). Small problems include the host's
+    launch time (the GPU waits for it)."""
+    for _ in range(3):
+        sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
+    events = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    us = 1e3 * statistics.median(start.elapsed_time(end) for start, end in events)
+    return us, quantize_bytes(q, k, v, smooth_k=smooth_k) / (us * 1e3)
+
+
+def _check_inputs(q, k, v) -> None:
+    """Everything the kernels assume, checked before any launch (no GPU needed)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be (heads, tokens, head_dim) (HND), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"{name} has dtype {t.dtype}; it must be bfloat16 or float16")
+        if 0 in t.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: no dimension may be empty")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    hq, _, d = q.shape
+    hkv = k.shape[0]
+    if k.shape[2] != d:
+        raise ValueError(f"q has head_dim {d}, k and v {k.shape[2]}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; sage_fp8_quantize supports {HEAD_DIMS}")
+    if hq % hkv:
+        raise ValueError(f"num_qo_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        stride = t.stride()
+        if stride[2] != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim, got strides {stride}")
+        if stride[0] % 8 or stride[1] % 8:
+            raise ValueError(
+                f"{name} must have strides that are multiples of 8 elements, got {stride}"
+            )
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned, got address {t.data_ptr():#x}")
+    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"q, k and v must be on one CUDA device, got {q.device}, {k.device}, {v.device}"
+        )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=64)
+def _launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k: int):
+    """The two launches (statistics + q, then k and v) with chunk_tokens and smooth_k bound."""
+    from sparseforge._library import find_kernel
+    from sparseforge.arch import arch_for_device
+
+    arch = arch_for_device(device_index)
+    launches = []
+    for family in ("sage_quantize_stats", "sage_quantize_kv"):
+        kernel = find_kernel(family, arch, dtype=dtype, head_dim=head_dim)
+        kernel.prepare()
+        launches.append(kernel.bind(chunk, smooth_k))
+    return tuple(launches)
