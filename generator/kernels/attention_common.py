@@ -61,10 +61,23 @@ def new_softmax_state(num_rows: int):
     return row_max, row_sum
 
 
+# The running max moves only when a tile's max exceeds it by more than this (log2 units):
+# probabilities then stay below 2^8 (fine in fp32 sums and in 16-bit/e4m3 P), and the
+# output's rescale, a multiply per output element, is skipped for most tiles.
+RESCALE_THRESHOLD = 8.0
+
+
+@cute.jit
+def rescale_rows(acc_o_mn: cute.Tensor, r, correction):
+    """Row r of the output times correction; nothing when it is 1 (the running max held)."""
+    if correction != 1.0:
+        acc_o_mn[r, None] = acc_o_mn[r, None].load() * correction
+
+
 @cute.jit
 def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor):
     """Online softmax step, in the log2 domain: scores become probabilities (in place) and
-    the output rows are rescaled.
+    the output rows are rescaled when the running max moves (RESCALE_THRESHOLD).
 
     Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
     that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf.
@@ -72,7 +85,10 @@ def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = acc_s_mn[r, None].load()
         prev_max = row_max[r]
-        new_max = quad_max(row.reduce(cute.ReductionOp.MAX, prev_max, 0))
+        new_max = prev_max
+        tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, prev_max, 0))
+        if tile_max * scale_log2 > prev_max * scale_log2 + RESCALE_THRESHOLD:
+            new_max = tile_max
         base = new_max * scale_log2
         if new_max == -cutlass.Float32.inf:
             base = cutlass.Float32(0.0)
@@ -83,7 +99,7 @@ def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn
         )
         row_max[r] = new_max
         acc_s_mn[r, None] = probs
-        acc_o_mn[r, None] = acc_o_mn[r, None].load() * correction
+        rescale_rows(acc_o_mn, r, correction)
 
 
 @cute.jit

@@ -7,9 +7,10 @@ that partial product is added to O in fp32 ("two-level accumulation"): no long c
 e4m3 MMAs accumulates in the tensor core, and every tile uses e4m3's full range.
 
 Per row and tile, with m the running max and t the tile's max (log2 units):
+    m_new = t if t > m_old + 8 else m_old   (attention_common.RESCALE_THRESHOLD)
     P8    = exp2(x - t + 8)            in (0, 256]: the tile's row max is 256
-    beta  = exp2(t - m_new - 8)        turns P8 back into exp2(x - m_new)
-    alpha = exp2(m_old - m_new)        the usual online-softmax correction
+    beta  = exp2(t - m_new - 8)        <= 1, turns P8 back into exp2(x - m_new)
+    alpha = exp2(m_old - m_new)        the online-softmax correction, 1 for most tiles
     O     = O * alpha + (P8 V8) * beta,   l = l * alpha + sum(P8) * beta
 
 Register layouts: the fp32 accumulator of S (wgmma m64nNk32 and mma.sync m16n8k32 alike)
@@ -21,7 +22,7 @@ byte permute per 32-bit word, so V needs no reordering.
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.attention_common import mask_columns, quad_max
+from generator.kernels.attention_common import RESCALE_THRESHOLD, mask_columns, quad_max, rescale_rows
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 KEYS_PER_SCALE = 16  # k_scale granularity
@@ -63,7 +64,9 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = acc_s_mn[r, None].load()
         tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
-        new_max = cute.arch.fmax(row_max[r], tile_max)
+        new_max = row_max[r]
+        if tile_max > row_max[r] + RESCALE_THRESHOLD:
+            new_max = tile_max
         # A row with no valid key so far keeps -inf; exponent bases of 0 keep NaN out.
         tile_base = tile_max
         if tile_max == NEG_INF:
@@ -85,7 +88,8 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
 def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
     """O = O * alpha + partial * beta, row by row (the second level of the accumulation)."""
     for r in cutlass.range_constexpr(cute.size(alpha)):
-        acc_o_mn[r, None] = acc_o_mn[r, None].load() * alpha[r] + partial_mn[r, None].load() * beta[r]
+        rescale_rows(acc_o_mn, r, alpha[r])
+        acc_o_mn[r, None] = acc_o_mn[r, None].load() + partial_mn[r, None].load() * beta[r]
 
 
 @cute.jit

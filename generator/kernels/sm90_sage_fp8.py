@@ -169,23 +169,15 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
 
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
-        # A tile's length and key scales are two dependent global loads (tile id, then
-        # value): loaded one tile ahead, during the P V of the tile before.
-        next_len = cutlass.Int32(0)
-        if num_tiles > 0:
-            first = mTileIdx[kv_head, chunk, 0]
-            next_len = mTileLen[first]
-            load_key_scales(mKScale, kv_head, first, TILE_N, key_scale)
         for j in cutlass.range(num_tiles, unroll=1):
-            tile_len = next_len
+            tile = mTileIdx[kv_head, chunk, j]
+            tile_len = mTileLen[tile]
+            load_key_scales(mKScale, kv_head, tile, TILE_N, key_scale)
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
             sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
-            following = mTileIdx[kv_head, chunk, cutlass.min(j + 1, num_tiles - 1)]
-            next_len = mTileLen[following]
-            load_key_scales(mKScale, kv_head, following, TILE_N, key_scale)
             scores_to_e4m3_operand(acc_S_mn, tOrP)
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:

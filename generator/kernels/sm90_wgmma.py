@@ -278,19 +278,13 @@ class BlockSparseFwdSm90:
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        # A tile's length is two dependent global loads (tile id, then length): loaded one
-        # tile ahead, during the P V of the tile before.
-        next_len = cutlass.Int32(0)
-        if num_tiles > 0:
-            next_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
         for j in cutlass.range(num_tiles, unroll=1):
-            tile_len = next_len
+            tile_len = mTileLen[mTileIdx[kv_head, chunk, j]]
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
             tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
-            next_len = mTileLen[mTileIdx[kv_head, chunk, cutlass.min(j + 1, num_tiles - 1)]]
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:
                 self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
