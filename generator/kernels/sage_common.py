@@ -89,7 +89,15 @@ def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
     """O = O * alpha + partial * beta, row by row (the second level of the accumulation)."""
     for r in cutlass.range_constexpr(cute.size(alpha)):
         rescale_rows(acc_o_mn, r, alpha[r])
-        acc_o_mn[r, None] = acc_o_mn[r, None].load() + partial_mn[r, None].load() * beta[r]
+    add_partial(acc_o_mn, partial_mn, beta, 0)
+
+
+@cute.jit
+def add_partial(acc_o_mn, partial_mn, beta, first_col: cutlass.Constexpr):
+    """O[:, first_col:first_col + width] += partial * beta (the partial of a column slice)."""
+    for r in cutlass.range_constexpr(cute.size(beta)):
+        for c in cutlass.range_constexpr(cute.size(partial_mn, mode=[1])):
+            acc_o_mn[r, first_col + c] = acc_o_mn[r, first_col + c] + partial_mn[r, c] * beta[r]
 
 
 @cute.jit

@@ -15,11 +15,12 @@ so the ring holds more stages.
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows
 from generator.kernels.sage_common import (
-    accumulate_tile,
+    add_partial,
     load_key_scales,
     load_row_scales,
     sage_softmax_step,
@@ -34,7 +35,11 @@ from generator.kernels.sm90_wgmma import (
 )
 
 KV_STAGES = 6
-CTAS_PER_SM = {64: 3, 128: 2}
+CTAS_PER_SM = 3
+# P V runs in column slices of at most 64 channels, each into the same fp32 partial
+# accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
+# leave room for only two CTAs per SM.
+PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
@@ -42,7 +47,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         super().__init__(cutlass.Float8E4M3FN, head_dim)
         self.v_major = OperandMajorMode.K
         self.kv_stages = KV_STAGES
-        self.ctas_per_sm = CTAS_PER_SM[head_dim]
+        self.ctas_per_sm = CTAS_PER_SM
+        self.pv_slice = min(head_dim, PV_SLICE)
 
     @cute.jit
     def __call__(
@@ -64,6 +70,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
          sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, mVt)
+        pv_slice_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (TILE_M, self.pv_slice), warpgroup.OperandSource.RMEM,
+        )
 
         @cute.struct
         class SharedStorage:
@@ -73,7 +83,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         self.kernel(
-            qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
         ).launch(
@@ -90,6 +100,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
+        pv_slice_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         mQ_tma: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -133,30 +144,34 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             )
         if warp < PRODUCER_WARP:
             self.consume_sage(
-                qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
                 mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
                 head, kv_head, chunk, num_tiles, tidx,
             )
 
     @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
         mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
         head, kv_head, chunk, num_tiles, tidx,
     ):
         d = self.head_dim
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_slice_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
+        slice_thr = pv_slice_mma.get_slice(tidx)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
-        tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((TILE_M, TILE_N)), self.dtype)
+        # (values, column slice, k-block, stage): the V^T operand of each slice of P V.
+        tOrV = slice_thr.make_fragment_B(slice_thr.partition_B(sV))
+        tOrP = cute.make_rmem_tensor(slice_thr.partition_shape_A((TILE_M, TILE_N)), self.dtype)
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_PV = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_PV = cute.make_rmem_tensor(slice_thr.partition_shape_C((TILE_M, self.pv_slice)), cutlass.Float32)
         acc_O.fill(0.0)
+        acc_O_mn = acc_mn_view(acc_O)
+        acc_PV_mn = acc_mn_view(acc_PV)
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
@@ -182,14 +197,21 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:
                 self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
-            acc_PV.fill(0.0)
-            self.pv(pv_mma, acc_PV, tOrP, tOrV[None, None, None, v_handle.index])
-            warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(rows):
+                rescale_rows(acc_O_mn, r, alpha[r])
+            for s in cutlass.range_constexpr(d // self.pv_slice):
+                acc_PV.fill(0.0)
+                slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
+                slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
+                    slice_v.iterator,
+                    cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
+                )
+                self.pv(pv_slice_mma, acc_PV, tOrP, slice_v)
+                warpgroup.wait_group(0)
+                add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
             v_handle.release()
-            accumulate_tile(acc_mn_view(acc_O), acc_mn_view(acc_PV), alpha, beta)
 
         # V was quantized per channel: scale the output columns back.
-        acc_O_mn = acc_mn_view(acc_O)
         tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
             channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
