@@ -26,13 +26,16 @@ from generator.kernels.sage_common import (
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.sm90_wgmma import CONSUMER_THREADS, TILE_M, TILE_N, BlockSparseFwdSm90
+from generator.kernels.sm90_wgmma import (
+    NUM_THREADS,
+    PRODUCER_WARP,
+    TILE_M,
+    TILE_N,
+    BlockSparseFwdSm90,
+)
 
-# No producer warp: the warpgroup issues its own TMA loads LOOKAHEAD tiles ahead, so a CTA
-# is 4 warps and four of them fit an SM (128 registers each; 4 x 41 KB of shared memory).
-KV_STAGES = 4
-LOOKAHEAD = KV_STAGES // 2  # tiles (a K and a V stage each)
-CTAS_PER_SM = 4
+KV_STAGES = 6
+CTAS_PER_SM = 3
 # P V runs in column slices of at most 64 channels, each into the same fp32 partial
 # accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
 # leave room for only two CTAs per SM.
@@ -85,7 +88,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
         ).launch(
             grid=[mWork.shape[0], 1, 1],
-            block=[CONSUMER_THREADS, 1, 1],
+            block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -122,6 +125,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
 
         smem = cutlass.memory.SmemAllocator()
@@ -131,34 +135,23 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.
         sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
-        # Every warp arrives on each stage it acquires (a quarter of the bytes each); warp 0
-        # issues the copies. So the pipeline state stays uniform, outside any branch.
-        pipelines = self.pipelines(storage, tile_bytes, producer_warps=CONSUMER_THREADS // 32)
-        loads = self.tma_partitions(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk)
-        self.consume_sage(
-            qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, pipelines, (tma_q, tma_k, tma_v), loads,
-            mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-            head, kv_head, chunk, num_tiles, tidx,
-        )
+        q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
-    @cute.jit
-    def load_tile(self, kv_producer, tma_atoms, loads, mTileIdx, kv_head, chunk, j, num_tiles, is_loader):
-        """Acquire the K and V stages of list entry j and, if it exists, load its tile.
-
-        Entries past the list acquire their stages too (never waited for by a consumer), so
-        that every warp advances the ring the same way."""
-        _, tma_k, tma_v = tma_atoms
-        _, _, tKsK, tKgK, tVsV, tVgV = loads
-        k_stage = kv_producer.acquire_and_advance()
-        v_stage = kv_producer.acquire_and_advance()
-        if is_loader and j < num_tiles:
-            tile = mTileIdx[kv_head, chunk, j]
-            cute.copy(tma_k, tKgK[None, tile], tKsK[None, k_stage.index], tma_bar_ptr=k_stage.barrier)
-            cute.copy(tma_v, tVgV[None, tile], tVsV[None, v_stage.index], tma_bar_ptr=v_stage.barrier)
+        if warp == PRODUCER_WARP:
+            self.produce(
+                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
+                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
+            )
+        if warp < PRODUCER_WARP:
+            self.consume_sage(
+                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+                mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+                head, kv_head, chunk, num_tiles, tidx,
+            )
 
     @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, pipelines, tma_atoms, loads,
+        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
         mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
         head, kv_head, chunk, num_tiles, tidx,
     ):
@@ -189,15 +182,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         key_scale = cute.make_rmem_tensor(TILE_N // 16, cutlass.Float32)
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
-        q_producer, q_consumer, kv_producer, kv_consumer = pipelines
-        is_loader = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
-        q_stage = q_producer.acquire_and_advance()
-        if is_loader:
-            tQsQ, tQgQ = loads[0], loads[1]
-            cute.copy(tma_atoms[0], tQgQ, tQsQ[None, q_stage.index], tma_bar_ptr=q_stage.barrier)
-        for j in cutlass.range_constexpr(LOOKAHEAD):
-            self.load_tile(kv_producer, tma_atoms, loads, mTileIdx, kv_head, chunk, j, num_tiles, is_loader)
-
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         for j in cutlass.range(num_tiles, unroll=1):
@@ -226,7 +210,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 warpgroup.wait_group(0)
                 add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
             v_handle.release()
-            self.load_tile(kv_producer, tma_atoms, loads, mTileIdx, kv_head, chunk, j + LOOKAHEAD, num_tiles, is_loader)
 
         # V was quantized per channel: scale the output columns back.
         tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))

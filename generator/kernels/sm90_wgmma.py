@@ -160,18 +160,17 @@ class BlockSparseFwdSm90:
         kv_head = head // (num_qo_heads // num_kv_heads)
         return head, chunk, kv_head, mTileCnt[kv_head, chunk]
 
-    def pipelines(self, storage, tile_bytes, producer_warps: int = 1):
-        """Q (one stage) and the K/V ring: TMA producer, consumer warpgroup. Each producer
-        warp arrives once per stage, expecting its share of the stage's bytes."""
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_warps)
+    def pipelines(self, storage, tile_bytes):
+        """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup."""
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes // producer_warps,
+            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
         ).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.kv_barriers.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes // producer_warps,
+            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
         ).make_participants()
         return q_producer, q_consumer, kv_producer, kv_consumer
 
@@ -230,20 +229,6 @@ class BlockSparseFwdSm90:
         self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
         q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
     ):
-        tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-        )
-        handle = q_producer.acquire_and_advance()
-        cute.copy(tma_q, tQgQ, tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
-        for j in cutlass.range(num_tiles, unroll=1):
-            tile = mTileIdx[kv_head, chunk, j]
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_v, tVgV[None, tile], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
-
-    def tma_partitions(self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
-        """TMA source/destination views: Q's tile of this unit, K and V tiles by tile id."""
         d = self.head_dim
         gQ = cute.local_tile(mQ_tma[None, None, head], (TILE_M, d), (chunk, 0))
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, d), (None, 0))
@@ -260,7 +245,15 @@ class BlockSparseFwdSm90:
         cpasync.prefetch_descriptor(tma_q)
         cpasync.prefetch_descriptor(tma_k)
         cpasync.prefetch_descriptor(tma_v)
-        return tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV
+
+        handle = q_producer.acquire_and_advance()
+        cute.copy(tma_q, tQgQ, tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = mTileIdx[kv_head, chunk, j]
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_v, tVgV[None, tile], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
     def consume(
