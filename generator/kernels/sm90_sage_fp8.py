@@ -128,11 +128,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
         # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.
         sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)

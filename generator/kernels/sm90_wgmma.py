@@ -160,6 +160,14 @@ class BlockSparseFwdSm90:
         kv_head = head // (num_qo_heads // num_kv_heads)
         return head, chunk, kv_head, mTileCnt[kv_head, chunk]
 
+    def shared_operands(self, SharedStorage, sQ_layout, sK_layout, sV_layout):
+        """The shared storage and its Q tile and K/V ring (K and V stages share the bytes)."""
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        return storage, sQ, sK, sV
+
     def pipelines(self, storage, tile_bytes):
         """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup."""
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -203,11 +211,7 @@ class BlockSparseFwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
         # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
         # layout (element units), not of the pointer (byte units, as for the wgmma operands).
         sO = storage.sQ.get_tensor(sO_layout)
