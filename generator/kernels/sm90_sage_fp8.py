@@ -18,7 +18,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
     add_partial,
     load_key_scales,
@@ -126,7 +126,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
         # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.

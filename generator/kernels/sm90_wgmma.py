@@ -34,6 +34,7 @@ from generator.kernels.attention_common import (
     new_softmax_state,
     softmax_finalize,
     softmax_update,
+    unit_of_cta,
 )
 
 TILE_M = 64
@@ -150,16 +151,6 @@ class BlockSparseFwdSm90:
         return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
                 sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes)
 
-    def unit(self, mWork, num_rows, num_qo_heads, num_kv_heads, mTileCnt):
-        """(head, 64-row chunk, kv head, listed tiles) of this CTA's unit."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_chunks = cute.ceil_div(num_rows, TILE_M)
-        unit = mWork[bidx]
-        head = unit // num_chunks
-        chunk = unit - head * num_chunks
-        kv_head = head // (num_qo_heads // num_kv_heads)
-        return head, chunk, kv_head, mTileCnt[kv_head, chunk]
-
     def shared_operands(self, SharedStorage, sQ_layout, sK_layout, sV_layout):
         """The shared storage and its Q tile and K/V ring (K and V stages share the bytes)."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -209,7 +200,7 @@ class BlockSparseFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, chunk, kv_head, num_tiles = self.unit(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt)
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
         # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the

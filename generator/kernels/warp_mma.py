@@ -29,6 +29,7 @@ from generator.kernels.attention_common import (
     new_softmax_state,
     softmax_finalize,
     softmax_update,
+    unit_of_cta,
 )
 
 TILE_M = 64
@@ -125,13 +126,7 @@ class BlockSparseFwdWarpMma:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        num_chunks = cute.ceil_div(mQ.shape[0], TILE_M)
-        unit = mWork[bidx]
-        head = unit // num_chunks
-        chunk = unit - head * num_chunks
-        kv_head = head // (mQ.shape[1] // mK.shape[1])
-        num_tiles = mTileCnt[kv_head, chunk]
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileCnt, TILE_M)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)

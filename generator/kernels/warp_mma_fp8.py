@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state, unit_of_cta
 from generator.kernels.sage_common import (
     accumulate_tile,
     load_key_scales,
@@ -155,13 +155,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
     ):
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        num_chunks = cute.ceil_div(mQ.shape[0], TILE_M)
-        unit = mWork[bidx]
-        head = unit // num_chunks
-        chunk = unit - head * num_chunks
-        kv_head = head // (mQ.shape[1] // mK.shape[1])
-        num_tiles = mTileCnt[kv_head, chunk]
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileCnt, TILE_M)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
