@@ -39,10 +39,10 @@ reads k and v again and writes k8 and the transposed v. Scales and partials are 
 each launch-2 CTA re-reads its head's partials from L2 (4 P D bytes, against 3 chunk_tokens
 D bytes of its own traffic: under 1/12 unless the host shrinks chunks for a small problem).
 
-H200 (CUDA events, both launches and the host's launch time): 204 us = 3.6 TB/s at
-(Hq, Hkv, S, D) = (32, 8, 32768, 128), 3.9 TB/s at (32, 32, 32768, 128), 3.6 TB/s at
-(40, 40, 75600, 128), 3.3-3.4 TB/s at D = 64; ncu: launch 1 at 84% and launch 2 at 77% of
-peak DRAM throughput. A persistent launch 2 (CTAs splitting all tiles evenly) was no faster.
+H200, commit b3e2e17 (bench/results/2026-11-29_b3e2e17_h200_bench_sage.md, both launches):
+0.450 ms = 3.9 TB/s at (Hq, Hkv, S, D) = (32, 32, 32768, 128), 0.219 ms = 3.4 TB/s at
+(32, 8, 32768, 128). (A persistent launch 2 was tried while this was written and measured no
+faster; that run was not kept.)
 """
 
 import cuda.bindings.driver as cuda

@@ -93,19 +93,19 @@ def uniform_sizes(total: int, block: int):
     return sizes
 
 
-def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
-    """fp32 q, k, v (HND) of Sage FP8 tensors: q8 (Hq, Sq, D) * q_scale (1, Hq, Sq) per token,
-    k8 (Hkv, Sk, D) * k_scale (1, Hkv, ceil(Sk / 16)) per 16 keys, v8 * v_scale (Hkv, D) per channel."""
-    sk = k8.shape[1]
-    q = q8.to(dtype) * q_scale[0].to(dtype).unsqueeze(-1)
-    k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(16, dim=-1)[:, :sk].unsqueeze(-1)
-    v = v8.to(dtype) * v_scale.to(dtype).unsqueeze(1)
-    return q, k, v
-
-
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_AMAX_MIN = 2.0**-100  # amax floor of the Sage quantizer: all-zero sets get a finite scale
 KEYS_PER_SCALE = 16  # k_scale granularity
+
+
+def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
+    """fp32 q, k, v (HND) of Sage FP8 tensors: q8 (Hq, Sq, D) * q_scale (1, Hq, Sq) per token,
+    k8 (Hkv, Sk, D) * k_scale (1, Hkv, ceil(Sk / 16)) per KEYS_PER_SCALE keys, v8 * v_scale (Hkv, D) per channel."""
+    sk = k8.shape[1]
+    q = q8.to(dtype) * q_scale[0].to(dtype).unsqueeze(-1)
+    k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(KEYS_PER_SCALE, dim=-1)[:, :sk].unsqueeze(-1)
+    v = v8.to(dtype) * v_scale.to(dtype).unsqueeze(1)
+    return q, k, v
 
 
 def fp8_quantize(x, amax):

@@ -37,8 +37,8 @@ sage_offset_accuracy; tests/test_sage_quantize.py: test_smoothing_helps_offset_k
 
 Two kernel launches (generator/kernels/sage_quantize.py): column statistics of k and v per
 chunk of tokens plus q's codes, then k's and v's codes. quantize_bandwidth() times them.
-Host time per call is about 95 us on the H200 machine (8 output allocations, two argument
-packings of about 20 us each in _library); large problems hide it behind the GPU queue.
+Host time per call: eight output allocations and two argument packings (not yet measured in
+a kept run); large problems hide it behind the GPU queue.
 """
 
 from __future__ import annotations
@@ -57,10 +57,9 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Tokens per chunk are a multiple of this: whole launch-2 tiles (128 tokens at D = 128, 256
 # at D = 64; generator/kernels/sage_quantize.py).
 CHUNK_MULTIPLE = 256
-# Preferred tokens per chunk. Launch 2 on the H200 for chunks of 256 .. 8192 tokens: 2048 was
-# the best or within 5% of it at (Hq, Hkv, S, D) = (32, 8, 32768, 128) (63 us), (32, 32, 32768,
-# 128) (218 us) and (40, 40, 75600, 128) (735 us against 704 at 1024); 256 was 1.4-1.7x slower
-# and 8192 1.1-2.3x slower.
+# Preferred tokens per chunk: chosen from an H200 sweep of 256 .. 8192 tokens made while the
+# quantizer was written (2048 best or within 5% on the F1/F3 shapes; that table was not kept:
+# re-measure with quantize_bandwidth before changing it).
 PREFERRED_CHUNK = 2048
 
 

@@ -33,6 +33,7 @@ from sparseforge import ops, planner, reference, validation
 from sparseforge._library import find_kernel, find_kernel_by_name
 from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
+from sparseforge.sage import KEYS_PER_SCALE
 
 LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
@@ -78,7 +79,7 @@ def _reject(name: str, value, allowed=(None,), why: str = "is not supported by s
 
 
 def _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, seq_q, seq_k, head_dim, device):
-    """The Sage FP8 scales as the kernel's (tokens, heads) views, or None for 16-bit plans.
+    """The checked Sage FP8 scales (q_scale, k_scale, v_scale), or None for 16-bit plans.
 
     The three are given with q_data_type=torch.float8_e4m3fn, or none of them at all."""
     given = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
@@ -94,9 +95,9 @@ def _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, s
             f"{', '.join(missing)} (sparseforge.sage_fp8_quantize makes all three)"
         )
     _check_tensor("q_scale", q_scale, (1, num_qo_heads, seq_q), torch.float32, device)
-    _check_tensor("k_scale", k_scale, (1, num_kv_heads, -(-seq_k // 16)), torch.float32, device)
+    _check_tensor("k_scale", k_scale, (1, num_kv_heads, -(-seq_k // KEYS_PER_SCALE)), torch.float32, device)
     _check_tensor("v_scale", v_scale, (num_kv_heads, head_dim), torch.float32, device)
-    return q_scale[0].t(), k_scale[0].t(), v_scale.t()
+    return q_scale, k_scale, v_scale
 
 
 def _check_common_options(
@@ -151,9 +152,9 @@ def _keys_contiguous(v):
     sparseforge.sage_fp8_quantize returns v in that layout (a transposed view), which is used
     as is; any other layout is transposed here into a new buffer (one extra pass over V)."""
     sk, hkv, d = v.shape
-    if v.stride(0) == 1 and v.stride(1) % 16 == 0 and v.stride(2) % 16 == 0:
+    if v.stride(0) == 1 and v.stride(1) % 16 == 0 and v.stride(2) % 16 == 0:  # 16 bytes
         return v
-    keys = -(-sk // 16) * 16
+    keys = -(-sk // KEYS_PER_SCALE) * KEYS_PER_SCALE
     buf = torch.zeros((hkv, d, keys), dtype=v.dtype, device=v.device)
     buf[:, :, :sk].copy_(v.permute(1, 2, 0))
     return buf[:, :, :sk].permute(2, 0, 1)
@@ -243,7 +244,11 @@ class _BlockSparseBase:
 
     def _bind(self, plan, kernel, tiles, lse_shape) -> None:
         """Pack the plan's arguments once; a scratch LSE lets run() without lse allocate nothing."""
-        plan["launch"] = kernel.bind(*(plan["scales"] or ()), *tiles.tensors(), plan["scale_log2"])
+        scales = ()
+        if plan["sage"] is not None:  # the Sage ABI's (tokens or channels, heads) views
+            q_scale, k_scale, v_scale = plan["sage"]
+            scales = (q_scale[0].t(), k_scale[0].t(), v_scale.t())
+        plan["launch"] = kernel.bind(*scales, *tiles.tensors(), plan["scale_log2"])
         plan["launch_id"] = ops.register(plan["launch"])
         plan["lse_scratch"] = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
 
@@ -251,7 +256,7 @@ class _BlockSparseBase:
     def _run_kernel(self, q, k, v, out, lse, hnd: bool):
         """Launch on the current stream; hnd: the tensors are (heads, seq, ...) views."""
         launch = self._plan["launch"]
-        if self._plan["scales"] is not None:
+        if self._plan["sage"] is not None:
             # The Sage ABI takes V transposed, (D, Sk, Hkv) with unit key stride; the others
             # are passed as (seq, heads, ...) views.
             v = _keys_contiguous(v.transpose(0, 1) if hnd else v).permute(2, 0, 1)
@@ -272,7 +277,7 @@ class _BlockSparseBase:
             self._checks.raise_if_found()
         for name, t, shape in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape)):
             _check_tensor(name, t, shape, plan["dtype"], self._device)
-            if plan["path"] != "torch" and not (name == "v" and plan["scales"] is not None):
+            if plan["path"] != "torch" and not (name == "v" and plan["sage"] is not None):
                 _check_kernel_operand(name, t)
 
     def _outputs(self, out, lse, out_shape, lse_shape, return_lse):
@@ -348,7 +353,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         for name, value in (("M", M), ("N", N), ("R", R), ("C", C)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        scales = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, M, N, head_dim, self._device)
+        sage = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, M, N, head_dim, self._device)
         if N % C:
             raise ValueError(f"N ({N}) must be divisible by C ({C})")
         mb, nb = -(-M // R), N // C
@@ -401,8 +406,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         path, kernel = self._choose_path(
             tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim
         )
-        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, scales=scales,
-                    sage=(q_scale, k_scale, v_scale), scale=scale, scale_log2=scale * LOG2_E,
+        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         row_sizes = planner.uniform_block_sizes(M, R, num_kv_heads, device)
         col_sizes = planner.uniform_block_sizes(N, C, num_kv_heads, device)
@@ -483,7 +487,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
                 f"{seq_q.tolist()} and {seq_k.tolist()}"
             )
         seq_q, seq_k = int(seq_q[0]), int(seq_k[0])
-        scales = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, seq_q, seq_k, head_dim, device)
+        sage = _sage_scales(dtype, q_scale, k_scale, v_scale, num_qo_heads, num_kv_heads, seq_q, seq_k, head_dim, device)
         row_sizes = block_row_sz.to(device, torch.int64, non_blocking=non_blocking)
         col_sizes = block_col_sz.to(device, torch.int64, non_blocking=non_blocking)
         block_mask_map = block_mask_map.to(device, non_blocking=non_blocking)
@@ -492,8 +496,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         path, kernel = self._choose_path(
             tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
         )
-        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), scales=scales,
-                    sage=(q_scale, k_scale, v_scale), scale=scale, scale_log2=scale * LOG2_E,
+        plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)
         if path == "torch":
@@ -544,7 +547,7 @@ def _output_dtype(dtype):
 
 def _reference(plan, q, k, v):
     """The reference path on HND tensors (Sage FP8 ones dequantized with the plan's scales)."""
-    if plan["scales"] is not None:
+    if plan["sage"] is not None:
         q, k, v = reference.sage_dequantize(q, k, v, *plan["sage"])
     return reference.attention(q, k, v, plan["token_mask"], plan["scale"])
 
