@@ -197,10 +197,15 @@ class Variant:
     arch: str
     dtype: str | None = None  # element type of the attention operands
     head_dim: int | None = None
+    # CTAs per cluster (sm90 attention): the partners run units with the same tile list
+    # and share each K/V tile, every partner loading 1/cluster of it for all (TMA multicast).
+    cluster: int = 1
 
     @property
     def name(self) -> str:
         config = f"{self.dtype}_d{self.head_dim}" if self.dtype else "any"
+        if self.cluster > 1:
+            config += f"_c{self.cluster}"
         return f"{self.family}__{self.template}__{config}__{self.arch}"
 
     @property
@@ -237,15 +242,17 @@ _TEMPLATES = {
     "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
+CLUSTERS = (1, 2)  # sm90 attention: alone, or in pairs sharing K/V (GQA heads, 128-row blocks)
+
 _CONFIGS = {
-    **{
-        template: [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)]
-        for template in ("warp_mma", "sm90_wgmma")
-    },
-    **{
-        template: [dict(dtype=dtype, head_dim=hd) for dtype in SAGE_DTYPES for hd in (64, 128)]
-        for template in ("warp_mma_fp8", "sm90_sage_fp8")
-    },
+    "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
+    "sm90_wgmma": [
+        dict(dtype=dtype, head_dim=hd, cluster=c) for dtype in DTYPES for hd in (64, 128) for c in CLUSTERS
+    ],
+    "warp_mma_fp8": [dict(dtype=dtype, head_dim=hd) for dtype in SAGE_DTYPES for hd in (64, 128)],
+    "sm90_sage_fp8": [
+        dict(dtype=dtype, head_dim=hd, cluster=c) for dtype in SAGE_DTYPES for hd in (64, 128) for c in CLUSTERS
+    ],
     "tile_compact": [{}],
     "sage_quantize": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
 }

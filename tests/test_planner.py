@@ -76,6 +76,39 @@ def test_work_order_longest_first_and_complete():
     assert counts[0] == 8 and counts[-1] == 0
 
 
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_cluster_work_pairs_query_heads_of_a_group(group):
+    hkv, units = 3, 7
+    mask = random_selection(hkv, units, 8, topk=3)
+    mask[1, 4] = True
+    plan = planner.plan_tiles(mask, uniform(hkv, 64 * units, 64), uniform(hkv, 512, 64),
+                              64 * units, 512, hkv * group, cluster=2)
+    work = plan.work.view(-1, 2).tolist()
+    assert sorted(u for pair in work for u in pair) == list(range(hkv * group * units))
+    for a, b in work:  # partners: heads 2m, 2m+1 of one group, same rows
+        assert b == a + units and (a // units) % 2 == 0 and (a // units) // group == (b // units) // group
+    counts = [int(plan.tile_cnt[(a // units) // group, a % units]) for a, _ in work]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 8
+
+
+@pytest.mark.parametrize("seq_q", [64 * 6, 64 * 7 - 5])
+def test_cluster_work_pairs_units_of_128_row_blocks(seq_q):
+    hq, units = 3, -(-seq_q // 64)
+    mask = random_selection(hq, -(-seq_q // 128), 8, topk=3)
+    mask[2, 1] = True
+    rows = uniform(hq, seq_q, 128)
+    assert planner.can_pair_rows(rows, 2) and not planner.can_pair_rows(uniform(hq, seq_q, 192), 2)
+    plan = planner.plan_tiles(mask, rows, uniform(hq, 512, 64), seq_q, 512, hq, cluster=2)
+    work = plan.work.view(-1, 2).tolist()
+    for a, b in work:  # partners: units 2m, 2m+1 of one head (a last odd unit twice)
+        assert a // units == b // units and (a % units) % 2 == 0 and b == min(a + 1, (a // units + 1) * units - 1)
+        assert torch.equal(plan.tile_idx[a // units, a % units, : plan.tile_cnt[a // units, a % units]],
+                           plan.tile_idx[b // units, b % units, : plan.tile_cnt[b // units, b % units]])
+    assert sorted({u for pair in work for u in pair}) == list(range(hq * units))
+    counts = [int(plan.tile_cnt[a // units, a % units]) for a, _ in work]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 8
+
+
 def test_bsr_and_selection_masks_match_reference():
     indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
     indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)

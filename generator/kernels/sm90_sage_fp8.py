@@ -7,9 +7,9 @@ warpgroup, K/V ring) with e4m3 operands and the Sage scales (generator/kernels/s
     partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
     O       = O * alpha + partial * beta        fp32 (two-level accumulation)
     out     = bf16(O / l * v_scale[channel])
-The fp32 partial accumulator costs D/2 registers, so head_dim 128 runs two CTAs per SM
-(about 180 registers each) and head_dim 64 three; e4m3 tiles are half the bytes of bf16,
-so the ring holds more stages.
+P V runs in slices of at most 64 channels into one fp32 partial (32 registers), which keeps
+three CTAs per SM at head_dim 128; e4m3 tiles are half the bytes of bf16, so the ring holds
+more stages.
 """
 
 import cuda.bindings.driver as cuda
@@ -27,8 +27,7 @@ from generator.kernels.sage_common import (
     scores_to_e4m3_operand,
 )
 from generator.kernels.sm90_wgmma import (
-    NUM_THREADS,
-    PRODUCER_WARP,
+        PRODUCER_WARP,
     TILE_M,
     TILE_N,
     BlockSparseFwdSm90,
@@ -43,8 +42,8 @@ PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
-    def __init__(self, head_dim: int):
-        super().__init__(cutlass.Float8E4M3FN, head_dim)
+    def __init__(self, head_dim: int, cluster: int = 1):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, cluster)
         self.v_major = OperandMajorMode.K
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
@@ -86,14 +85,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
-        ).launch(
-            grid=[mWork.shape[0], 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
     @cute.kernel
     def kernel(
@@ -144,6 +136,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
                 head, kv_head, chunk, num_tiles, tidx,
             )
+        self.leave_cluster()
 
     @cute.jit
     def consume_sage(
@@ -220,4 +213,4 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
 def make_kernel(variant):
     if variant.dtype != "e4m3" or not SageFp8FwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_sage_fp8: {variant.dtype} head_dim {variant.head_dim} not supported")
-    return SageFp8FwdSm90(variant.head_dim)
+    return SageFp8FwdSm90(variant.head_dim, variant.cluster)

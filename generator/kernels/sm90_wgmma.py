@@ -47,9 +47,10 @@ NUM_THREADS = CONSUMER_THREADS + 32
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, cluster: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.cluster = cluster
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
@@ -92,7 +93,11 @@ class BlockSparseFwdSm90:
             qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
-        ).launch(
+        ).launch(**self.launch_config(mWork, SharedStorage, stream))
+
+    def launch_config(self, mWork, SharedStorage, stream) -> dict:
+        """One CTA per entry of mWork; with cluster > 1, in clusters of that many partners."""
+        config = dict(
             grid=[mWork.shape[0], 1, 1],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
@@ -100,6 +105,9 @@ class BlockSparseFwdSm90:
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )
+        if self.cluster > 1:
+            config["cluster"] = [self.cluster, 1, 1]
+        return config
 
     def operands(self, mQ, mK, v_view):
         """MMAs, shared-memory layouts and TMA atoms (trace time).
@@ -138,14 +146,18 @@ class BlockSparseFwdSm90:
             (0, 1),
         )
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        # Cluster partners share every K/V tile: each loads 1/cluster of it for all of them.
+        kv_op, kv_multicast = tma_op, {}
+        if cutlass.const_expr(self.cluster > 1):
+            kv_op, kv_multicast = cpasync.CopyBulkTensorTileG2SMulticastOp(), dict(num_multicast=self.cluster)
         tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
             tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, d)
         )
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
+            kv_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d), **kv_multicast
         )
         tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
+            kv_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N), **kv_multicast
         )
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
@@ -160,18 +172,43 @@ class BlockSparseFwdSm90:
         return storage, sQ, sK, sV
 
     def pipelines(self, storage, tile_bytes):
-        """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup."""
+        """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup.
+
+        In a cluster, a K/V stage is refilled (by multicast, into every partner) only when
+        the consumers of all partners have released it: one arrive per consumer warp and
+        partner. Creating the ring syncs the cluster, so every partner's barriers are
+        initialised before any multicast or remote arrive reaches them.
+        """
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
+            producer_group=producers, consumer_group=consumer_warps, tx_count=tile_bytes,
         ).make_participants()
+        if cutlass.const_expr(self.cluster > 1):
+            ring = dict(
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS),
+                cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
+                enable_multicast_signaling=True,
+            )
+        else:
+            ring = dict(consumer_group=consumer_warps)
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.kv_barriers.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producers, consumer_group=consumers, tx_count=tile_bytes,
+            producer_group=producers, tx_count=tile_bytes, **ring,
         ).make_participants()
         return q_producer, q_consumer, kv_producer, kv_consumer
+
+    def kv_multicast(self) -> dict:
+        """cute.copy arguments of a K/V load: to every partner of the cluster."""
+        return dict(mcast_mask=cutlass.Int16((1 << self.cluster) - 1)) if self.cluster > 1 else {}
+
+    @cute.jit
+    def leave_cluster(self):
+        """All threads: a partner may still arrive on this CTA's barriers until it is done."""
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
     @cute.kernel
     def kernel(
@@ -218,6 +255,7 @@ class BlockSparseFwdSm90:
                 qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
                 mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx,
             )
+        self.leave_cluster()
 
     @cute.jit
     def produce(
@@ -231,12 +269,15 @@ class BlockSparseFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        partners = cute.make_layout(self.cluster)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_k, rank, partners, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            tma_v, rank, partners, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
+        multicast = self.kv_multicast()
         cpasync.prefetch_descriptor(tma_q)
         cpasync.prefetch_descriptor(tma_k)
         cpasync.prefetch_descriptor(tma_v)
@@ -246,9 +287,9 @@ class BlockSparseFwdSm90:
         for j in cutlass.range(num_tiles, unroll=1):
             tile = mTileIdx[kv_head, chunk, j]
             handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+            cute.copy(tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, **multicast)
             handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_v, tVgV[None, tile], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
+            cute.copy(tma_v, tVgV[None, tile], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, **multicast)
 
     @cute.jit
     def consume(
@@ -391,4 +432,4 @@ def make_kernel(variant):
     dtype = element_type(variant.dtype)
     if not BlockSparseFwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} not supported")
-    return BlockSparseFwdSm90(dtype, variant.head_dim)
+    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.cluster)

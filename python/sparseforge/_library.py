@@ -84,6 +84,11 @@ class Kernel:
     params: dict
     abi: tuple
 
+    @property
+    def cluster(self) -> int:
+        """CTAs per cluster: partners sharing K/V, which the plan's work list must pair."""
+        return self.params.get("cluster", 1)
+
     def prepare(self) -> None:
         """Load the module (outside graph capture; launch() would otherwise do it)."""
         code = library().sf_prepare(self.entry)

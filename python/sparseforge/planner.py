@@ -85,11 +85,13 @@ def plan_tiles(
     kv_block_lens: torch.Tensor | None = None,
     kv_block_size: int = TILE,
     blocks_are_tiles: bool = False,
+    cluster: int = 1,
 ) -> TilePlan:
     """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
 
     blocks_are_tiles: every block is 64 x 64 tokens (the last may be short), so the mask
     already is the tile mask and the two gathers are skipped.
+    cluster: CTAs per cluster of the chosen kernel (see longest_first).
     """
     device = block_mask.device
     hkv = block_mask.shape[0]
@@ -112,7 +114,7 @@ def plan_tiles(
         tile_idx=tile_idx,
         tile_cnt=tile_cnt,
         tile_len=tile_len,
-        work=longest_first(tile_cnt, num_qo_heads // hkv),
+        work=longest_first(tile_cnt, num_qo_heads // hkv, cluster),
         seq_q=seq_q,
         seq_k=seq_k,
         num_qo_heads=num_qo_heads,
@@ -147,10 +149,37 @@ def _compact_launch(device_index: int):
     return kernel.bind()
 
 
-def longest_first(tile_cnt: torch.Tensor, group: int) -> torch.Tensor:
-    """Unit ids h * R + r of every query head's units, longest tile list first."""
-    unit_cnt = (tile_cnt if group == 1 else tile_cnt.repeat_interleave(group, dim=0)).reshape(-1)
-    return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
+def longest_first(tile_cnt: torch.Tensor, group: int, cluster: int = 1) -> torch.Tensor:
+    """Unit ids h * R + r of every query head's units in launch order, longest list first.
+
+    With cluster c > 1 each run of c entries is one cluster, whose partners must share a
+    tile list: c query heads of one kv group when the group allows (group % c == 0), else c
+    consecutive 64-row units of one head, which the caller guarantees lie in one row block
+    (a last unit without partners is its own partner: computed twice, written alike).
+    """
+    hkv, r = tile_cnt.shape
+    if cluster == 1:
+        unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+        return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
+    rank = torch.arange(cluster, device=tile_cnt.device)
+    if group % cluster == 0:
+        cluster_cnt = tile_cnt.repeat_interleave(group // cluster, dim=0).reshape(-1)
+        order = torch.argsort(cluster_cnt, descending=True, stable=True)
+        head = (order // r * cluster).unsqueeze(1) + rank
+        row = (order % r).unsqueeze(1)
+    else:
+        cluster_cnt = tile_cnt[:, ::cluster].repeat_interleave(group, dim=0)
+        width = cluster_cnt.shape[1]
+        order = torch.argsort(cluster_cnt.reshape(-1), descending=True, stable=True)
+        head = (order // width).unsqueeze(1)
+        row = ((order % width) * cluster).unsqueeze(1).add(rank).clamp_max(r - 1)
+    return (head * r + row).reshape(-1).to(torch.int32)
+
+
+def can_pair_rows(row_sizes: torch.Tensor, cluster: int) -> bool:
+    """True when `cluster` consecutive 64-row units always lie in one row block: every
+    block but each head's last is a multiple of 64 * cluster tokens (host sizes)."""
+    return bool((row_sizes[..., :-1] % (TILE * cluster) == 0).all())
 
 
 # Error bits of the data checks done on the GPU (see validation.py).

@@ -212,10 +212,13 @@ class _BlockSparseBase:
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         return dtype, scale
 
-    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim):
+    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim, group: int, rows_pair: bool):
         """(path, kernel) for this plan; errors or warns per the backend rules above.
 
-        float8_e4m3fn plans use the sage_fp8_fwd family, 16-bit ones block_sparse_fwd."""
+        float8_e4m3fn plans use the sage_fp8_fwd family, 16-bit ones block_sparse_fwd.
+        The sm90 kernels run in pairs sharing K/V (cluster 2) when units come in pairs with
+        one tile list: query heads of a kv group (group even) or the two 64-row halves of
+        128-row blocks (rows_pair); see planner.longest_first."""
         if self._backend == "torch":
             return "torch", None
         if not kernel_ok:
@@ -229,14 +232,20 @@ class _BlockSparseBase:
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
         family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
         native, portable = _TEMPLATES[family]
+        pairs = group % 2 == 0 or rows_pair
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
             kernel = find_kernel_by_name(forced, family, arch, **params)
+            if kernel.cluster > 1 and not pairs:
+                raise ValueError(
+                    f"variant {forced} runs units in pairs; this plan has none (odd GQA group and "
+                    "row blocks that are not multiples of 128 tokens)"
+                )
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
         else:
             try:
-                kernel = find_kernel(family, arch, template=native, **params)
+                kernel = find_kernel(family, arch, template=native, cluster=2 if pairs else 1, **params)
             except VariantNotBuiltError:
                 kernel = find_kernel(family, arch, template=portable, **params)
         kernel.prepare()
@@ -404,7 +413,8 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
 
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
-            tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim
+            tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim,
+            group, rows_pair=R % (2 * planner.TILE) == 0,
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -415,7 +425,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         else:
             tiles = planner.plan_tiles(
                 head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C,
-                blocks_are_tiles=R == C == planner.TILE,
+                blocks_are_tiles=R == C == planner.TILE, cluster=kernel.cluster,
             )
             self._bind(plan, kernel, tiles, (M, num_qo_heads))
         self._plan = plan
@@ -494,7 +504,8 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         self._checks.clear()
         tiled = planner.sizes_tile_aligned(host_rows) and planner.sizes_tile_aligned(host_cols)
         path, kernel = self._choose_path(
-            tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim
+            tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim,
+            num_qo_heads // num_kv_heads, rows_pair=planner.can_pair_rows(host_rows, 2),
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -505,6 +516,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             tiles = planner.plan_tiles(
                 block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads,
                 blocks_are_tiles=planner.sizes_are_tiles(host_rows) and planner.sizes_are_tiles(host_cols),
+                cluster=kernel.cluster,
             )
             self._bind(plan, kernel, tiles, (num_qo_heads, seq_q))
         self._plan = plan
