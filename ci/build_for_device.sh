@@ -6,3 +6,5 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu/site
 pip install -q --no-deps --no-build-isolation --target .gpu/site .
 du -sh .gpu/site
+# The matrix and the sm_90 wgmma check (nvdisasm is on this machine, not in the CI venv).
+python ci/compile_matrix.py .gpu/site/sparseforge/libsparseforge_kernels.so

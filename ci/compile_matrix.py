@@ -6,14 +6,24 @@ cuobjdump does not see the cubins that export_to_c embeds, so the file is scanne
 ELF images (64-bit ELF, e_machine 190 = EM_CUDA, SM number in bits 8-15 of e_flags). Each
 image is attributed to a template by the kernel class name in its symbols. Prints one row per
 template with the number of cubins per SM; exits 1 unless every family in the manifest has
-code for sm_90, sm_100 and sm_120.
+code for sm_90, sm_100 and sm_120, or if ptxas serialized the wgmma of a Hopper kernel.
+
+Serialized wgmma (ptxas advisory C7512, e.g. when a change needs more registers than the
+CTAs-per-SM bound leaves) still computes the right answer but waits for every MMA before
+issuing the next: in the SASS every HGMMA/QGMMA then carries the `gsb0` completion flag,
+where a pipelined batch of k-steps carries it only on its last MMA.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -38,11 +48,23 @@ def cuda_elf_images(data: bytes) -> list[tuple[int, bytes]]:
     while pos >= 0:
         if data[pos + 4] == 2 and struct.unpack_from("<H", data, pos + 18)[0] == EM_CUDA:
             flags = struct.unpack_from("<I", data, pos + 48)[0]
-            (section_offset,) = struct.unpack_from("<Q", data, pos + 40)
-            entry_size, count = struct.unpack_from("<HH", data, pos + 58)
-            images.append(((flags >> 8) & 0xFF, data[pos : pos + section_offset + entry_size * count]))
+            images.append(((flags >> 8) & 0xFF, data[pos : pos + elf_size(data, pos)]))
         pos = data.find(b"\x7fELF", pos + 1)
     return images
+
+
+def elf_size(data: bytes, pos: int) -> int:
+    """Bytes of the 64-bit ELF at `pos`: the furthest of its headers and section contents."""
+    phoff, shoff = struct.unpack_from("<QQ", data, pos + 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, pos + 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        header = pos + shoff + i * shentsize
+        kind = struct.unpack_from("<I", data, header + 4)[0]
+        offset, size = struct.unpack_from("<QQ", data, header + 24)
+        if kind != 8:  # SHT_NOBITS occupies no file bytes
+            end = max(end, offset + size)
+    return end
 
 
 def matrix(library: Path) -> Counter:
@@ -52,6 +74,35 @@ def matrix(library: Path) -> Counter:
         names = [t for t, symbol in TEMPLATE_KERNEL.items() if symbol in image]
         found[(names[0] if len(names) == 1 else None, sm)] += 1
     return found
+
+
+def nvdisasm() -> str | None:
+    """nvdisasm from PATH, the CUDA toolkit or the nvidia-cuda-nvdisasm wheel, if any."""
+    candidates = [shutil.which("nvdisasm"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")]
+    try:
+        import nvidia
+
+        candidates += [os.path.join(p, "cu13", "bin", "nvdisasm") for p in nvidia.__path__]
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
+def serialized_wgmma(library: Path, tool: str) -> list[str]:
+    """Templates of the sm_90 images whose every wgmma carries gsb0 (serialized by ptxas)."""
+    bad = []
+    hopper = [TEMPLATE_KERNEL["sm90_wgmma"], TEMPLATE_KERNEL["sm90_sage_fp8"]]
+    for sm, image in cuda_elf_images(library.read_bytes()):
+        if sm != 90 or not any(symbol in image for symbol in hopper):
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(image)
+            f.flush()
+            sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        mmas = re.findall(r"[HQ]GMMA\.[^;]*;", sass)
+        if mmas and all("gsb0" in m for m in mmas):
+            bad.append(next((t for t, symbol in TEMPLATE_KERNEL.items() if symbol in image), "unknown"))
+    return bad
 
 
 def expected(manifest: dict) -> Counter:
@@ -82,6 +133,15 @@ def main(argv=None) -> int:
             print(f"{family}: no code for {', '.join(f'sm_{m}' for m in missing)}")
             ok = False
     print("compile matrix OK" if ok else "compile matrix MISMATCH (see manifest.json)")
+    tool = nvdisasm()
+    serialized = serialized_wgmma(library, tool) if tool else []
+    if not tool:
+        print("sm_90 wgmma NOT checked: no nvdisasm here (CUDA toolkit or pip nvidia-cuda-nvdisasm)")
+    elif serialized:
+        print(f"wgmma serialized by ptxas in {len(serialized)} sm_90 kernels: {sorted(set(serialized))}")
+        ok = False
+    else:
+        print("sm_90 wgmma pipelined (no kernel serialized by ptxas)")
     return 0 if ok else 1
 
 

@@ -242,7 +242,7 @@ _TEMPLATES = {
     "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
-CLUSTERS = (1, 2)  # sm90 attention: alone, or in pairs sharing K/V (GQA heads, 128-row blocks)
+CLUSTERS = (1, 2, 4)  # sm90 attention: alone, or 2 / 4 partners sharing K/V (GQA heads, row blocks)
 
 _CONFIGS = {
     "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],

@@ -265,9 +265,9 @@ def test_no_host_sync_in_run():
     [(2, 64, 1000), (4, 128, 777), (8, 64, 130), (1, 128, 300), (3, 128, 1100), (1, 256, 700)],
 )
 def test_cluster_pairs_match_single_ctas(monkeypatch, dtype, head_dim, group, block, seq):
-    """Pairs sharing K/V by multicast (heads of a group, or the two 64-row halves of
-    128-row blocks; an odd last unit computed by both partners) give bit for bit the output
-    of one CTA per unit, and both match the reference."""
+    """Clusters of 2 and 4 sharing K/V by multicast (heads of a group, or the 64-row units
+    of one row block; a last unit without partners computed by several) give bit for bit the
+    output of one CTA per unit, and match the reference."""
     torch.manual_seed(zlib.crc32(f"{dtype}{head_dim}{group}{block}{seq}".encode()))
     hkv = 2
     mb = -(-seq // block)
@@ -275,13 +275,15 @@ def test_cluster_pairs_match_single_ctas(monkeypatch, dtype, head_dim, group, bl
     sizes = reference.uniform_sizes(seq, block).expand(hkv, -1)
     q, k, v = random_inputs(hkv * group, hkv, seq, seq, head_dim, dtype)
     name = f"block_sparse_fwd__sm90_wgmma__{'bf16' if dtype == torch.bfloat16 else 'fp16'}_d{head_dim}"
-    results = []
-    for suffix in ("", "_c2"):
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}{suffix}__sm_90a")
-        results.append(run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:])
-    (out1, lse1), (out2, lse2) = results
-    check(out2, lse2, *reference_for(mask, sizes, sizes, q, k, v))
-    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}__sm_90a")
+    out1, lse1 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
+    check(out1, lse1, *reference_for(mask, sizes, sizes, q, k, v))
+    for cluster in (2, 4):
+        if group % cluster and block % (64 * cluster):
+            continue
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}_c{cluster}__sm_90a")
+        out, lse = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
+        assert torch.equal(out, out1) and torch.equal(lse, lse1), f"cluster {cluster}"
 
 
 def test_cluster_variant_refuses_plans_without_pairs(monkeypatch):
@@ -289,6 +291,6 @@ def test_cluster_variant_refuses_plans_without_pairs(monkeypatch):
         pytest.skip("no sm90_wgmma build")
     monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_c2__sm_90a")
     sizes = torch.full((3, 4), 64)
-    with pytest.raises(ValueError, match="pairs"):
+    with pytest.raises(ValueError, match="groups of 2"):
         run_variable(torch.ones(3, 4, 4, dtype=torch.bool), sizes, sizes,
                      *random_inputs(3, 3, 256, 256, 128, torch.bfloat16), "sparseforge")

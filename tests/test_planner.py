@@ -76,28 +76,31 @@ def test_work_order_longest_first_and_complete():
     assert counts[0] == 8 and counts[-1] == 0
 
 
-@pytest.mark.parametrize("group", [2, 4, 8])
-def test_cluster_work_pairs_query_heads_of_a_group(group):
+@pytest.mark.parametrize("group, cluster", [(2, 2), (4, 2), (8, 2), (4, 4), (8, 4)])
+def test_cluster_work_groups_query_heads_of_a_kv_group(group, cluster):
     hkv, units = 3, 7
     mask = random_selection(hkv, units, 8, topk=3)
     mask[1, 4] = True
     plan = planner.plan_tiles(mask, uniform(hkv, 64 * units, 64), uniform(hkv, 512, 64),
-                              64 * units, 512, hkv * group, cluster=2)
-    work = plan.work.view(-1, 2).tolist()
-    assert sorted(u for pair in work for u in pair) == list(range(hkv * group * units))
-    for a, b in work:  # partners: heads 2m, 2m+1 of one group, same rows
-        assert b == a + units and (a // units) % 2 == 0 and (a // units) // group == (b // units) // group
-    counts = [int(plan.tile_cnt[(a // units) // group, a % units]) for a, _ in work]
+                              64 * units, 512, hkv * group, cluster=cluster)
+    work = plan.work.view(-1, cluster).tolist()
+    assert sorted(u for members in work for u in members) == list(range(hkv * group * units))
+    for members in work:  # partners: heads cluster*m .. cluster*m + cluster-1 of one group, same rows
+        lead = members[0]
+        assert members == [lead + i * units for i in range(cluster)]
+        assert (lead // units) % cluster == 0 and (lead // units) // group == (members[-1] // units) // group
+    counts = [int(plan.tile_cnt[(m[0] // units) // group, m[0] % units]) for m in work]
     assert counts == sorted(counts, reverse=True) and counts[0] == 8
 
 
 @pytest.mark.parametrize("seq_q", [64 * 6, 64 * 7 - 5])
 def test_cluster_work_pairs_units_of_128_row_blocks(seq_q):
+    """Pairs of 64-row units; a 4-CTA cluster over 256-row blocks is the same code."""
     hq, units = 3, -(-seq_q // 64)
     mask = random_selection(hq, -(-seq_q // 128), 8, topk=3)
     mask[2, 1] = True
     rows = uniform(hq, seq_q, 128)
-    assert planner.can_pair_rows(rows, 2) and not planner.can_pair_rows(uniform(hq, seq_q, 192), 2)
+    assert planner.rows_fit_cluster(rows, 2) and not planner.rows_fit_cluster(uniform(hq, seq_q, 192), 2)
     plan = planner.plan_tiles(mask, rows, uniform(hq, 512, 64), seq_q, 512, hq, cluster=2)
     work = plan.work.view(-1, 2).tolist()
     for a, b in work:  # partners: units 2m, 2m+1 of one head (a last odd unit twice)

@@ -176,7 +176,7 @@ def longest_first(tile_cnt: torch.Tensor, group: int, cluster: int = 1) -> torch
     return (head * r + row).reshape(-1).to(torch.int32)
 
 
-def can_pair_rows(row_sizes: torch.Tensor, cluster: int) -> bool:
+def rows_fit_cluster(row_sizes: torch.Tensor, cluster: int) -> bool:
     """True when `cluster` consecutive 64-row units always lie in one row block: every
     block but each head's last is a multiple of 64 * cluster tokens (host sizes)."""
     return bool((row_sizes[..., :-1] % (TILE * cluster) == 0).all())

@@ -39,6 +39,9 @@ LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
 SAGE_FAMILY = "sage_fp8_fwd"
 SAGE_DTYPE = torch.float8_e4m3fn
+# sm90 kernels: the first cluster size the plan allows (see _choose_path); measured in
+# bench/results/2026-11-30_489ffd1_h200_bench_cluster_ab.md.
+CLUSTER_PREFERENCE = (2, 1)
 # Preferred template of each family on sm_90a, then the portable one.
 _TEMPLATES = {FAMILY: ("sm90_wgmma", "warp_mma"), SAGE_FAMILY: ("sm90_sage_fp8", "warp_mma_fp8")}
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
@@ -212,13 +215,13 @@ class _BlockSparseBase:
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         return dtype, scale
 
-    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim, group: int, rows_pair: bool):
+    def _choose_path(self, kernel_ok: bool, why_not: str, dtype, head_dim, group: int, rows_fit):
         """(path, kernel) for this plan; errors or warns per the backend rules above.
 
         float8_e4m3fn plans use the sage_fp8_fwd family, 16-bit ones block_sparse_fwd.
-        The sm90 kernels run in pairs sharing K/V (cluster 2) when units come in pairs with
-        one tile list: query heads of a kv group (group even) or the two 64-row halves of
-        128-row blocks (rows_pair); see planner.longest_first."""
+        The sm90 kernels run in clusters sharing K/V when units come in groups of `cluster`
+        with one tile list: query heads of a kv group (group % cluster == 0) or consecutive
+        64-row units of one row block (rows_fit(cluster)); see planner.longest_first."""
         if self._backend == "torch":
             return "torch", None
         if not kernel_ok:
@@ -232,20 +235,23 @@ class _BlockSparseBase:
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
         family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
         native, portable = _TEMPLATES[family]
-        pairs = group % 2 == 0 or rows_pair
+        def fits(cluster):
+            return group % cluster == 0 or rows_fit(cluster)
+
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
             kernel = find_kernel_by_name(forced, family, arch, **params)
-            if kernel.cluster > 1 and not pairs:
+            if not fits(kernel.cluster):
                 raise ValueError(
-                    f"variant {forced} runs units in pairs; this plan has none (odd GQA group and "
-                    "row blocks that are not multiples of 128 tokens)"
+                    f"variant {forced} runs units in groups of {kernel.cluster} with one tile list; this "
+                    f"plan has none (GQA group {group}, row blocks not multiples of {64 * kernel.cluster} tokens)"
                 )
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
         else:
+            cluster = next(c for c in CLUSTER_PREFERENCE if fits(c))
             try:
-                kernel = find_kernel(family, arch, template=native, cluster=2 if pairs else 1, **params)
+                kernel = find_kernel(family, arch, template=native, cluster=cluster, **params)
             except VariantNotBuiltError:
                 kernel = find_kernel(family, arch, template=portable, **params)
         kernel.prepare()
@@ -414,7 +420,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
             tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim,
-            group, rows_pair=R % (2 * planner.TILE) == 0,
+            group, rows_fit=lambda cluster: R % (planner.TILE * cluster) == 0,
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -505,7 +511,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         tiled = planner.sizes_tile_aligned(host_rows) and planner.sizes_tile_aligned(host_cols)
         path, kernel = self._choose_path(
             tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim,
-            num_qo_heads // num_kv_heads, rows_pair=planner.can_pair_rows(host_rows, 2),
+            num_qo_heads // num_kv_heads, rows_fit=lambda cluster: planner.rows_fit_cluster(host_rows, cluster),
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
