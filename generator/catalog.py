@@ -242,7 +242,10 @@ _TEMPLATES = {
     "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
-CLUSTERS = (1, 2, 4)  # sm90 attention: alone, or 2 / 4 partners sharing K/V (GQA heads, row blocks)
+# sm90 attention: alone, or in pairs sharing K/V (GQA heads, 64-row units of 128-row blocks).
+# The kernels and planner take any power of two; 4 was slower than 2 on W3 (512 vs 520
+# TFLOPS) and F3 (493 vs 531): bench/results/2026-11-30_0d481ec_h200_bench_cluster4_ab.md.
+CLUSTERS = (1, 2)
 
 _CONFIGS = {
     "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],

@@ -9,7 +9,8 @@ warpgroup, K/V ring) with e4m3 operands and the Sage scales (generator/kernels/s
     out     = bf16(O / l * v_scale[channel])
 P V runs in slices of at most 64 channels into one fp32 partial (32 registers), which keeps
 three CTAs per SM at head_dim 128; e4m3 tiles are half the bytes of bf16, so the ring holds
-more stages.
+8 stages (72 KB per CTA; F1 549 TFLOPS against 527 with 6 stages,
+bench/results/2026-11-30_0d481ec+stages8_h200_bench_sage_stages8.md).
 """
 
 import cuda.bindings.driver as cuda
@@ -33,7 +34,7 @@ from generator.kernels.sm90_wgmma import (
     BlockSparseFwdSm90,
 )
 
-KV_STAGES = 6
+KV_STAGES = 8
 CTAS_PER_SM = 3
 # P V runs in column slices of at most 64 channels, each into the same fp32 partial
 # accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
