@@ -89,7 +89,9 @@ def _abi_sage_fp8_fwd(head_dim: int):
       mO         (Sq, Hq, D)    bf16
       mLSE       (Sq, Hq)       fp32, natural log
       mQScale    (Sq, Hq)       fp32 per query token
-      mKScale    (G, Hkv)       fp32 per 16 keys, G = ceil(Sk / 16)
+      mKScale    (4 NT, Hkv)    fp32 per 16 keys, four per 64-key tile (NT = ceil(Sk / 64)):
+                                one 16-byte load per tile; plan() pads past the last group
+                                with its scale (python/sparseforge/planner.py)
       mVScale    (D, Hkv)       fp32 per channel
       mWork, mTileIdx, mTileCnt, mTileLen, scale_log2 as in block_sparse_fwd.
     The leading five are per run(); the scales and the plan are bound by plan().
@@ -102,7 +104,7 @@ def _abi_sage_fp8_fwd(head_dim: int):
         TensorArg("mO", "bf16", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8),
         TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None)),
         TensorArg("mQScale", "f32", shape=(None, None), stride=(None, None)),
-        TensorArg("mKScale", "f32", shape=(None, None), stride=(None, None)),
+        TensorArg("mKScale", "f32", shape=(None, None), stride=(1, None), divisibility=4),
         TensorArg("mVScale", "f32", shape=(head_dim, None), stride=(None, None)),
         TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
         TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),

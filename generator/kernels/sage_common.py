@@ -40,12 +40,10 @@ def load_row_scales(mQScale, head, first_row, coord_mn, scale_log2, out):
 
 
 @cute.jit
-def load_key_scales(mKScale, kv_head, tile, tile_keys: cutlass.Constexpr, out):
-    """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile` (clamped to the last
-    group: keys past the sequence are masked anyway)."""
-    last = mKScale.shape[0] - 1
-    for g in cutlass.range_constexpr(tile_keys // KEYS_PER_SCALE):
-        out[g] = mKScale[cutlass.min(tile * (tile_keys // KEYS_PER_SCALE) + g, last), kv_head]
+def load_key_scales(mKScale, kv_head, tile, out):
+    """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile`: one 16-byte load
+    (the ABI lays k_scale out per tile, padded past the sequence end)."""
+    cute.autovec_copy(cute.local_tile(mKScale[None, kv_head], (cute.size(out),), (tile,)), out)
 
 
 @cute.jit
@@ -55,15 +53,34 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
     (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring).
 
     Column j of a thread's row lies in the 16-key group j // 4 (8-key chunks, 2 keys each).
+    The scale c of a score is row_scale * key_scale of its group; with c >= 0 the row max
+    of c * s is the max over groups of c times the group's max of s, so each score costs
+    one max and one fused multiply-add (exp2(s * c - base)) instead of a multiply, a max
+    and an add. Short tiles (masked keys) and negative sm_scale scale the scores in place
+    first and use c = 1: rare.
     """
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-            acc_s_mn[r, j] = acc_s_mn[r, j] * (row_scale[r] * key_scale[j // 4])
-    if tile_len < cute.size(coord_mn, mode=[1]) * 4:  # a short tile: rare
+    rows = cute.size(row_max)
+    groups = cute.size(key_scale)
+    per_group = cute.size(acc_s_mn, mode=[1]) // groups
+    scale = cute.make_rmem_tensor(cute.make_layout((rows, groups), stride=(groups, 1)), cutlass.Float32)
+    for r in cutlass.range_constexpr(rows):
+        for g in cutlass.range_constexpr(groups):
+            scale[r, g] = row_scale[r] * key_scale[g]
+    if tile_len < cute.size(coord_mn, mode=[1]) * 4 or row_scale[0] < 0.0 or row_scale[rows - 1] < 0.0:
+        for r in cutlass.range_constexpr(rows):
+            for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+                acc_s_mn[r, j] = acc_s_mn[r, j] * scale[r, j // per_group]
+            for g in cutlass.range_constexpr(groups):
+                scale[r, g] = cutlass.Float32(1.0)
         mask_columns(acc_s_mn, coord_mn, tile_len)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = acc_s_mn[r, None].load()
-        tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, NEG_INF, 0))
+    for r in cutlass.range_constexpr(rows):
+        scaled_max = NEG_INF
+        for g in cutlass.range_constexpr(groups):
+            group_max = acc_s_mn[r, g * per_group]
+            for i in cutlass.range_constexpr(1, per_group):
+                group_max = cute.arch.fmax(group_max, acc_s_mn[r, g * per_group + i])
+            scaled_max = cute.arch.fmax(scaled_max, group_max * scale[r, g])
+        tile_max = quad_max(scaled_max)
         new_max = row_max[r]
         if tile_max > row_max[r] + RESCALE_THRESHOLD:
             new_max = tile_max
@@ -74,14 +91,15 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
         new_base = new_max
         if new_max == NEG_INF:
             new_base = cutlass.Float32(0.0)
-        probs = cute.math.exp2(row - (tile_base - P_EXP2_OFFSET), fastmath=True)
+        offset = P_EXP2_OFFSET - tile_base
+        for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+            acc_s_mn[r, j] = cute.math.exp2(acc_s_mn[r, j] * scale[r, j // per_group] + offset, fastmath=True)
         alpha[r] = cute.math.exp2(row_max[r] - new_base, fastmath=True)
         beta[r] = cute.math.exp2(tile_max - new_base - P_EXP2_OFFSET, fastmath=True)
-        row_sum[r] = row_sum[r] * alpha[r] + probs.reduce(
+        row_sum[r] = row_sum[r] * alpha[r] + acc_s_mn[r, None].load().reduce(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         ) * beta[r]
         row_max[r] = new_max
-        acc_s_mn[r, None] = probs
 
 
 @cute.jit

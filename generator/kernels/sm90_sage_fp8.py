@@ -21,6 +21,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
+    KEYS_PER_SCALE,
     add_partial,
     load_key_scales,
     load_row_scales,
@@ -147,7 +148,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         d = self.head_dim
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        pv_slice_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
         slice_thr = pv_slice_mma.get_slice(tidx)
@@ -169,7 +169,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
         beta = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // 16, cutlass.Float32)
+        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
         q_handle = q_consumer.wait_and_advance()
@@ -177,7 +177,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         for j in cutlass.range(num_tiles, unroll=1):
             tile = mTileIdx[kv_head, chunk, j]
             tile_len = mTileLen[tile]
-            load_key_scales(mKScale, kv_head, tile, TILE_N, key_scale)
+            load_key_scales(mKScale, kv_head, tile, key_scale)
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
@@ -190,13 +190,12 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             for r in cutlass.range_constexpr(rows):
                 rescale_rows(acc_O_mn, r, alpha[r])
             for s in cutlass.range_constexpr(d // self.pv_slice):
-                acc_PV.fill(0.0)
                 slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
                 slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
                     slice_v.iterator,
                     cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
                 )
-                self.pv(pv_slice_mma, acc_PV, tOrP, slice_v)
+                self.fresh_product(pv_slice_mma, acc_PV, tOrP, slice_v)
                 warpgroup.wait_group(0)
                 add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
             v_handle.release()
@@ -209,6 +208,17 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
+
+
+    @cute.jit
+    def fresh_product(self, mma, acc, tA, tB):
+        """Issue acc = A B: the first k-block overwrites acc (no zero fill of the registers,
+        which a fill would cost every tile), the others accumulate."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            mma.set(warpgroup.Field.ACCUMULATE, k > 0)
+            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
+        warpgroup.commit_group()
 
 
 def make_kernel(variant):

@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.kernels.attention_common import acc_mn_view, new_softmax_state, unit_of_cta
 from generator.kernels.sage_common import (
+    KEYS_PER_SCALE,
     accumulate_tile,
     load_key_scales,
     load_row_scales,
@@ -225,7 +226,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
         beta = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // 16, cutlass.Float32)
+        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
 
         # Prologue: Q (rows past the sequence are zero) and the first K tile.
         q_rows_left = mQ.shape[0] - chunk * TILE_M
@@ -239,7 +240,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         for j in cutlass.range(num_tiles, unroll=1):
             tile = mTileIdx[kv_head, chunk, j]
             tile_len = mTileLen[tile]
-            load_key_scales(mKScale, kv_head, tile, TILE_N, key_scale)
+            load_key_scales(mKScale, kv_head, tile, key_scale)
             # K[t_j] (and Q) landed; every warp is done reading V^T[t_j-1].
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()

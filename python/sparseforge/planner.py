@@ -40,6 +40,16 @@ def num_tiles(tokens: int) -> int:
     return -(-tokens // TILE)
 
 
+def tile_key_scales(k_scale: torch.Tensor, keys_per_scale: int) -> torch.Tensor:
+    """(Hkv, G) per-group key scales as (Hkv, TILE / keys_per_scale * NT), NT = the 64-key
+    tiles they cover: each tile's scales side by side (one 16-byte load in the kernels),
+    padded past the last group with its scale."""
+    per_tile = TILE // keys_per_scale
+    groups = k_scale.shape[-1]
+    index = torch.arange(-(-groups // per_tile) * per_tile, device=k_scale.device).clamp_max(groups - 1)
+    return k_scale[:, index].contiguous()
+
+
 def sizes_tile_aligned(sizes: torch.Tensor) -> bool:
     """True when every block but the last of each row of `sizes` is a multiple of 64."""
     return bool((sizes[..., :-1] % TILE == 0).all())

@@ -262,7 +262,7 @@ class _BlockSparseBase:
         scales = ()
         if plan["sage"] is not None:  # the Sage ABI's (tokens or channels, heads) views
             q_scale, k_scale, v_scale = plan["sage"]
-            scales = (q_scale[0].t(), k_scale[0].t(), v_scale.t())
+            scales = (q_scale[0].t(), planner.tile_key_scales(k_scale[0], KEYS_PER_SCALE).t(), v_scale.t())
         plan["launch"] = kernel.bind(*scales, *tiles.tensors(), plan["scale_log2"])
         plan["launch_id"] = ops.register(plan["launch"])
         plan["lse_scratch"] = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
