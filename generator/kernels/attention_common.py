@@ -105,7 +105,11 @@ def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn
         if new_max == -cutlass.Float32.inf:
             base = cutlass.Float32(0.0)
         probs = cute.math.exp2(row * scale_log2 - base, fastmath=True)
-        correction = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
+        # Exactly 1 while the max holds: exp2(prev * s - base) would be fused into an FMA
+        # whose result is fl(prev * s)'s rounding error, not 0, and rescale half the tiles.
+        correction = cutlass.Float32(1.0)
+        if new_max != prev_max:
+            correction = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
         row_sum[r] = row_sum[r] * correction + probs.reduce(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         )
