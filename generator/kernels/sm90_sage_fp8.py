@@ -172,12 +172,20 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
+        # Each tile's length and key scales are loaded one tile ahead: two dependent global
+        # loads (tile id, then its data) would otherwise stall the softmax.
+        next_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
+        next_len = cutlass.Int32(0)
+        if num_tiles > 0:
+            next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         for j in cutlass.range(num_tiles, unroll=1):
-            tile = mTileIdx[kv_head, chunk, j]
-            tile_len = mTileLen[tile]
-            load_key_scales(mKScale, kv_head, tile, key_scale)
+            tile_len = next_len
+            key_scale.store(next_scale.load())
+            next_len = self.load_tile_data(
+                mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
+            )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
@@ -209,6 +217,13 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
 
+
+    @cute.jit
+    def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):
+        """Valid length of the unit's j-th listed tile; its key scales into key_scale."""
+        tile = mTileIdx[kv_head, chunk, j]
+        load_key_scales(mKScale, kv_head, tile, key_scale)
+        return mTileLen[tile]
 
     @cute.jit
     def fresh_product(self, mma, acc, tA, tB):
