@@ -150,6 +150,7 @@ class BoundLaunch:
             else:
                 static_words.extend(_tensor_words(spec, value))
         self.dynamic_len = sum(1 + len(shape) + len(stride) for shape, stride, _, _ in self.dynamic_modes[False])
+        self.pack_dynamic = struct.Struct(f"<{self.dynamic_len}q").pack_into  # one C call per run
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
@@ -165,9 +166,11 @@ class BoundLaunch:
                 raise ValueError(f"{name} must be {align}-byte aligned, got address {pointer:#x}")
             shape, stride = tensor.shape, tensor.stride()
             words.append(pointer)
-            words.extend([shape[i] for i in shape_modes])
-            words.extend([stride[i] for i in stride_modes])
-        self.words[: self.dynamic_len] = words
+            for i in shape_modes:
+                words.append(shape[i])
+            for i in stride_modes:
+                words.append(stride[i])
+        self.pack_dynamic(self.words, 0, *words)
         code = library().sf_launch(self.kernel.entry, self.words, _current_stream(tensors[0].device.index))
         if code:
             raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
