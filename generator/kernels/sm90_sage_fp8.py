@@ -1,7 +1,8 @@
 """Sage FP8 block-sparse attention forward for Hopper (sm_90a): e4m3 wgmma, bf16 output.
 
-The sm90_wgmma kernel's structure (one CTA per 64-row unit, TMA producer warp, one consumer
-warpgroup, K/V ring) with e4m3 operands and the Sage scales (generator/kernels/sage_common.py):
+The sm90_wgmma kernel's structure (one CTA per 64-row unit, one consumer warpgroup, K/V
+ring) plus a TMA producer warp, with e4m3 operands and the Sage scales
+(generator/kernels/sage_common.py):
     S       = Q8 K8^T (e4m3 wgmma, fp32)        * q_scale[row] * k_scale[key // 16] * sm_scale
     P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
     partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
@@ -28,14 +29,13 @@ from generator.kernels.sage_common import (
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.sm90_wgmma import (
-        PRODUCER_WARP,
-    TILE_M,
-    TILE_N,
-    BlockSparseFwdSm90,
-)
+from generator.kernels.sm90_wgmma import CONSUMER_THREADS, TILE_M, TILE_N, BlockSparseFwdSm90
 
 KV_STAGES = 8
+# A producer warp issues the loads (warp 4): the Sage consumer needs no more than the 136
+# registers a 5-warp CTA gets at three per SM.
+PRODUCER_WARP = 4
+NUM_THREADS = CONSUMER_THREADS + 32
 CTAS_PER_SM = 3
 # P V runs in column slices of at most 64 channels, each into the same fp32 partial
 # accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
@@ -49,6 +49,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.v_major = OperandMajorMode.K
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
+        self.num_threads = NUM_THREADS  # the warpgroup and a producer warp
         self.pv_slice = min(head_dim, PV_SLICE)
 
     @cute.jit

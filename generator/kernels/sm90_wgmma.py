@@ -1,22 +1,25 @@
-"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
+"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, one warpgroup per CTA.
 
 Same contract as the portable template (the family ABI in generator/catalog.py): one CTA
 owns one unit, 64 query rows of one head, and walks that unit's list of 64-key tiles.
 
-CTA = 5 warps, three CTAs per SM (64 KB of shared memory each):
-  warps 0-3  consumer warpgroup: S = Q K^T (wgmma, both operands in shared memory),
-             online softmax in fp32 registers, O += P V (wgmma, P from registers)
-  warp 4     producer: TMA of Q once, then K and V of each listed tile by its index
+CTA = one warpgroup (4 warps), three CTAs per SM (64 KB of shared memory each):
+  S = Q K^T (wgmma, both operands in shared memory), online softmax in fp32 registers,
+  O += P V (wgmma, P from registers); S of tile j+1 is issued right behind P V of tile j.
+  Warp 0 also issues the TMA loads: Q once, then K and V of each listed tile by its index,
+  each as soon as all consumers (of every cluster partner) have released its stage.
 Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync):
-  q   1 stage;        producer: warp 4 (one elected arrive + TMA bytes); consumer: 4 warps
+  q   1 stage;        producer: warp 0 (one elected arrive + TMA bytes); consumer: 4 warps
   kv  KV_STAGES ring; K and V of a tile take consecutive stages; same arrive counts
-The other CTAs on the SM run their softmax while this one's MMAs run. Three CTAs per SM is
-what the register file allows at ~125 registers per thread, and it beat every variant with
-fewer consumer warpgroups per SM (bench/results/2026-11-29_17f3808_h200_sm90_tuning.md:
-W1 522 TFLOPS at 3 CTAs/SM and 3 stages against 469-479 at 2 CTAs/SM and 5 stages, with or
-without overlapping S(j+1) with softmax(j), and 462-481 for two heads per CTA sharing K/V).
+Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384): the
+schedule above needs 138, and with a fifth warp the cap is 136, where ptxas serializes every
+wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one session: W1 501/500
+vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
+(bench/results/2026-11-30_producerless_h200_bench_ab.md). Three CTAs per SM beat every
+variant with fewer consumer warpgroups per SM (bench/results/2026-11-29_17f3808_h200_sm90_tuning.md).
 TMA zero-fills key rows past the sequence end; keys past a tile's valid length are masked
-to -inf before the softmax and their V rows zeroed in shared memory. A unit with no tiles writes O = 0 and LSE = -inf.
+to -inf before the softmax and their V rows zeroed in shared memory. A unit with no tiles
+writes O = 0 and LSE = -inf.
 """
 
 import cuda.bindings.driver as cuda
@@ -42,8 +45,6 @@ TILE_N = 64
 KV_STAGES = 3  # K, V, K in flight per CTA; 3 CTAs per SM (see the module docstring)
 CTAS_PER_SM = 3
 CONSUMER_THREADS = 128
-PRODUCER_WARP = 4
-NUM_THREADS = CONSUMER_THREADS + 32
 
 
 class BlockSparseFwdSm90:
@@ -51,6 +52,7 @@ class BlockSparseFwdSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.cluster = cluster
+        self.num_threads = CONSUMER_THREADS  # warp 0 of the warpgroup issues the loads
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
@@ -99,7 +101,7 @@ class BlockSparseFwdSm90:
         """One CTA per entry of mWork; with cluster > 1, in clusters of that many partners."""
         config = dict(
             grid=[mWork.shape[0], 1, 1],
-            block=[NUM_THREADS, 1, 1],
+            block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -245,23 +247,18 @@ class BlockSparseFwdSm90:
         sO = storage.sQ.get_tensor(sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
-        if warp == PRODUCER_WARP:
-            self.produce(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
-            )
-        if warp < PRODUCER_WARP:
-            self.consume(
-                qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
-                mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx,
-            )
+        loads = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
+        self.consume(
+            qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
+        )
         self.leave_cluster()
 
     @cute.jit
-    def produce(
-        self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-        q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
-    ):
+    def load_partitions(self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
+        """(atom, global source, shared destination) of the Q tile and of K and V by tile id."""
         d = self.head_dim
         gQ = cute.local_tile(mQ_tma[None, None, head], (TILE_M, d), (chunk, 0))
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, d), (None, 0))
@@ -277,26 +274,54 @@ class BlockSparseFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, rank, partners, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        multicast = self.kv_multicast()
-        cpasync.prefetch_descriptor(tma_q)
+        return (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
+
+    @cute.jit
+    def load_q(self, q_producer, q_load):
+        atom, src, dst = q_load
+        cpasync.prefetch_descriptor(atom)
+        handle = q_producer.acquire()
+        cute.copy(atom, src, dst[None, handle.index], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def load_tile(self, kv_producer, kv_load, tile):
+        """K or V of one tile into the ring's current stage (every partner's, by multicast)."""
+        atom, src, dst = kv_load
+        handle = kv_producer.acquire()
+        cute.copy(atom, src[None, tile], dst[None, handle.index], tma_bar_ptr=handle.barrier, **self.kv_multicast())
+
+    @cute.jit
+    def produce(
+        self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
+        q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
+    ):
+        """The producer warp's loop (Sage FP8 kernel): Q, then K and V of every listed tile."""
+        q_load, k_load, v_load = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
         cpasync.prefetch_descriptor(tma_k)
         cpasync.prefetch_descriptor(tma_v)
-
-        handle = q_producer.acquire_and_advance()
-        cute.copy(tma_q, tQgQ, tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
+        self.load_q(q_producer, q_load)
         for j in cutlass.range(num_tiles, unroll=1):
             tile = mTileIdx[kv_head, chunk, j]
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, **multicast)
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_v, tVgV[None, tile], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, **multicast)
+            self.load_tile(kv_producer, k_load, tile)
+            kv_producer.advance()
+            self.load_tile(kv_producer, v_load, tile)
+            kv_producer.advance()
 
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
-        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx,
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
     ):
+        """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
+
+        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage n % 3.
+        S of tile j+1 is issued right behind P V of tile j: one wait covers both MMAs.
+        """
         d = self.head_dim
+        q_load, k_load, v_load = loads
+        loader = warp == 0
         # Both MMAs always accumulate (S is zeroed before each tile). Set once, here: a field set
         # inside a loop or branch would not dominate its uses in later regions.
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -311,24 +336,70 @@ class BlockSparseFwdSm90:
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
 
+        if loader:
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            self.load_q(q_producer, q_load)
+            if num_tiles > 0:  # loads 0, 1: K and V of tile 0
+                tile = mTileIdx[kv_head, chunk, 0]
+                self.load_tile(kv_producer, k_load, tile)
+                kv_producer.advance()
+                self.load_tile(kv_producer, v_load, tile)
+                kv_producer.advance()
+            if num_tiles > 1:  # load 2: K of tile 1
+                self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
+                kv_producer.advance()
+
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        for j in cutlass.range(num_tiles, unroll=1):
-            tile_len = mTileLen[mTileIdx[kv_head, chunk, j]]
+        if num_tiles > 0:
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
-            tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
-            v_handle = kv_consumer.wait_and_advance()
-            if tile_len < TILE_N:
-                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
-            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        if loader:
+            if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
+                self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
+                kv_producer.advance()
+        for j in cutlass.range(num_tiles - 1, unroll=1):
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
+            )
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            k_handle.release()
+            if loader:
+                if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    tile = mTileIdx[kv_head, chunk, j + 2]
+                    self.load_tile(kv_producer, k_load, tile)
+                    kv_producer.advance()
+                    self.load_tile(kv_producer, v_load, tile)
+                    kv_producer.advance()
+        if num_tiles > 0:
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
+            )
             warpgroup.wait_group(0)
             v_handle.release()
 
         self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
+
+    @cute.jit
+    def softmax_then_pv(
+        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len, tidx,
+    ):
+        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
+        tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+        v_handle = kv_consumer.wait_and_advance()
+        if tile_len < TILE_N:
+            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        return v_handle
 
     @cute.jit
     def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
