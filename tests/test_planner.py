@@ -112,6 +112,14 @@ def test_cluster_work_pairs_units_of_128_row_blocks(seq_q):
     assert counts == sorted(counts, reverse=True) and counts[0] == 8
 
 
+def test_tile_key_scales_side_by_side_and_padded_with_the_last_group():
+    k_scale = torch.arange(1, 2 * 7 + 1, dtype=torch.float32).view(2, 7)  # 7 groups: 2 tiles
+    per_tile = planner.tile_key_scales(k_scale, 16)
+    assert per_tile.is_contiguous() and per_tile.shape == (2, 8)
+    assert per_tile[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 7]
+    assert per_tile[1].tolist() == [8, 9, 10, 11, 12, 13, 14, 14]
+
+
 def test_bsr_and_selection_masks_match_reference():
     indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
     indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)

@@ -50,8 +50,9 @@ from typing import NamedTuple
 
 import torch
 
+from sparseforge.reference import KEYS_PER_SCALE
+
 FP8 = torch.float8_e4m3fn
-KEYS_PER_SCALE = 16
 HEAD_DIMS = (64, 128)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Tokens per chunk are a multiple of this: whole launch-2 tiles (128 tokens at D = 128, 256
