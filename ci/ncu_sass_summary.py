@@ -22,7 +22,8 @@ def number(text: str) -> float:
 
 
 def main(path: str, rows: int = 25, units: int = 0) -> None:
-    table = list(csv.reader(open(path)))
+    with open(path) as f:
+        table = list(csv.reader(f))
     header, data = table[1], table[2:]
     col = {name: i for i, name in enumerate(header)}
     stalls = [h for h in header if h.startswith("stall_") and "(Not Issued)" not in h]

@@ -50,9 +50,9 @@ def tile_key_scales(k_scale: torch.Tensor, keys_per_scale: int) -> torch.Tensor:
     return k_scale[:, index].contiguous()
 
 
-def sizes_tile_aligned(sizes: torch.Tensor) -> bool:
-    """True when every block but the last of each row of `sizes` is a multiple of 64."""
-    return bool((sizes[..., :-1] % TILE == 0).all())
+def sizes_tile_aligned(sizes: torch.Tensor, tokens: int = TILE) -> bool:
+    """True when every block but the last of each row of `sizes` is a multiple of `tokens`."""
+    return bool((sizes[..., :-1] % tokens == 0).all())
 
 
 def sizes_are_tiles(sizes: torch.Tensor) -> bool:
@@ -167,7 +167,7 @@ def longest_first(tile_cnt: torch.Tensor, group: int, cluster: int = 1) -> torch
     consecutive 64-row units of one head, which the caller guarantees lie in one row block
     (a last unit without partners is its own partner: computed twice, written alike).
     """
-    hkv, r = tile_cnt.shape
+    r = tile_cnt.shape[1]
     if cluster == 1:
         unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
         return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
@@ -189,7 +189,7 @@ def longest_first(tile_cnt: torch.Tensor, group: int, cluster: int = 1) -> torch
 def rows_fit_cluster(row_sizes: torch.Tensor, cluster: int) -> bool:
     """True when `cluster` consecutive 64-row units always lie in one row block: every
     block but each head's last is a multiple of 64 * cluster tokens (host sizes)."""
-    return bool((row_sizes[..., :-1] % (TILE * cluster) == 0).all())
+    return sizes_tile_aligned(row_sizes, TILE * cluster)
 
 
 # Error bits of the data checks done on the GPU (see validation.py).

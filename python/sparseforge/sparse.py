@@ -235,6 +235,7 @@ class _BlockSparseBase:
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
         family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
         native, portable = _TEMPLATES[family]
+
         def fits(cluster):
             return group % cluster == 0 or rows_fit(cluster)
 
@@ -244,7 +245,7 @@ class _BlockSparseBase:
             if not fits(kernel.cluster):
                 raise ValueError(
                     f"variant {forced} runs units in groups of {kernel.cluster} with one tile list; this "
-                    f"plan has none (GQA group {group}, row blocks not multiples of {64 * kernel.cluster} tokens)"
+                    f"plan has none (GQA group {group}, row blocks not multiples of {planner.TILE * kernel.cluster} tokens)"
                 )
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
