@@ -109,6 +109,26 @@ def test_variable_wrapper_matches_dequantized_reference(backend, hq, hkv, d, seq
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sm_scale", [-0.125, 0.02])
+def test_sm_scale_of_either_sign(backend, sm_scale):
+    """A negative scale takes the softmax's in-place scaling path (the row max of c * s is
+    no longer c times the max of s); a short last block takes it too."""
+    hq, hkv, d, seq, block = 4, 2, 128, 1000, 64
+    q, k, v = bf16_inputs(hq, hkv, seq, seq, d, seed=11)
+    qz = sparseforge.sage_fp8_quantize(q, k, v)
+    sizes = reference.uniform_sizes(seq, block).to(torch.int32).expand(hkv, -1).contiguous()
+    nb = sizes.shape[1]
+    mask = ragged_mask(hkv, nb, nb, seed=5)
+    w = VariableBlockSparseAttentionWrapper(torch.empty(1, device=DEV), backend=backend)
+    w.plan(mask.to(DEV), sizes.to(DEV), sizes.to(DEV), hq, hkv, d, q_data_type=FP8, sm_scale=sm_scale,
+           q_scale=qz.q_scale, k_scale=qz.k_scale, v_scale=qz.v_scale)
+    out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
+    dq, dk, dv = reference.sage_dequantize(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale)
+    token_mask = reference.block_mask_to_token_mask(mask, sizes, sizes).to(DEV)
+    check(out, lse, *reference.attention(dq, dk, dv, token_mask, sm_scale=sm_scale, compute_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_accuracy_against_unquantized_inputs(backend, d):
     """N(0,1) inputs (W1's pattern, smaller) against the unquantized fp32 reference."""
