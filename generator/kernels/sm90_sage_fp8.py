@@ -148,7 +148,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
         head, kv_head, chunk, num_tiles, tidx, warp,
     ):
-        """The warpgroup's work; warp 0 also issues the loads, KV_STAGES / 2 tiles ahead.
+        """The warpgroup's work; warp 0 also issues the loads.
 
         Tile j: softmax(S(j)), P V(j) slice 0, then S(j+1) is issued behind it so the tensor
         core computes it while the warps add slice 0's partial; then the other slices.
@@ -156,7 +156,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         d = self.head_dim
         q_load, k_load, v_load = loads
         loader = warp == 0
-        tiles_ahead = self.kv_stages // 2
         qk_thr = qk_mma[0].get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
         slice_thr = pv_slice_mma[0].get_slice(tidx)
@@ -178,16 +177,28 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
 
+        # Loads run `ahead` tiles ahead: K(j + ahead) goes into K(j)'s stage (free since
+        # tile j's S), V(j + ahead - 1) into V(j - 1)'s, both issued at the top of tile j
+        # with tile ids read one tile earlier (no global load on warp 0's way to a TMA).
+        ahead = self.kv_stages // 2
+        v_tile = cutlass.Int32(0)
+        k_tile = cutlass.Int32(0)
         if loader:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
             self.load_q(q_producer, q_load)
             # The pipeline objects' state is rebound here, in the loop bodies: not in a helper.
-            for t in cutlass.range(cutlass.min(num_tiles, tiles_ahead), unroll=1):
+            for t in cutlass.range(cutlass.min(num_tiles, ahead - 1), unroll=1):
                 tile = mTileIdx[kv_head, chunk, t]
                 self.load_tile(kv_producer, k_load, tile)
                 kv_producer.advance()
                 self.load_tile(kv_producer, v_load, tile)
+                kv_producer.advance()
+            if num_tiles > 0:
+                v_tile = mTileIdx[kv_head, chunk, cutlass.min(ahead - 1, num_tiles - 1)]
+                k_tile = mTileIdx[kv_head, chunk, cutlass.min(ahead, num_tiles - 1)]
+            if ahead - 1 < num_tiles:
+                self.load_tile(kv_producer, k_load, v_tile)
                 kv_producer.advance()
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
         # Each tile's length and key scales are loaded one tile ahead: two dependent global
@@ -203,6 +214,15 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             warpgroup.wait_group(0)
             k_handle.release()
         for j in cutlass.range(num_tiles - 1, unroll=1):
+            if loader:
+                if j + ahead - 1 < num_tiles:
+                    self.load_tile(kv_producer, v_load, v_tile)
+                    kv_producer.advance()
+                if j + ahead < num_tiles:
+                    self.load_tile(kv_producer, k_load, k_tile)
+                    kv_producer.advance()
+                v_tile = k_tile
+                k_tile = mTileIdx[kv_head, chunk, cutlass.min(j + ahead + 1, num_tiles - 1)]
             tile_len = next_len
             key_scale.store(next_scale.load())
             next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, j + 1, next_scale)
@@ -215,13 +235,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             self.finish_slices(pv_slice_mma, acc_O, acc_PV, tOrP, tOrV, v_handle.index, beta, 1)
             v_handle.release()
             k_handle.release()
-            if loader:
-                if j + tiles_ahead < num_tiles:  # into the stages of tile j, both free now
-                    tile = mTileIdx[kv_head, chunk, j + tiles_ahead]
-                    self.load_tile(kv_producer, k_load, tile)
-                    kv_producer.advance()
-                    self.load_tile(kv_producer, v_load, tile)
-                    kv_producer.advance()
         if num_tiles > 0:
             key_scale.store(next_scale.load())
             v_handle = self.softmax_then_first_slice(
