@@ -1,17 +1,16 @@
 """Sage FP8 block-sparse attention forward for Hopper (sm_90a): e4m3 wgmma, bf16 output.
 
-The sm90_wgmma kernel's structure (one CTA = one warpgroup per 64-row unit, warp 0 also
-issues the TMA loads, K/V ring) with e4m3 operands and the Sage scales
+The sm90_wgmma kernel's structure (one CTA per 64-row unit, one consumer warpgroup, K/V
+ring) plus a TMA producer warp, with e4m3 operands and the Sage scales
 (generator/kernels/sage_common.py):
     S       = Q8 K8^T (e4m3 wgmma, fp32)        * q_scale[row] * k_scale[key // 16] * sm_scale
     P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
     partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
     O       = O * alpha + partial * beta        fp32 (two-level accumulation)
     out     = bf16(O / l * v_scale[channel])
-P V runs in slices of at most 64 channels into one fp32 partial (32 registers); S of the
-next tile is issued right behind the first slice, so it runs while the warps add that
-slice's partial. e4m3 tiles are half the bytes of bf16, so the ring holds 8 stages
-(72 KB per CTA, three CTAs per SM; F1 549 TFLOPS against 527 with 6 stages,
+P V runs in slices of at most 64 channels into one fp32 partial (32 registers), which keeps
+three CTAs per SM at head_dim 128; e4m3 tiles are half the bytes of bf16, so the ring holds
+8 stages (72 KB per CTA; F1 549 TFLOPS against 527 with 6 stages,
 bench/results/2026-11-30_0d481ec+stages8_h200_bench_sage_stages8.md).
 """
 
@@ -19,7 +18,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
@@ -33,14 +32,15 @@ from generator.kernels.sage_common import (
 from generator.kernels.sm90_wgmma import CONSUMER_THREADS, TILE_M, TILE_N, BlockSparseFwdSm90
 
 KV_STAGES = 8
+# A producer warp issues the loads (warp 4): the Sage consumer needs no more than the 136
+# registers a 5-warp CTA gets at three per SM.
+PRODUCER_WARP = 4
+NUM_THREADS = CONSUMER_THREADS + 32
 CTAS_PER_SM = 3
-# P V runs in two column slices (64 channels at head_dim 128) into one fp32 partial
-# accumulator (32 registers): a full-width partial and S of the next tile in flight would
-# not fit the 168 registers of three CTAs per SM. Two slices also keep P's registers in use
-# past the issue of the next S, which ptxas needs to give them apart from S's registers:
-# with one slice (head_dim 64 as one 64-channel slice) it reused them and serialized
-# every wgmma.
-PV_SLICES = 2
+# P V runs in column slices of at most 64 channels, each into the same fp32 partial
+# accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
+# leave room for only two CTAs per SM.
+PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
@@ -49,7 +49,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.v_major = OperandMajorMode.K
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
-        self.pv_slice = head_dim // PV_SLICES
+        self.num_threads = NUM_THREADS  # the warpgroup and a producer warp
+        self.pv_slice = min(head_dim, PV_SLICE)
 
     @cute.jit
     def __call__(
@@ -71,12 +72,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
          sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, mVt)
-        # Each fresh product (S, and every slice of P V) is issued as a first k-block that
-        # overwrites its accumulator and the rest that accumulate: two MMAs whose ACCUMULATE
-        # field is set once, at the kernel's top level (a field set inside a loop or branch
-        # does not dominate its uses in later ones).
-        qk_first, qk_rest = (self.wgmma((TILE_M, TILE_N), warpgroup.OperandSource.SMEM) for _ in range(2))
-        slice_first, slice_rest = (self.wgmma((TILE_M, self.pv_slice), warpgroup.OperandSource.RMEM) for _ in range(2))
+        pv_slice_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (TILE_M, self.pv_slice), warpgroup.OperandSource.RMEM,
+        )
 
         @cute.struct
         class SharedStorage:
@@ -86,7 +85,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         self.kernel(
-            (qk_first, qk_rest), pv_mma, (slice_first, slice_rest), tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
+            qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
         ).launch(**self.launch_config(mWork, SharedStorage, stream))
@@ -94,9 +93,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     @cute.kernel
     def kernel(
         self,
-        qk_mma: tuple,
+        qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
-        pv_slice_mma: tuple,
+        pv_slice_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         mQ_tma: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -122,9 +121,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        for first, rest in (qk_mma, pv_slice_mma):
-            first.set(warpgroup.Field.ACCUMULATE, False)
-            rest.set(warpgroup.Field.ACCUMULATE, True)
         head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
@@ -132,33 +128,29 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
-        loads = self.load_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-        )
-        self.consume_sage(
-            qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-            loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-            head, kv_head, chunk, num_tiles, tidx, warp,
-        )
+        if warp == PRODUCER_WARP:
+            self.produce(
+                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
+                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
+            )
+        if warp < PRODUCER_WARP:
+            self.consume_sage(
+                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+                mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+                head, kv_head, chunk, num_tiles, tidx,
+            )
         self.leave_cluster()
 
     @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-        loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-        head, kv_head, chunk, num_tiles, tidx, warp,
+        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+        mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+        head, kv_head, chunk, num_tiles, tidx,
     ):
-        """The warpgroup's work; warp 0 also issues the loads.
-
-        Tile j: softmax(S(j)), P V(j) slice 0, then S(j+1) is issued behind it so the tensor
-        core computes it while the warps add slice 0's partial; then the other slices.
-        """
         d = self.head_dim
-        q_load, k_load, v_load = loads
-        loader = warp == 0
-        qk_thr = qk_mma[0].get_slice(tidx)
+        qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
-        slice_thr = pv_slice_mma[0].get_slice(tidx)
+        slice_thr = pv_slice_mma.get_slice(tidx)
         tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
         # (values, column slice, k-block, stage): the V^T operand of each slice of P V.
@@ -168,6 +160,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
         acc_PV = cute.make_rmem_tensor(slice_thr.partition_shape_C((TILE_M, self.pv_slice)), cutlass.Float32)
         acc_O.fill(0.0)
+        acc_O_mn = acc_mn_view(acc_O)
+        acc_PV_mn = acc_mn_view(acc_PV)
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
@@ -176,76 +170,45 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         beta = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
-
-        # Loads run `ahead` tiles ahead: K(j + ahead) goes into K(j)'s stage (free since
-        # tile j's S), V(j + ahead - 1) into V(j - 1)'s, both issued at the top of tile j
-        # with tile ids read one tile earlier (no global load on warp 0's way to a TMA).
-        ahead = self.kv_stages // 2
-        v_tile = cutlass.Int32(0)
-        k_tile = cutlass.Int32(0)
-        if loader:
-            cpasync.prefetch_descriptor(k_load[0])
-            cpasync.prefetch_descriptor(v_load[0])
-            self.load_q(q_producer, q_load)
-            # The pipeline objects' state is rebound here, in the loop bodies: not in a helper.
-            for t in cutlass.range(cutlass.min(num_tiles, ahead - 1), unroll=1):
-                tile = mTileIdx[kv_head, chunk, t]
-                self.load_tile(kv_producer, k_load, tile)
-                kv_producer.advance()
-                self.load_tile(kv_producer, v_load, tile)
-                kv_producer.advance()
-            if num_tiles > 0:
-                v_tile = mTileIdx[kv_head, chunk, cutlass.min(ahead - 1, num_tiles - 1)]
-                k_tile = mTileIdx[kv_head, chunk, cutlass.min(ahead, num_tiles - 1)]
-            if ahead - 1 < num_tiles:
-                self.load_tile(kv_producer, k_load, v_tile)
-                kv_producer.advance()
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
+
         # Each tile's length and key scales are loaded one tile ahead: two dependent global
         # loads (tile id, then its data) would otherwise stall the softmax.
         next_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         next_len = cutlass.Int32(0)
-        q_handle = q_consumer.wait_and_advance()
-        sQ_stage = tSrQ[None, None, None, q_handle.index]
         if num_tiles > 0:
             next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile_len = next_len
+            key_scale.store(next_scale.load())
+            next_len = self.load_tile_data(
+                mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
+            )
             k_handle = kv_consumer.wait_and_advance()
             self.fresh_product(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
-        for j in cutlass.range(num_tiles - 1, unroll=1):
-            if loader:
-                if j + ahead - 1 < num_tiles:
-                    self.load_tile(kv_producer, v_load, v_tile)
-                    kv_producer.advance()
-                if j + ahead < num_tiles:
-                    self.load_tile(kv_producer, k_load, k_tile)
-                    kv_producer.advance()
-                v_tile = k_tile
-                k_tile = mTileIdx[kv_head, chunk, cutlass.min(j + ahead + 1, num_tiles - 1)]
-            tile_len = next_len
-            key_scale.store(next_scale.load())
-            next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, j + 1, next_scale)
-            v_handle = self.softmax_then_first_slice(
-                pv_slice_mma, acc_S_mn, acc_O, acc_PV, tOrP, tOrV, sV, kv_consumer, tScS_mn,
-                row_scale, key_scale, tile_len, row_max, row_sum, alpha, beta, tidx,
-            )
-            k_handle = kv_consumer.wait_and_advance()
-            self.fresh_product(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            self.finish_slices(pv_slice_mma, acc_O, acc_PV, tOrP, tOrV, v_handle.index, beta, 1)
-            v_handle.release()
-            k_handle.release()
-        if num_tiles > 0:
-            key_scale.store(next_scale.load())
-            v_handle = self.softmax_then_first_slice(
-                pv_slice_mma, acc_S_mn, acc_O, acc_PV, tOrP, tOrV, sV, kv_consumer, tScS_mn,
-                row_scale, key_scale, next_len, row_max, row_sum, alpha, beta, tidx,
-            )
-            self.finish_slices(pv_slice_mma, acc_O, acc_PV, tOrP, tOrV, v_handle.index, beta, 0)
+            sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
+            scores_to_e4m3_operand(acc_S_mn, tOrP)
+            v_handle = kv_consumer.wait_and_advance()
+            if tile_len < TILE_N:
+                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+            for r in cutlass.range_constexpr(rows):
+                rescale_rows(acc_O_mn, r, alpha[r])
+            for s in cutlass.range_constexpr(d // self.pv_slice):
+                slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
+                slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
+                    slice_v.iterator,
+                    cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
+                )
+                self.fresh_product(pv_slice_mma, acc_PV, tOrP, slice_v)
+                warpgroup.wait_group(0)
+                add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
             v_handle.release()
 
         # V was quantized per channel: scale the output columns back.
-        acc_O_mn = acc_mn_view(acc_O)
         tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
             channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
@@ -254,43 +217,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
 
-    @cute.jit
-    def softmax_then_first_slice(
-        self, pv_slice_mma, acc_S_mn, acc_O, acc_PV, tOrP, tOrV, sV, kv_consumer, tScS_mn,
-        row_scale, key_scale, tile_len, row_max, row_sum, alpha, beta, tidx,
-    ):
-        """Softmax of the tile in acc_S (which is free afterwards), O rescaled, P V's first
-        column slice issued; returns V's stage handle."""
-        sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
-        scores_to_e4m3_operand(acc_S_mn, tOrP)
-        v_handle = kv_consumer.wait_and_advance()
-        if tile_len < TILE_N:
-            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
-        acc_O_mn = acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(alpha)):
-            rescale_rows(acc_O_mn, r, alpha[r])
-        self.fresh_product(pv_slice_mma, acc_PV, tOrP, self.v_slice(tOrV, 0, v_handle.index))
-        return v_handle
-
-    @cute.jit
-    def finish_slices(self, pv_slice_mma, acc_O, acc_PV, tOrP, tOrV, stage, beta, issued_behind: cutlass.Constexpr):
-        """Add slice 0's partial (issued_behind MMA groups were committed after it), then
-        issue and add the other slices one by one."""
-        acc_O_mn = acc_mn_view(acc_O)
-        acc_PV_mn = acc_mn_view(acc_PV)
-        for s in cutlass.range_constexpr(self.head_dim // self.pv_slice):
-            if cutlass.const_expr(s > 0):
-                self.fresh_product(pv_slice_mma, acc_PV, tOrP, self.v_slice(tOrV, s, stage))
-            warpgroup.wait_group(issued_behind if s == 0 else 0)
-            add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
-
-    def v_slice(self, tOrV, s, stage):
-        """Column slice s of V^T in a stage, as (values, MMA_N = 1, k-block) for fresh_product."""
-        slice_v = tOrV[None, s, None, stage]  # (values, k-block)
-        return cute.make_tensor(
-            slice_v.iterator,
-            cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
-        )
 
     @cute.jit
     def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):
@@ -299,21 +225,14 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         load_key_scales(mKScale, kv_head, tile, key_scale)
         return mTileLen[tile]
 
-    def wgmma(self, tile_mn, a_source):
-        """An e4m3 wgmma tiled MMA (K-major operands, fp32 accumulator) of one warpgroup."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), tile_mn, a_source,
-        )
-
     @cute.jit
     def fresh_product(self, mma, acc, tA, tB):
-        """Issue acc = A B with mma = (first, rest): the first k-block overwrites acc (no
-        zero fill of the registers, which would cost every tile), the others accumulate."""
-        first, rest = mma
+        """Issue acc = A B: the first k-block overwrites acc (no zero fill of the registers,
+        which a fill would cost every tile), the others accumulate."""
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(first if k == 0 else rest, acc, tA[None, None, k], tB[None, None, k], acc)
+            mma.set(warpgroup.Field.ACCUMULATE, k > 0)
+            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
         warpgroup.commit_group()
 
 
