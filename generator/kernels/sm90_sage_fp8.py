@@ -148,6 +148,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         head, kv_head, chunk, num_tiles, tidx,
     ):
         d = self.head_dim
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
         slice_thr = pv_slice_mma.get_slice(tidx)
@@ -187,7 +188,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
             )
             k_handle = kv_consumer.wait_and_advance()
-            self.fresh_product(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
             sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
