@@ -61,10 +61,6 @@ def _abi_block_sparse_fwd(head_dim: int):
       mTileIdx   (Hkv, R, T)   64-key tile ids of each (kv head, 64-row chunk)
       mTileCnt   (Hkv, R)      valid entries of each mTileIdx row
       mTileLen   (NT,)         valid keys of each 64-key tile (0..64)
-      scale_log2                sm_scale * log2(e)
-      num_sms                   the device's SMs: a persistent template launches
-                                min(U, num_sms * its CTAs per SM) CTAs, CTA b running units
-                                b, b + grid, ...; one-CTA-per-unit templates (warp_mma) launch U
     """
     qkv = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
     return (
@@ -78,7 +74,6 @@ def _abi_block_sparse_fwd(head_dim: int):
         TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
         ScalarArg("scale_log2", "f32"),
-        ScalarArg("num_sms", "i32"),
     )
 
 
@@ -98,7 +93,7 @@ def _abi_sage_fp8_fwd(head_dim: int):
                                 one 16-byte load per tile; plan() pads past the last group
                                 with its scale (python/sparseforge/planner.py)
       mVScale    (D, Hkv)       fp32 per channel
-      mWork, mTileIdx, mTileCnt, mTileLen, scale_log2, num_sms as in block_sparse_fwd.
+      mWork, mTileIdx, mTileCnt, mTileLen, scale_log2 as in block_sparse_fwd.
     The leading five are per run(); the scales and the plan are bound by plan().
     """
     fp8 = dict(divisibility=16)
@@ -116,7 +111,6 @@ def _abi_sage_fp8_fwd(head_dim: int):
         TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
         ScalarArg("scale_log2", "f32"),
-        ScalarArg("num_sms", "i32"),
     )
 
 

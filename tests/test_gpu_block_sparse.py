@@ -283,25 +283,6 @@ def test_cluster_pairs_match_single_ctas(monkeypatch, dtype, head_dim, group, bl
     assert torch.equal(out2, out1) and torch.equal(lse2, lse1)
 
 
-@pytest.mark.skipif("sparseforge" not in BACKENDS, reason="no sm90_wgmma build")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("cluster", ["", "_c2"])
-def test_persistent_ctas_run_many_units(monkeypatch, head_dim, cluster):
-    """Several units per CTA (1264 units; the grid is at most 3 per SM): the K/V ring, the
-    Q stage and the softmax state carry over from unit to unit, with empty and full rows
-    and a short last block among them."""
-    torch.manual_seed(zlib.crc32(f"persistent{head_dim}{cluster}".encode()))
-    hq, hkv, seq = 16, 4, 5000
-    mb = -(-seq // 64)
-    assert hq * mb > 3 * 3 * torch.cuda.get_device_properties(0).multi_processor_count
-    mask = ragged_mask(hkv, mb, mb, seed=hq * mb)
-    sizes = reference.uniform_sizes(seq, 64).expand(hkv, -1)
-    q, k, v = random_inputs(hq, hkv, seq, seq, head_dim, torch.bfloat16)
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"block_sparse_fwd__sm90_wgmma__bf16_d{head_dim}{cluster}__sm_90a")
-    _, out, lse = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")
-    check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
-
-
 def test_cluster_variant_refuses_plans_without_pairs(monkeypatch):
     if "sparseforge" not in BACKENDS:
         pytest.skip("no sm90_wgmma build")

@@ -198,23 +198,6 @@ def test_cluster_pairs_match_single_ctas(monkeypatch, d, hq, hkv, seq, block):
         assert torch.equal(out, out1) and torch.equal(lse, lse1)
 
 
-@pytest.mark.parametrize("cluster", ["", "_c2"])
-def test_persistent_ctas_run_many_units(monkeypatch, cluster):
-    """Several units per CTA (1264 units; at most 3 CTAs per SM): the producer warp runs
-    ahead into the next unit's Q and tiles while the consumers finish the last one."""
-    hq, hkv, d, seq, block = 16, 4, 128, 5000, 64
-    q, k, v = bf16_inputs(hq, hkv, seq, seq, d, seed=21)
-    qz = sparseforge.sage_fp8_quantize(q, k, v)
-    sizes = reference.uniform_sizes(seq, block).to(torch.int32).expand(hkv, -1).contiguous()
-    nb = sizes.shape[1]
-    assert hq * nb > 3 * 3 * torch.cuda.get_device_properties(0).multi_processor_count
-    mask = ragged_mask(hkv, nb, nb, seed=22)
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"sage_fp8_fwd__sm90_sage_fp8__e4m3_d{d}{cluster}__sm_90a")
-    w = plan_variable(mask, sizes, sizes, hq, hkv, d, qz, "sparseforge")
-    out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
-    check(out, lse, *dequantized_reference(qz, reference.block_mask_to_token_mask(mask, sizes, sizes)))
-
-
 def test_cuda_graph_replay_matches_eager():
     hq, hkv, d, seq = 4, 1, 128, 512
     q, k, v = bf16_inputs(hq, hkv, seq, seq, d, seed=4)

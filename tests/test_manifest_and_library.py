@@ -115,8 +115,8 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     plan = [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
             torch.zeros(2, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)]
     with pytest.raises(ValueError, match="mTileCnt: shape"):
-        kernel.bind(plan[0], plan[1], torch.zeros(2, 3, 4, dtype=torch.int32)[..., 0], plan[3], 0.5, 132)
-    bound = kernel.bind(*plan, 0.5, 132)
+        kernel.bind(plan[0], plan[1], torch.zeros(2, 3, 4, dtype=torch.int32)[..., 0], plan[3], 0.5)
+    bound = kernel.bind(*plan, 0.5)
     q = torch.zeros(4, 96, 128, dtype=torch.bfloat16)  # HND: 4 heads, 96 tokens
     lse = torch.zeros(4, 96)
     bound((q, q, q, q, lse), swap01=True)
@@ -127,7 +127,7 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     assert words[20:25] == [lse.data_ptr(), 96, 4, 1, 96]
     assert words[25:27] == [plan[0].data_ptr(), 3]
     assert words[27:33] == [plan[1].data_ptr(), 2, 3, 3, 12, 4]
-    assert words[-2:] == [struct.unpack("<i", struct.pack("<f", 0.5))[0], 132]
+    assert words[-1] == struct.unpack("<i", struct.pack("<f", 0.5))[0]
     assert isinstance(bound.words, ctypes.Array)
     with pytest.raises(ValueError, match="16-byte aligned"):
         shifted = torch.zeros(4 * 96 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 96, 128)

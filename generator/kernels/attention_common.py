@@ -20,30 +20,15 @@ def element_type(name: str):
 
 
 def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m: int):
-    """(head, tile_m-row chunk, kv head, listed tiles) of this CTA's unit when every CTA
-    runs one unit: CTA b runs mWork[b]."""
+    """(head, tile_m-row chunk, kv head, listed tiles) of this CTA's unit: CTA b runs the
+    unit mWork[b] = head * chunks + chunk (the block-sparse family ABI)."""
     bidx, _, _ = cute.arch.block_idx()
-    return unit_at(mWork, bidx, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m)
-
-
-@cute.jit
-def unit_at(mWork, u, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m: cutlass.Constexpr):
-    """(head, tile_m-row chunk, kv head, listed tiles) of work entry u: the unit
-    mWork[u] = head * chunks + chunk (the block-sparse family ABI)."""
     num_chunks = cute.ceil_div(num_rows, tile_m)
-    unit = mWork[u]
+    unit = mWork[bidx]
     head = unit // num_chunks
     chunk = unit - head * num_chunks
     kv_head = head // (num_qo_heads // num_kv_heads)
     return head, chunk, kv_head, mTileCnt[kv_head, chunk]
-
-
-def persistent_grid(num_units, num_sms, ctas_per_sm: int, cluster: int):
-    """CTAs of a persistent launch (host side): as many as fit at once, at most one per
-    unit, whole clusters. CTA b then runs work entries b, b + grid, b + 2 grid, ...; with
-    clusters the entries of a cluster stay together (the planner lists partners side by
-    side and the grid is a multiple of the cluster)."""
-    return cutlass.min(num_units, num_sms * ctas_per_sm) // cluster * cluster
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:

@@ -18,9 +18,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_at
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
     KEYS_PER_SCALE,
     add_partial,
@@ -68,11 +68,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         mTileCnt: cute.Tensor,
         mTileLen: cute.Tensor,
         scale_log2: cutlass.Float32,
-        num_sms: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-         sQ_layout, sK_layout, sV_layout, tile_bytes) = self.operands(mQ, mK, mVt)
+         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, mVt)
         pv_slice_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (TILE_M, self.pv_slice), warpgroup.OperandSource.RMEM,
@@ -88,8 +87,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.kernel(
             qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-            sQ_layout, sK_layout, sV_layout, tile_bytes, SharedStorage,
-        ).launch(**self.launch_config(mWork, num_sms, SharedStorage, stream))
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
+        ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
     @cute.kernel
     def kernel(
@@ -116,61 +115,38 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
+
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
+        # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.
+        sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
         if warp == PRODUCER_WARP:
             self.produce(
                 tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-                q_producer, kv_producer, mO, mWork, mTileIdx, mTileCnt,
+                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
             )
         if warp < PRODUCER_WARP:
             self.consume_sage(
-                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, q_consumer, kv_consumer,
-                mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-                mK_tma.shape[2], tidx,
+                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+                mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+                head, kv_head, chunk, num_tiles, tidx,
             )
         self.leave_cluster()
 
     @cute.jit
-    def produce(
-        self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-        q_producer, kv_producer, mO, mWork, mTileIdx, mTileCnt,
-    ):
-        """The producer warp: for each of this CTA's units, Q (once its consumers are done
-        with the previous unit's), then K and V of every listed tile, as stages free up.
-        It runs ahead into the next unit while the consumers finish this one."""
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        cpasync.prefetch_descriptor(tma_q)
-        cpasync.prefetch_descriptor(tma_k)
-        cpasync.prefetch_descriptor(tma_v)
-        for u in cutlass.range(bidx, mWork.shape[0], grid, unroll=1):
-            head, chunk, kv_head, num_tiles = unit_at(mWork, u, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
-            q_load, k_load, v_load = self.load_partitions(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-            )
-            self.load_q(q_producer, q_load)
-            q_producer.advance()
-            for j in cutlass.range(num_tiles, unroll=1):
-                tile = mTileIdx[kv_head, chunk, j]
-                self.load_tile(kv_producer, k_load, tile)
-                kv_producer.advance()
-                self.load_tile(kv_producer, v_load, tile)
-                kv_producer.advance()
-
-    @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, q_consumer, kv_consumer,
-        mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-        num_kv_heads, tidx,
+        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
+        mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+        head, kv_head, chunk, num_tiles, tidx,
     ):
-        """The consumer warpgroup: this CTA's units one after another (see `produce`)."""
         d = self.head_dim
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
@@ -184,68 +160,64 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
         acc_PV = cute.make_rmem_tensor(slice_thr.partition_shape_C((TILE_M, self.pv_slice)), cutlass.Float32)
+        acc_O.fill(0.0)
         acc_O_mn = acc_mn_view(acc_O)
         acc_PV_mn = acc_mn_view(acc_PV)
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
         rows = cute.size(tScS_mn, mode=[0])
+        row_max, row_sum = new_softmax_state(rows)
         alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
         beta = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
+        load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
+
+        # Each tile's length and key scales are loaded one tile ahead: two dependent global
+        # loads (tile id, then its data) would otherwise stall the softmax.
         next_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
-
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        for u in cutlass.range(bidx, mWork.shape[0], grid, unroll=1):
-            head, chunk, kv_head, num_tiles = unit_at(mWork, u, mO.shape[0], mO.shape[1], num_kv_heads, mTileCnt, TILE_M)
-            acc_O.fill(0.0)
-            row_max, row_sum = new_softmax_state(rows)
-            load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
-            # Each tile's length and key scales are loaded one tile ahead: two dependent
-            # global loads (tile id, then its data) would otherwise stall the softmax.
-            next_len = cutlass.Int32(0)
-            if num_tiles > 0:
-                next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
-            q_handle = q_consumer.wait_and_advance()
-            sQ_stage = tSrQ[None, None, None, q_handle.index]
-            for j in cutlass.range(num_tiles, unroll=1):
-                tile_len = next_len
-                key_scale.store(next_scale.load())
-                next_len = self.load_tile_data(
-                    mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
+        next_len = cutlass.Int32(0)
+        if num_tiles > 0:
+            next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile_len = next_len
+            key_scale.store(next_scale.load())
+            next_len = self.load_tile_data(
+                mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
+            )
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
+            sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
+            scores_to_e4m3_operand(acc_S_mn, tOrP)
+            v_handle = kv_consumer.wait_and_advance()
+            if tile_len < TILE_N:
+                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+            for r in cutlass.range_constexpr(rows):
+                rescale_rows(acc_O_mn, r, alpha[r])
+            for s in cutlass.range_constexpr(d // self.pv_slice):
+                slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
+                slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
+                    slice_v.iterator,
+                    cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
                 )
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+                self.fresh_product(pv_slice_mma, acc_PV, tOrP, slice_v)
                 warpgroup.wait_group(0)
-                k_handle.release()
-                sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
-                scores_to_e4m3_operand(acc_S_mn, tOrP)
-                v_handle = kv_consumer.wait_and_advance()
-                if tile_len < TILE_N:
-                    self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
-                for r in cutlass.range_constexpr(rows):
-                    rescale_rows(acc_O_mn, r, alpha[r])
-                for s in cutlass.range_constexpr(d // self.pv_slice):
-                    slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
-                    slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
-                        slice_v.iterator,
-                        cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
-                    )
-                    self.fresh_product(pv_slice_mma, acc_PV, tOrP, slice_v)
-                    warpgroup.wait_group(0)
-                    add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
-                v_handle.release()
-            q_handle.release()  # the producer may load the next unit's Q
+                add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
+            v_handle.release()
 
-            # V was quantized per channel: scale the output columns back.
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
-                for r in cutlass.range_constexpr(rows):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
-            # Scores are already in log2 units (scale_log2 is inside row_scale).
-            self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), mO, mLSE, head, chunk, tidx)
+        # V was quantized per channel: scale the output columns back.
+        tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
+            for r in cutlass.range_constexpr(rows):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        # Scores are already in log2 units (scale_log2 is inside row_scale).
+        self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
+
 
     @cute.jit
     def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):

@@ -37,8 +37,7 @@ from generator.kernels.attention_common import (
     new_softmax_state,
     softmax_finalize,
     softmax_update,
-    persistent_grid,
-    unit_at,
+    unit_of_cta,
 )
 
 TILE_M = 64
@@ -76,7 +75,6 @@ class BlockSparseFwdSm90:
         mTileCnt: cute.Tensor,
         mTileLen: cute.Tensor,
         scale_log2: cutlass.Float32,
-        num_sms: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         v_view = cute.make_tensor(
@@ -84,7 +82,7 @@ class BlockSparseFwdSm90:
             cute.make_layout((self.head_dim, mV.shape[0], mV.shape[1]), stride=(1, mV.stride[0], mV.stride[1])),
         )
         (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-         sQ_layout, sK_layout, sV_layout, tile_bytes) = self.operands(mQ, mK, v_view)
+         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, v_view)
 
         @cute.struct
         class SharedStorage:
@@ -96,14 +94,13 @@ class BlockSparseFwdSm90:
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-            sQ_layout, sK_layout, sV_layout, tile_bytes, SharedStorage,
-        ).launch(**self.launch_config(mWork, num_sms, SharedStorage, stream))
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
+        ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
-    def launch_config(self, mWork, num_sms, SharedStorage, stream) -> dict:
-        """A persistent grid (attention_common.persistent_grid); with cluster > 1, in
-        clusters of that many partners."""
+    def launch_config(self, mWork, SharedStorage, stream) -> dict:
+        """One CTA per entry of mWork; with cluster > 1, in clusters of that many partners."""
         config = dict(
-            grid=[persistent_grid(mWork.shape[0], num_sms, self.ctas_per_sm, self.cluster), 1, 1],
+            grid=[mWork.shape[0], 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -142,6 +139,14 @@ class BlockSparseFwdSm90:
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages)
+        # Output staging: plain 8x64 swizzled rows (16-bit) for 16-byte global stores.
+        sO_layout = cute.tile_to_shape(
+            cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            ),
+            (TILE_M, d),
+            (0, 1),
+        )
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         # Cluster partners share every K/V tile: each loads 1/cluster of it for all of them.
         kv_op, kv_multicast = tma_op, {}
@@ -158,7 +163,7 @@ class BlockSparseFwdSm90:
         )
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-                sQ_layout, sK_layout, sV_layout, tile_bytes)
+                sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes)
 
     def shared_operands(self, SharedStorage, sQ_layout, sK_layout, sV_layout):
         """The shared storage and its Q tile and K/V ring (K and V stages share the bytes)."""
@@ -228,17 +233,26 @@ class BlockSparseFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
+
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
+        # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
+        # layout (element units), not of the pointer (byte units, as for the wgmma operands).
+        sO = storage.sQ.get_tensor(sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
+
+        loads = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
         self.consume(
-            qk_mma, pv_mma, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-            q_producer, q_consumer, kv_producer, kv_consumer,
-            mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2, tidx, warp,
+            qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
         )
         self.leave_cluster()
 
@@ -265,6 +279,7 @@ class BlockSparseFwdSm90:
     @cute.jit
     def load_q(self, q_producer, q_load):
         atom, src, dst = q_load
+        cpasync.prefetch_descriptor(atom)
         handle = q_producer.acquire()
         cute.copy(atom, src, dst[None, handle.index], tma_bar_ptr=handle.barrier)
 
@@ -276,20 +291,36 @@ class BlockSparseFwdSm90:
         cute.copy(atom, src[None, tile], dst[None, handle.index], tma_bar_ptr=handle.barrier, **self.kv_multicast())
 
     @cute.jit
-    def consume(
-        self, qk_mma, pv_mma, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-        q_producer, q_consumer, kv_producer, kv_consumer,
-        mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2, tidx, warp,
+    def produce(
+        self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
+        q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
     ):
-        """The warpgroup runs this CTA's units one after another; warp 0 also issues the
-        loads, each as soon as its stage is free.
+        """The producer warp's loop (Sage FP8 kernel): Q, then K and V of every listed tile."""
+        q_load, k_load, v_load = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
+        cpasync.prefetch_descriptor(tma_k)
+        cpasync.prefetch_descriptor(tma_v)
+        self.load_q(q_producer, q_load)
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = mTileIdx[kv_head, chunk, j]
+            self.load_tile(kv_producer, k_load, tile)
+            kv_producer.advance()
+            self.load_tile(kv_producer, v_load, tile)
+            kv_producer.advance()
 
-        Per unit, load n of the ring is K of tile n // 2 (n even) or its V (n odd), into
-        stage n % 3 (counted on across units). S of tile j+1 is issued right behind P V of
-        tile j: one wait covers both MMAs. The next unit's work entry, tile count and first
-        tile id are read while this unit runs.
+    @cute.jit
+    def consume(
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
+    ):
+        """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
+
+        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage n % 3.
+        S of tile j+1 is issued right behind P V of tile j: one wait covers both MMAs.
         """
         d = self.head_dim
+        q_load, k_load, v_load = loads
         loader = warp == 0
         # Both MMAs always accumulate (S is zeroed before each tile). Set once, here: a field set
         # inside a loop or branch would not dominate its uses in later regions.
@@ -301,113 +332,114 @@ class BlockSparseFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O.fill(0.0)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+
         if loader:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            self.load_q(q_producer, q_load)
+            if num_tiles > 0:  # loads 0, 1: K and V of tile 0
+                tile = mTileIdx[kv_head, chunk, 0]
+                self.load_tile(kv_producer, k_load, tile)
+                kv_producer.advance()
+                self.load_tile(kv_producer, v_load, tile)
+                kv_producer.advance()
+            if num_tiles > 1:  # load 2: K of tile 1
+                self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
+                kv_producer.advance()
 
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        num_units = mWork.shape[0]
-        num_kv_heads = mK_tma.shape[2]
-        head, chunk, kv_head, num_tiles = unit_at(mWork, bidx, mO.shape[0], mO.shape[1], num_kv_heads, mTileCnt, TILE_M)
-        first_tile = mTileIdx[kv_head, chunk, 0]
-        for u in cutlass.range(bidx, num_units, grid, unroll=1):
-            later = cutlass.min(u + grid, num_units - 1)
-            next_head, next_chunk, next_kv_head, next_num_tiles = unit_at(
-                mWork, later, mO.shape[0], mO.shape[1], num_kv_heads, mTileCnt, TILE_M
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        if num_tiles > 0:
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
+        if loader:
+            if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
+                self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
+                kv_producer.advance()
+        for j in cutlass.range(num_tiles - 1, unroll=1):
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
             )
-            next_first_tile = mTileIdx[next_kv_head, next_chunk, 0]
-            q_load, k_load, v_load = self.load_partitions(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            k_handle.release()
+            if loader:
+                if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    tile = mTileIdx[kv_head, chunk, j + 2]
+                    self.load_tile(kv_producer, k_load, tile)
+                    kv_producer.advance()
+                    self.load_tile(kv_producer, v_load, tile)
+                    kv_producer.advance()
+        if num_tiles > 0:
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
             )
-            acc_O.fill(0.0)
-            row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
-            if loader:
-                self.load_q(q_producer, q_load)
-                q_producer.advance()
-                if num_tiles > 0:  # loads 0, 1: K and V of tile 0
-                    self.load_tile(kv_producer, k_load, first_tile)
-                    kv_producer.advance()
-                    self.load_tile(kv_producer, v_load, first_tile)
-                    kv_producer.advance()
-                if num_tiles > 1:  # load 2: K of tile 1
-                    self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
-                    kv_producer.advance()
+            warpgroup.wait_group(0)
+            v_handle.release()
 
-            q_handle = q_consumer.wait_and_advance()
-            sQ_stage = tSrQ[None, None, None, q_handle.index]
-            if num_tiles > 0:
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-                warpgroup.wait_group(0)
-                k_handle.release()
-            if loader:
-                if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
-                    self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
-                    kv_producer.advance()
-            for j in cutlass.range(num_tiles - 1, unroll=1):
-                tile_len = mTileLen[mTileIdx[kv_head, chunk, j]]
-                tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
-                v_handle = kv_consumer.wait_and_advance()
-                self.pv_tile(pv_mma, acc_O, tOrP, tOrV, sV, v_handle.index, tile_len, tidx)
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-                warpgroup.wait_group(0)
-                v_handle.release()
-                k_handle.release()
-                if loader:
-                    if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                        tile = mTileIdx[kv_head, chunk, j + 2]
-                        self.load_tile(kv_producer, k_load, tile)
-                        kv_producer.advance()
-                        self.load_tile(kv_producer, v_load, tile)
-                        kv_producer.advance()
-            q_handle.release()  # every S of this unit is done: warp 0 may load the next Q
-            if num_tiles > 0:
-                tile_len = mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]]
-                tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
-                v_handle = kv_consumer.wait_and_advance()
-                self.pv_tile(pv_mma, acc_O, tOrP, tOrV, sV, v_handle.index, tile_len, tidx)
-                warpgroup.wait_group(0)
-                v_handle.release()
-
-            self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, mO, mLSE, head, chunk, tidx)
-            head, chunk, kv_head, num_tiles = next_head, next_chunk, next_kv_head, next_num_tiles
-            first_tile = next_first_tile
+        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
 
     @cute.jit
-    def pv_tile(self, pv_mma, acc_O, tOrP, tOrV, sV, v_stage, tile_len, tidx):
-        """Issue O += P V for a tile whose V is in stage v_stage (keys past tile_len zeroed)."""
+    def softmax_then_pv(
+        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len, tidx,
+    ):
+        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
+        tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+        v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
-            self.zero_keys_from(sV[None, None, v_stage], tile_len, tidx)
-        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_stage])
+            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        return v_handle
 
     @cute.jit
-    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, mO, mLSE, head, chunk, tidx):
-        """Epilogue: normalise, LSE, O from registers straight to global memory, two columns
-        (4 bytes) per store. No shared memory: a persistent CTA's Q tile and K/V ring
-        already hold the next unit's loads."""
+    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
+        """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
         d = self.head_dim
         out_dtype = mO.element_type
         tOcO_mn = acc_mn_view(pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d))))
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
         softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
         rows_left = mO.shape[0] - chunk * TILE_M
-        rO = cute.make_fragment_like(acc_O, out_dtype)
-        rO.store(acc_O.load().to(out_dtype))
-        # Column pairs (2i, 2i + 1) of a row are neighbouring registers: one 32-bit word.
-        pairs_mn = acc_mn_view(cute.recast_tensor(rO, cutlass.Int32))
-        mO_pairs = cute.recast_tensor(mO, cutlass.Int32)
         for r in cutlass.range_constexpr(cute.size(row_lse)):
             row = tOcO_mn[r, 0][0]
-            if row < rows_left:
-                if tidx % 4 == 0:
-                    mLSE[chunk * TILE_M + row, head] = row_lse[r]
-                for c in cutlass.range_constexpr(cute.size(pairs_mn, mode=[1])):
-                    mO_pairs[chunk * TILE_M + row, head, tOcO_mn[r, 2 * c][1] // 2] = pairs_mn[r, c]
+            if tidx % 4 == 0 and row < rows_left:
+                mLSE[chunk * TILE_M + row, head] = row_lse[r]
+
+        rO = cute.make_fragment_like(acc_O, out_dtype)
+        rO.store(acc_O.load().to(out_dtype))
+        self.consumer_barrier.arrive_and_wait()
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma)
+        thr_r2s = r2s.get_slice(tidx)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        self.consumer_barrier.arrive_and_wait()
+
+        elems = 128 // out_dtype.width
+        per_row = d // elems if d < 64 else 64 // elems
+        store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128),
+            cute.make_layout((CONSUMER_THREADS // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, elems)),
+        )
+        thr_store = store.get_slice(tidx)
+        gO = cute.local_tile(mO[None, head, None], (TILE_M, d), (chunk, 0))
+        tOsO = thr_store.partition_S(sO)
+        tOgO = thr_store.partition_D(gO)
+        tOcO = thr_store.partition_D(cute.make_identity_tensor((TILE_M, d)))
+        tOrO = cute.make_fragment_like(tOgO, out_dtype)
+        cute.copy(store, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(store, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
     def qk(self, qk_mma, acc_S, tSrQ, tSrK):

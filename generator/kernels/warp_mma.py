@@ -4,8 +4,7 @@ Runs on every arch we build (sm_90a, sm_100a, sm_120a): cp.async loads, ldmatrix
 It is the SM100/SM120 path until their native kernels land, and it is built for sm_90a
 too so that the code we ship for Blackwell is run and checked on the H200.
 
-One CTA (4 warps, 16 query rows each) owns one unit: 64 query rows of one query head
-(one CTA per unit: the ABI's num_sms, for persistent templates, is not read here).
+One CTA (4 warps, 16 query rows each) owns one unit: 64 query rows of one query head.
 It walks the unit's list of 64-key tiles (the family ABI in generator/catalog.py):
     load Q, K[t0]
     for each listed tile t_j:
@@ -61,7 +60,6 @@ class BlockSparseFwdWarpMma:
         mTileCnt: cute.Tensor,
         mTileLen: cute.Tensor,
         scale_log2: cutlass.Float32,
-        num_sms: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         # 8 x 64 swizzled atoms: conflict-free ldmatrix and 16-byte cp.async.

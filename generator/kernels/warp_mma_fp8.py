@@ -12,7 +12,7 @@ Same units, tiles and math as sm90_sage_fp8 (generator/kernels/sage_common.py):
     out     = bf16(O / l * v_scale[channel])
 
 CTA = 4 warps (128 threads), 16 query rows per warp; one CTA owns one unit (64 query rows
-of one head; num_sms is not read) and walks its list of 64-key tiles exactly as warp_mma does:
+of one head) and walks its list of 64-key tiles exactly as warp_mma does:
     cp.async Q, K[t0]
     for each listed tile t_j:
         wait K[t_j]; barrier; cp.async V^T[t_j]     S = Q K^T (ldmatrix, one k-block ahead)
@@ -73,7 +73,6 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         mTileCnt: cute.Tensor,
         mTileLen: cute.Tensor,
         scale_log2: cutlass.Float32,
-        num_sms: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         d = self.head_dim

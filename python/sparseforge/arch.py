@@ -80,16 +80,6 @@ def device_capability(device_index: int) -> tuple[int, int]:
 
 
 @functools.cache
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device, from the driver (persistent grids)."""
-    device_capability(device_index)  # the same checks and errors
-    driver = _driver()
-    dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    return int(_check(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
-
-
-@functools.cache
 def arch_for_device(device_index: int) -> str:
     """The build's arch for this device, or NoGPUError / UnsupportedArchError."""
     from sparseforge._library import build_archs

@@ -50,7 +50,6 @@ from typing import NamedTuple
 
 import torch
 
-from sparseforge.arch import sm_count
 from sparseforge.reference import KEYS_PER_SCALE
 
 FP8 = torch.float8_e4m3fn
@@ -84,7 +83,7 @@ def sage_fp8_quantize(q, k, v, *, smooth_k: bool = True) -> SageFP8Tensors:
     hkv, sk, _ = k.shape
     device = q.device
     groups = -(-sk // KEYS_PER_SCALE)
-    chunk = chunk_tokens(sk, hkv, sm_count(device.index))
+    chunk = chunk_tokens(sk, hkv, _sm_count(device.index))
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
@@ -121,7 +120,7 @@ def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
     groups = -(-sk // KEYS_PER_SCALE)
-    chunks = -(-sk // chunk_tokens(sk, hkv, sm_count(q.device.index)))
+    chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
     reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
     codes = q.numel() + k.numel() + hkv * d * groups * KEYS_PER_SCALE
     scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
@@ -186,6 +185,11 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(
             f"q, k and v must be on one CUDA device, got {q.device}, {k.device}, {v.device}"
         )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,7 +31,7 @@ import torch
 
 from sparseforge import ops, planner, reference, validation
 from sparseforge._library import find_kernel, find_kernel_by_name
-from sparseforge.arch import arch_for_device, sm_count
+from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
 from sparseforge.sage import KEYS_PER_SCALE
 
@@ -231,7 +231,7 @@ class _BlockSparseBase:
             return "torch", None
         if self._device.type != "cuda":
             raise ValueError(f"the workspace buffer is on {self._device}; sparseforge kernels need a CUDA device")
-        arch = arch_for_device(self._device_index())
+        arch = arch_for_device(self._device.index if self._device.index is not None else torch.cuda.current_device())
         params = dict(dtype=_DTYPE_NAMES[dtype], head_dim=head_dim)
         family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
         native, portable = _TEMPLATES[family]
@@ -258,16 +258,13 @@ class _BlockSparseBase:
         kernel.prepare()
         return kernel.template, kernel
 
-    def _device_index(self) -> int:
-        return self._device.index if self._device.index is not None else torch.cuda.current_device()
-
     def _bind(self, plan, kernel, tiles, lse_shape) -> None:
         """Pack the plan's arguments once; a scratch LSE lets run() without lse allocate nothing."""
         scales = ()
         if plan["sage"] is not None:  # the Sage ABI's (tokens or channels, heads) views
             q_scale, k_scale, v_scale = plan["sage"]
             scales = (q_scale[0].t(), planner.tile_key_scales(k_scale[0], KEYS_PER_SCALE).t(), v_scale.t())
-        plan["launch"] = kernel.bind(*scales, *tiles.tensors(), plan["scale_log2"], sm_count(self._device_index()))
+        plan["launch"] = kernel.bind(*scales, *tiles.tensors(), plan["scale_log2"])
         plan["launch_id"] = ops.register(plan["launch"])
         plan["lse_scratch"] = torch.empty(lse_shape, dtype=torch.float32, device=self._device)
 
