@@ -386,7 +386,7 @@ class BlockSparseFwdSm90:
                 row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
                 mTileIdx, mTileLen, qk_mma, pv_mma, kv_head, chunk, num_tiles, loader, tidx,
             )
-        if num_tiles > 0 and num_tiles % 2 == 0:  # an odd number of steps: one more, then
+        if num_tiles % 2 == 0 and num_tiles > 0:  # an odd number of steps: one more, then
             kv_consumer, kv_producer, tile_len = self.tile_step(  # the last P is in rP_next
                 num_tiles - 2, tOrP, rP_next, tile_len, acc_S, acc_O, sQ_stage, tSrK, tOrV, sV, tScS_mn,
                 row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
@@ -414,9 +414,9 @@ class BlockSparseFwdSm90:
         while that P V runs. Returns the pipelines (their state moved on: the caller rebinds
         them, so the loop carries it) and tile j+1's length."""
         next_len = mTileLen[mTileIdx[kv_head, chunk, j + 1]]
-        v_handle = kv_consumer.wait_and_advance()  # the ring's order: V(j), then K(j+1)
         k_handle = kv_consumer.wait_and_advance()
         self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+        v_handle = kv_consumer.wait_and_advance()
         self.pv_tile(pv_mma, acc_O, tOrP, tOrV, sV, v_handle.index, tile_len, tidx)
         warpgroup.wait_group(1)  # S(j+1); P V(j) may still run
         k_handle.release()
