@@ -89,17 +89,7 @@ def rescale_rows(acc_o_mn: cute.Tensor, r, correction):
 @cute.jit
 def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor):
     """Online softmax step, in the log2 domain: scores become probabilities (in place) and
-    the output rows are rescaled when the running max moves (RESCALE_THRESHOLD)."""
-    correction = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
-    softmax_step(row_max, row_sum, scale_log2, acc_s_mn, correction)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        rescale_rows(acc_o_mn, r, correction[r])
-
-
-@cute.jit
-def softmax_step(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, correction: cute.Tensor):
-    """softmax_update without touching the output: each row's factor for it goes to
-    `correction` (exactly 1 while the max holds), for a caller whose P V is in flight.
+    the output rows are rescaled when the running max moves (RESCALE_THRESHOLD).
 
     Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
     that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf.
@@ -117,14 +107,15 @@ def softmax_step(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, correction
         probs = cute.math.exp2(row * scale_log2 - base, fastmath=True)
         # Exactly 1 while the max holds: exp2(prev * s - base) would be fused into an FMA
         # whose result is fl(prev * s)'s rounding error, not 0, and rescale half the tiles.
-        correction[r] = cutlass.Float32(1.0)
+        correction = cutlass.Float32(1.0)
         if new_max != prev_max:
-            correction[r] = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
-        row_sum[r] = row_sum[r] * correction[r] + probs.reduce(
+            correction = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + probs.reduce(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         )
         row_max[r] = new_max
         acc_s_mn[r, None] = probs
+        rescale_rows(acc_o_mn, r, correction)
 
 
 @cute.jit

@@ -35,9 +35,8 @@ from generator.kernels.attention_common import (
     acc_mn_view,
     mask_columns,
     new_softmax_state,
-    rescale_rows,
     softmax_finalize,
-    softmax_step,
+    softmax_update,
     unit_of_cta,
 )
 
@@ -354,93 +353,53 @@ class BlockSparseFwdSm90:
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        # P of the tile whose P V is issued next, and of the tile after it (its softmax runs
-        # while that P V is in flight): P V(j) reads rP until its wait.
-        rP = cute.make_fragment_like(acc_S, self.dtype)
-        rP_next = cute.make_fragment_like(acc_S, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
-        correction = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
-        tile_len = cutlass.Int32(0)
         if num_tiles > 0:
-            tile_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
-            self.probabilities(acc_S, tScS_mn, tile_len, row_max, row_sum, scale_log2, correction, rP)
         if loader:
             if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
                 self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
                 kv_producer.advance()
-        # Two tiles per iteration, so that the two P buffers swap roles without a copy (a
-        # copy makes ptxas give both the same registers and serialize every wgmma).
-        tOrP_next = cute.make_tensor(rP_next.iterator, self.c_layout_as_a_layout(rP_next.layout))
-        for jj in cutlass.range((num_tiles - 1) // 2, unroll=1):
-            kv_consumer, kv_producer, tile_len = self.tile_step(
-                2 * jj, tOrP, rP_next, tile_len, acc_S, acc_O, sQ_stage, tSrK, tOrV, sV, tScS_mn,
-                row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
-                mTileIdx, mTileLen, qk_mma, pv_mma, kv_head, chunk, num_tiles, loader, tidx,
+        for j in cutlass.range(num_tiles - 1, unroll=1):
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
             )
-            kv_consumer, kv_producer, tile_len = self.tile_step(
-                2 * jj + 1, tOrP_next, rP, tile_len, acc_S, acc_O, sQ_stage, tSrK, tOrV, sV, tScS_mn,
-                row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
-                mTileIdx, mTileLen, qk_mma, pv_mma, kv_head, chunk, num_tiles, loader, tidx,
-            )
-        if num_tiles % 2 == 0 and num_tiles > 0:  # an odd number of steps: one more, then
-            kv_consumer, kv_producer, tile_len = self.tile_step(  # the last P is in rP_next
-                num_tiles - 2, tOrP, rP_next, tile_len, acc_S, acc_O, sQ_stage, tSrK, tOrV, sV, tScS_mn,
-                row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
-                mTileIdx, mTileLen, qk_mma, pv_mma, kv_head, chunk, num_tiles, loader, tidx,
-            )
-            v_handle = kv_consumer.wait_and_advance()
-            self.pv_tile(pv_mma, acc_O, tOrP_next, tOrV, sV, v_handle.index, tile_len, tidx)
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             v_handle.release()
-        if num_tiles % 2 == 1:
-            v_handle = kv_consumer.wait_and_advance()
-            self.pv_tile(pv_mma, acc_O, tOrP, tOrV, sV, v_handle.index, tile_len, tidx)
+            k_handle.release()
+            if loader:
+                if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    tile = mTileIdx[kv_head, chunk, j + 2]
+                    self.load_tile(kv_producer, k_load, tile)
+                    kv_producer.advance()
+                    self.load_tile(kv_producer, v_load, tile)
+                    kv_producer.advance()
+        if num_tiles > 0:
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
+            )
             warpgroup.wait_group(0)
             v_handle.release()
 
         self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
 
     @cute.jit
-    def tile_step(
-        self, j, tOrP, rP_next, tile_len, acc_S, acc_O, sQ_stage, tSrK, tOrV, sV, tScS_mn,
-        row_max, row_sum, scale_log2, correction, kv_consumer, kv_producer, k_load, v_load,
-        mTileIdx, mTileLen, qk_mma, pv_mma, kv_head, chunk, num_tiles, loader, tidx,
+    def softmax_then_pv(
+        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len, tidx,
     ):
-        """Tile j's P V (P in tOrP) and tile j+1's S, then tile j+1's softmax into rP_next
-        while that P V runs. Returns the pipelines (their state moved on: the caller rebinds
-        them, so the loop carries it) and tile j+1's length."""
-        next_len = mTileLen[mTileIdx[kv_head, chunk, j + 1]]
-        k_handle = kv_consumer.wait_and_advance()
-        self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
+        tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
         v_handle = kv_consumer.wait_and_advance()
-        self.pv_tile(pv_mma, acc_O, tOrP, tOrV, sV, v_handle.index, tile_len, tidx)
-        warpgroup.wait_group(1)  # S(j+1); P V(j) may still run
-        k_handle.release()
-        self.probabilities(acc_S, tScS_mn, next_len, row_max, row_sum, scale_log2, correction, rP_next)
-        warpgroup.wait_group(0)
-        v_handle.release()
-        acc_O_mn = acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(correction)):
-            rescale_rows(acc_O_mn, r, correction[r])
-        if loader:
-            if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                tile = mTileIdx[kv_head, chunk, j + 2]
-                self.load_tile(kv_producer, k_load, tile)
-                kv_producer.advance()
-                self.load_tile(kv_producer, v_load, tile)
-                kv_producer.advance()
-        return kv_consumer, kv_producer, next_len
-
-    @cute.jit
-    def pv_tile(self, pv_mma, acc_O, tOrP, tOrV, sV, v_stage, tile_len, tidx):
-        """Issue O += P V for a tile whose V is in stage v_stage (keys past tile_len zeroed)."""
         if tile_len < TILE_N:
-            self.zero_keys_from(sV[None, None, v_stage], tile_len, tidx)
-        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_stage])
+            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        return v_handle
 
     @cute.jit
     def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
@@ -518,14 +477,15 @@ class BlockSparseFwdSm90:
         self.consumer_barrier.arrive_and_wait()
 
     @cute.jit
-    def probabilities(self, acc_S, tScS_mn, tile_len, row_max, row_sum, scale_log2, correction, rP):
-        """Mask, online softmax (each row's output factor into `correction`), and P into rP
-        (read through the A-operand view made by c_layout_as_a_layout)."""
+    def probabilities(self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2):
+        """Mask, online softmax (rescaling acc_O), and P in the A-operand register layout."""
         acc_S_mn = acc_mn_view(acc_S)
         if tile_len < TILE_N:
             mask_columns(acc_S_mn, tScS_mn, tile_len)
-        softmax_step(row_max, row_sum, scale_log2, acc_S_mn, correction)
+        softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
+        rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
+        return cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
 
     def c_layout_as_a_layout(self, layout):
         """wgmma accumulator ((2, 2, N/8), M, 1) as the A operand ((2, 2, 2), M, N/16).
