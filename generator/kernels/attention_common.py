@@ -20,16 +20,11 @@ def element_type(name: str):
 
 
 def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m: int):
-    """unit_at for one unit per CTA: CTA b runs work entry b."""
+    """(head, tile_m-row chunk, kv head, listed tiles) of this CTA's unit: CTA b runs the
+    unit mWork[b] = head * chunks + chunk (the block-sparse family ABI)."""
     bidx, _, _ = cute.arch.block_idx()
-    return unit_at(mWork, bidx, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m)
-
-
-def unit_at(mWork, u, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m: int):
-    """(head, tile_m-row chunk, kv head, listed tiles) of work entry u: the unit
-    mWork[u] = head * chunks + chunk (the block-sparse family ABI)."""
     num_chunks = cute.ceil_div(num_rows, tile_m)
-    unit = mWork[u]
+    unit = mWork[bidx]
     head = unit // num_chunks
     chunk = unit - head * num_chunks
     kv_head = head // (num_qo_heads // num_kv_heads)

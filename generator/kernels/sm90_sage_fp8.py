@@ -49,7 +49,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.v_major = OperandMajorMode.K
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
-        self.units_per_cta = 1
         self.num_threads = NUM_THREADS  # the warpgroup and a producer warp
         self.pv_slice = min(head_dim, PV_SLICE)
 

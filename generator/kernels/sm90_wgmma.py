@@ -37,7 +37,7 @@ from generator.kernels.attention_common import (
     new_softmax_state,
     softmax_finalize,
     softmax_update,
-    unit_at,
+    unit_of_cta,
 )
 
 TILE_M = 64
@@ -45,7 +45,6 @@ TILE_N = 64
 KV_STAGES = 3  # K, V, K in flight per CTA; 3 CTAs per SM (see the module docstring)
 CTAS_PER_SM = 3
 CONSUMER_THREADS = 128
-UNITS_PER_CTA = 2  # the second unit's first loads hide under the first's last tile
 
 
 class BlockSparseFwdSm90:
@@ -57,7 +56,6 @@ class BlockSparseFwdSm90:
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
-        self.units_per_cta = UNITS_PER_CTA
         self.consumer_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
 
     @staticmethod
@@ -100,10 +98,9 @@ class BlockSparseFwdSm90:
         ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
-        """One CTA per units_per_cta entries of mWork (see unit_entry); with cluster > 1, in
-        clusters of that many partners."""
+        """One CTA per entry of mWork; with cluster > 1, in clusters of that many partners."""
         config = dict(
-            grid=[cute.ceil_div(mWork.shape[0], self.cluster * self.units_per_cta) * self.cluster, 1, 1],
+            grid=[mWork.shape[0], 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -242,12 +239,20 @@ class BlockSparseFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
+
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
+        # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
+        # layout (element units), not of the pointer (byte units, as for the wgmma operands).
+        sO = storage.sQ.get_tensor(sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
+
+        loads = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
         self.consume(
-            qk_mma, pv_mma, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, storage, sQ, sK, sV, sO_layout,
-            q_producer, q_consumer, kv_producer, kv_consumer,
-            mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2, tidx, warp,
+            qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
         )
         self.leave_cluster()
 
@@ -274,6 +279,7 @@ class BlockSparseFwdSm90:
     @cute.jit
     def load_q(self, q_producer, q_load):
         atom, src, dst = q_load
+        cpasync.prefetch_descriptor(atom)
         handle = q_producer.acquire()
         cute.copy(atom, src, dst[None, handle.index], tma_bar_ptr=handle.barrier)
 
@@ -293,7 +299,6 @@ class BlockSparseFwdSm90:
         q_load, k_load, v_load = self.load_partitions(
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
-        cpasync.prefetch_descriptor(tma_q)
         cpasync.prefetch_descriptor(tma_k)
         cpasync.prefetch_descriptor(tma_v)
         self.load_q(q_producer, q_load)
@@ -305,29 +310,17 @@ class BlockSparseFwdSm90:
             kv_producer.advance()
 
     @cute.jit
-    def unit_entry(self, i):
-        """Work entry of this CTA's i-th unit: units_per_cta consecutive entries (cluster
-        partners interleaved, so that partners run the same units)."""
-        bidx, _, _ = cute.arch.block_idx()
-        c = self.cluster
-        return (bidx // c) * (c * self.units_per_cta) + i * c + bidx % c
-
-    @cute.jit
     def consume(
-        self, qk_mma, pv_mma, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, storage, sQ, sK, sV, sO_layout,
-        q_producer, q_consumer, kv_producer, kv_consumer,
-        mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2, tidx, warp,
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
     ):
-        """The warpgroup runs this CTA's units; warp 0 also issues the loads, each as soon as
-        its stage is free.
+        """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
 
-        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage n % 3,
-        counted on from unit to unit. S of tile j+1 is issued right behind P V of tile j: one
-        wait covers both MMAs. The next unit's Q, K and V of its first tile are loaded while
-        this unit's last P V runs; its O goes out through V's stage of that last tile, which
-        is released (and so refilled with the next unit's second K) only after the epilogue.
+        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage n % 3.
+        S of tile j+1 is issued right behind P V of tile j: one wait covers both MMAs.
         """
         d = self.head_dim
+        q_load, k_load, v_load = loads
         loader = warp == 0
         # Both MMAs always accumulate (S is zeroed before each tile). Set once, here: a field set
         # inside a loop or branch would not dominate its uses in later regions.
@@ -339,143 +332,78 @@ class BlockSparseFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O.fill(0.0)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
-        # The output tile: Q's bytes for a unit with no tiles (the next Q is loaded after
-        # it), else the last V's stage. Its swizzle is part of the layout (element units),
-        # not of the pointer (byte units, as for the wgmma operands).
-        sO_in_q = storage.sQ.get_tensor(sO_layout)
-        ring = storage.sKV.data_ptr()
-        stage_elems = cute.cosize(sO_layout)
-        num_units = mWork.shape[0]
-        meta = (mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
-        units_here = cutlass.Int32(0)
-        for i in cutlass.range_constexpr(self.units_per_cta):
-            if self.unit_entry(i) < num_units:
-                units_here += 1
 
-        head, chunk, kv_head, num_tiles = unit_at(mWork, self.unit_entry(0), *meta)
-        q_load, k_load, v_load = self.load_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-        )
         if loader:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-        q_producer, kv_producer = self.start_unit(
-            loader, True, q_producer, kv_producer, (q_load, k_load, v_load), kv_head, chunk, num_tiles, mTileIdx
-        )
-        if loader:
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            self.load_q(q_producer, q_load)
+            if num_tiles > 0:  # loads 0, 1: K and V of tile 0
+                tile = mTileIdx[kv_head, chunk, 0]
+                self.load_tile(kv_producer, k_load, tile)
+                kv_producer.advance()
+                self.load_tile(kv_producer, v_load, tile)
+                kv_producer.advance()
             if num_tiles > 1:  # load 2: K of tile 1
                 self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
                 kv_producer.advance()
 
-        for i in cutlass.range(units_here, unroll=1):
-            has_next = i + 1 < units_here
-            next_head, next_chunk, next_kv_head, next_num_tiles = unit_at(
-                mWork, self.unit_entry(cutlass.min(i + 1, units_here - 1)), *meta
-            )
-            q_load, k_load, v_load = self.load_partitions(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-            )
-            acc_O.fill(0.0)
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            q_handle = q_consumer.wait_and_advance()
-            sQ_stage = tSrQ[None, None, None, q_handle.index]
-            if num_tiles > 0:
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-                warpgroup.wait_group(0)
-                k_handle.release()
-            if loader:
-                if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
-                    self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
-                    kv_producer.advance()
-            for j in cutlass.range(num_tiles - 1, unroll=1):
-                v_handle, kv_consumer = self.softmax_then_pv(
-                    pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                    mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
-                )
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-                warpgroup.wait_group(0)
-                v_handle.release()
-                k_handle.release()
-                if loader:
-                    if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                        tile = mTileIdx[kv_head, chunk, j + 2]
-                        self.load_tile(kv_producer, k_load, tile)
-                        kv_producer.advance()
-                        self.load_tile(kv_producer, v_load, tile)
-                        kv_producer.advance()
-
-            next_loads = self.load_partitions(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, next_head, next_kv_head, next_chunk
-            )
-            if num_tiles > 0:
-                v_handle, kv_consumer = self.softmax_then_pv(
-                    pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                    mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
-                )
-                q_handle.release()  # every S of this unit is done
-                q_producer, kv_producer = self.start_unit(
-                    loader, has_next, q_producer, kv_producer, next_loads, next_kv_head, next_chunk,
-                    next_num_tiles, mTileIdx,
-                )
-                warpgroup.wait_group(0)
-                sO = cute.make_tensor(ring + cute.assume(v_handle.index * stage_elems, divby=stage_elems), sO_layout)
-                self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
-                v_handle.release()
-            else:
-                self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO_in_q, mO, mLSE, head, chunk, tidx)
-                q_handle.release()
-                q_producer, kv_producer = self.start_unit(
-                    loader, has_next, q_producer, kv_producer, next_loads, next_kv_head, next_chunk,
-                    next_num_tiles, mTileIdx,
-                )
-            if loader:
-                if has_next:
-                    if next_num_tiles > 1:  # the next unit's load 2: K of its tile 1
-                        self.load_tile(kv_producer, next_loads[1], mTileIdx[next_kv_head, next_chunk, 1])
-                        kv_producer.advance()
-            head, chunk, kv_head, num_tiles = next_head, next_chunk, next_kv_head, next_num_tiles
-
-    @cute.jit
-    def start_unit(self, loader, wanted, q_producer, kv_producer, loads, kv_head, chunk, num_tiles, mTileIdx):
-        """Warp 0, when `wanted`: a unit's Q and K and V of its first tile (loads 0 and 1;
-        load 2 follows once the stage it takes is free). Returns the pipelines, whose state
-        moved on: the caller rebinds them, so that its loop carries the state."""
-        q_load, k_load, v_load = loads
+        q_handle = q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        if num_tiles > 0:
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
         if loader:
-            if wanted:
-                self.load_q(q_producer, q_load)
-                q_producer.advance()
-                if num_tiles > 0:
-                    tile = mTileIdx[kv_head, chunk, 0]
+            if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
+                self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
+                kv_producer.advance()
+        for j in cutlass.range(num_tiles - 1, unroll=1):
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
+            )
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            k_handle.release()
+            if loader:
+                if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    tile = mTileIdx[kv_head, chunk, j + 2]
                     self.load_tile(kv_producer, k_load, tile)
                     kv_producer.advance()
                     self.load_tile(kv_producer, v_load, tile)
                     kv_producer.advance()
-        return q_producer, kv_producer
+        if num_tiles > 0:
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
+            )
+            warpgroup.wait_group(0)
+            v_handle.release()
+
+        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
 
     @cute.jit
     def softmax_then_pv(
         self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len, tidx,
     ):
-        """Softmax of the tile in acc_S, then issue its O += P V. Returns V's stage handle
-        and the consumer (its state moved on: the caller rebinds it, see start_unit)."""
+        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
         tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
         v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
             self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
         self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
-        return v_handle, kv_consumer
+        return v_handle
 
     @cute.jit
     def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
-        """Epilogue: normalise, LSE, O through the shared tile sO to 16-byte stores."""
+        """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
         d = self.head_dim
         out_dtype = mO.element_type
         tOcO_mn = acc_mn_view(pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d))))
@@ -512,9 +440,6 @@ class BlockSparseFwdSm90:
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             if tOcO[0, m, 0][0] < rows_left:
                 cute.copy(store, tOrO[None, m, None], tOgO[None, m, None])
-        # sO's bytes are next written by TMA (the next unit's Q or a K tile): order these
-        # generic-proxy accesses before the async proxy's writes.
-        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def qk(self, qk_mma, acc_S, tSrQ, tSrK):
