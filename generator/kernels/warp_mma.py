@@ -184,8 +184,7 @@ class BlockSparseFwdWarpMma:
         q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(gmem_load, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
-            tile = mTileIdx[kv_head, chunk, 0]
-            self.load_rows(gmem_load, tKgK[None, None, None, tile], tKsK, tQcQ, mTileLen[tile])
+            self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, 0)
         cute.arch.cp_async_commit_group()
 
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
@@ -206,10 +205,7 @@ class BlockSparseFwdWarpMma:
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if j + 1 < num_tiles:
-                next_tile = mTileIdx[kv_head, chunk, j + 1]
-                self.load_rows(
-                    gmem_load, tKgK[None, None, None, next_tile], tKsK, tQcQ, mTileLen[next_tile]
-                )
+                self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, j + 1)
                 cute.arch.cp_async_commit_group()
 
             acc_S_mn = acc_mn_view(acc_S)
@@ -272,6 +268,12 @@ class BlockSparseFwdWarpMma:
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             if tOcO[0, m, 0][0] < rows_left:
                 cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def load_listed_k(self, gmem_load, tKgK, tKsK, coord, mTileIdx, mTileLen, kv_head, chunk, j):
+        """cp.async K of the unit's j-th listed tile (rows past its valid length zeroed)."""
+        tile = mTileIdx[kv_head, chunk, j]
+        self.load_rows(gmem_load, tKgK[None, None, None, tile], tKsK, coord, mTileLen[tile])
 
     @cute.jit
     def load_rows(self, gmem_load, src, dst, coord, num_rows):

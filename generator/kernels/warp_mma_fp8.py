@@ -232,8 +232,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(load_qk, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
-            tile = mTileIdx[kv_head, chunk, 0]
-            self.load_rows(load_qk, tKgK[None, None, None, tile], tKsK, tQcQ, mTileLen[tile])
+            self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, 0)
         cute.arch.cp_async_commit_group()
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
@@ -259,10 +258,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if j + 1 < num_tiles:
-                next_tile = mTileIdx[kv_head, chunk, j + 1]
-                self.load_rows(
-                    load_qk, tKgK[None, None, None, next_tile], tKsK, tQcQ, mTileLen[next_tile]
-                )
+                self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, j + 1)
                 cute.arch.cp_async_commit_group()
 
             sage_softmax_step(
