@@ -158,7 +158,8 @@ def _keys_contiguous(v):
     if v.stride(0) == 1 and v.stride(1) % 16 == 0 and v.stride(2) % 16 == 0:  # 16 bytes
         return v
     keys = -(-sk // KEYS_PER_SCALE) * KEYS_PER_SCALE
-    buf = torch.zeros((hkv, d, keys), dtype=v.dtype, device=v.device)
+    buf = torch.empty((hkv, d, keys), dtype=v.dtype, device=v.device)
+    buf[:, :, sk:].zero_()  # the row padding only: 16-byte reads past the last key see zeros
     buf[:, :, :sk].copy_(v.permute(1, 2, 0))
     return buf[:, :, :sk].permute(2, 0, 1)
 
