@@ -139,6 +139,7 @@ def _abi_sage_quantize_stats(head_dim: int):
       mPartial  (Hkv, P, 2, D)   fp32 out: per chunk, the sums of k (0) and max |v| (1)
       chunk_tokens   tokens per chunk, a multiple of 256
       smooth_k       0: k is not smoothed (its sums are skipped)
+      scale_steps    scale candidates searched per q row (1: the amax scale; at most 16)
     """
     io = dict(shape=(None, None, head_dim), stride=(None, None, 1))
     partial = dict(shape=(None, None, 2, head_dim), stride=(None, None, head_dim, 1))
@@ -151,6 +152,7 @@ def _abi_sage_quantize_stats(head_dim: int):
         TensorArg("mPartial", "f32", **partial),
         ScalarArg("chunk_tokens", "i32"),
         ScalarArg("smooth_k", "i32"),
+        ScalarArg("scale_steps", "i32"),
     )
 
 
@@ -164,6 +166,7 @@ def _abi_sage_quantize_kv(head_dim: int):
       mVScale   (Hkv, D)          fp32 out: per channel
       mKMean    (Hkv, D)          fp32 out: mean of k over the tokens (0 unless smooth_k)
       chunk_tokens, smooth_k      as in launch 1
+      scale_steps                 scale candidates searched per k group (as q's in launch 1)
     """
     io = dict(shape=(None, None, head_dim), stride=(None, None, 1))
     partial = dict(shape=(None, None, 2, head_dim), stride=(None, None, head_dim, 1))
@@ -180,6 +183,7 @@ def _abi_sage_quantize_kv(head_dim: int):
         TensorArg("mKMean", "f32", **per_channel),
         ScalarArg("chunk_tokens", "i32"),
         ScalarArg("smooth_k", "i32"),
+        ScalarArg("scale_steps", "i32"),
     )
 
 

@@ -45,6 +45,8 @@ H200, commit b3e2e17 (bench/results/2026-11-29_b3e2e17_h200_bench_sage.md, both 
 faster; that run was not kept.)
 """
 
+import struct
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -60,6 +62,14 @@ STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
 Q_ROWS_PER_THREAD = 8  # token rows per thread in a q CTA
 K_LOADS = 8  # k loads per thread in flight in a launch-2 k CTA
 STAT_K_SUM, STAT_V_MAX = 0, 1  # index of the statistic in mPartial[h, p, :, :]
+SCALE_STEPS = 16  # scale search candidates (searched_scales)
+
+
+def scale_step_factors(c: int) -> tuple[float, float]:
+    """(grow, shrink) of scale candidate c: (16 + c) / 16 (exact in fp32) and
+    fl32(16 / (16 + c)) (rounding the double quotient once more is exact for c < 16;
+    tests/test_sage_quantize.py checks these against reference.scale_step_factors)."""
+    return (16.0 + c) / 16.0, struct.unpack("f", struct.pack("f", 16.0 / (16.0 + c)))[0]
 
 
 @cute.jit
@@ -76,14 +86,46 @@ def abs_max(x: cute.Tensor):
 
 
 @cute.jit
-def lanes_max(val: cutlass.Float32, lanes: cutlass.Constexpr):
-    """Max over aligned groups of `lanes` consecutive lanes (butterfly: all of them get it)."""
+def lanes_reduce(val: cutlass.Float32, lanes: cutlass.Constexpr, op: cutlass.Constexpr):
+    """Max (op "max") or sum (op "sum") over aligned groups of `lanes` consecutive lanes
+    (butterfly: all of them get it, bit for bit: each step adds the same two values)."""
     offset = lanes // 2
     while cutlass.const_expr(offset >= 1):
         other = cute.arch.shuffle_sync_bfly(val, offset=offset, mask=-1, mask_and_clamp=31)
-        val = cute.arch.fmax(val, other)
+        if cutlass.const_expr(op == "max"):
+            val = cute.arch.fmax(val, other)
+        else:
+            val = val + other
         offset //= 2
     return val
+
+
+@cute.jit
+def searched_scales(x: cute.Tensor, amax: cutlass.Float32, lanes: cutlass.Constexpr, steps):
+    """(scale, inverse scale) of a set spread over `lanes` lanes (x: this lane's part, amax
+    the set's): of the first `steps` candidates (amax / 448) * (16 + c) / 16, the one whose
+    codes round x least, by sum (y - e4m3(y))^2 * ((16 + c) / 16)^2 with y = x * inverse
+    (the squared error in units of (amax / 448)^2); the first of equals. Why: e4m3 rounds
+    each element by up to 1/16 of it, and the positions of a set's values on the e4m3 grid
+    change with the scale; the best of 16 scales rounds a 128-element q row with ~20% less
+    squared error (CONTRIBUTING.md, Sage FP8)."""
+    scale0, inv0 = fp8_scales(amax)
+    y = cute.make_rmem_tensor(x.layout, cutlass.Float32)
+    best_scale, best_inv = scale0, inv0
+    best = cutlass.Float32(0.0)
+    for c in cutlass.range_constexpr(SCALE_STEPS):
+        if c < steps:
+            grow, shrink = scale_step_factors(c)
+            inv = inv0 * cutlass.Float32(shrink)
+            y.store(x.load() * inv)
+            miss = y.load() - y.load().to(cutlass.Float8E4M3FN).to(cutlass.Float32)
+            err = (miss * miss).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            err = lanes_reduce(err, lanes, "sum") * cutlass.Float32(grow * grow)
+            if cutlass.const_expr(c == 0):
+                best = err
+            elif err < best:
+                best, best_scale, best_inv = err, scale0 * cutlass.Float32(grow), inv
+    return best_scale, best_inv
 
 
 @cute.jit
@@ -129,12 +171,15 @@ class SageQuantizeStats(_Geometry):
         mPartial: cute.Tensor,
         chunk_tokens: cutlass.Int32,
         smooth_k: cutlass.Int32,
+        scale_steps: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         # Stats CTAs first: they are the long ones, so they start in the first wave.
         num_stats = 2 * mK.shape[0] * mPartial.shape[1]
         num_q = mQ.shape[0] * cute.ceil_div(mQ.shape[1], self.q_rows)
-        self.kernel(mQ, mK, mV, mQ8, mQScale, mPartial, chunk_tokens, smooth_k).launch(
+        self.kernel(
+            mQ, mK, mV, mQ8, mQScale, mPartial, chunk_tokens, smooth_k, scale_steps
+        ).launch(
             grid=[num_stats + num_q, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream
         )
 
@@ -149,6 +194,7 @@ class SageQuantizeStats(_Geometry):
         mPartial: cute.Tensor,
         chunk_tokens: cutlass.Int32,
         smooth_k: cutlass.Int32,
+        scale_steps: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -175,7 +221,8 @@ class SageQuantizeStats(_Geometry):
             q_tiles = cute.ceil_div(mQ.shape[1], self.q_rows)
             unit = bidx - num_stats
             head = unit // q_tiles
-            self.quantize_q(mQ, mQ8, mQScale, head, (unit - head * q_tiles) * self.q_rows, tidx)
+            first_row = (unit - head * q_tiles) * self.q_rows
+            self.quantize_q(mQ, mQ8, mQScale, head, first_row, tidx, scale_steps)
 
     @cute.jit
     def column_stats(
@@ -240,7 +287,7 @@ class SageQuantizeStats(_Geometry):
                 acc.store(acc.load() + x.load())
 
     @cute.jit
-    def quantize_q(self, mQ, mQ8, mQScale, head, first_row, tidx):
+    def quantize_q(self, mQ, mQ8, mQScale, head, first_row, tidx, scale_steps):
         """Rows first_row .. first_row + q_rows - 1 of q[head]: each row's amax over its
         threads_per_row lanes, then its codes and its scale."""
         cg = tidx % self.threads_per_row
@@ -257,7 +304,8 @@ class SageQuantizeStats(_Geometry):
         for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
             row = first_row + s * self.rows_per_step + slot
             x.store(rQ[s, None].load().to(cutlass.Float32))
-            scale, inv = fp8_scales(lanes_max(abs_max(x), self.threads_per_row))
+            amax = lanes_reduce(abs_max(x), self.threads_per_row, "max")
+            scale, inv = searched_scales(x, amax, self.threads_per_row, scale_steps)
             to_codes(x, inv, codes)
             if row < mQ.shape[1]:
                 cute.autovec_copy(codes, row_vector(mQ8, head, row, cg))
@@ -281,10 +329,12 @@ class SageQuantizeKV(_Geometry):
         mKMean: cute.Tensor,
         chunk_tokens: cutlass.Int32,
         smooth_k: cutlass.Int32,
+        scale_steps: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         self.kernel(
-            mK, mV, mPartial, mK8, mKScale, mVt, mVScale, mKMean, chunk_tokens, smooth_k
+            mK, mV, mPartial, mK8, mKScale, mVt, mVScale, mKMean, chunk_tokens, smooth_k,
+            scale_steps,
         ).launch(
             grid=[2 * mK.shape[0] * mPartial.shape[1], 1, 1],
             block=[NUM_THREADS, 1, 1],
@@ -304,6 +354,7 @@ class SageQuantizeKV(_Geometry):
         mKMean: cute.Tensor,
         chunk_tokens: cutlass.Int32,
         smooth_k: cutlass.Int32,
+        scale_steps: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -357,7 +408,9 @@ class SageQuantizeKV(_Geometry):
             warp_first = (tidx // 32) * self.groups_per_warp * GROUP
             for tile in cutlass.range(num_tiles, unroll=1):
                 t0 = first + tile * self.kv_tile
-                self.quantize_k(mK, mK8, mKScale, k_mean, head, t0 + warp_first, k_row, cg, lane)
+                self.quantize_k(
+                    mK, mK8, mKScale, k_mean, head, t0 + warp_first, k_row, cg, lane, scale_steps
+                )
 
     @cute.jit
     def quantize_v(self, mV, mVt, v_inv, head, first_token, cg):
@@ -391,7 +444,9 @@ class SageQuantizeKV(_Geometry):
                 cute.autovec_copy(codes, cute.local_tile(channel, (GROUP,), (block,)))
 
     @cute.jit
-    def quantize_k(self, mK, mK8, mKScale, k_mean, head, first_token, k_row, cg, lane):
+    def quantize_k(
+        self, mK, mK8, mKScale, k_mean, head, first_token, k_row, cg, lane, scale_steps
+    ):
         """The warp's groups_per_warp groups of 16 tokens from first_token on: codes of
         k - mean with one scale per group.
 
@@ -421,7 +476,10 @@ class SageQuantizeKV(_Geometry):
                 for i in cutlass.range_constexpr(steps):
                     d[i, None].store(rK[g, i, None].load().to(cutlass.Float32) - k_mean.load())
                     amax = cute.arch.fmax(amax, abs_max(d[i, None]))
-                scale, inv = fp8_scales(lanes_max(amax, 32))
+                    if group_first + i * self.rows_per_warp + k_row >= seq_k:
+                        d[i, None].fill(0.0)  # a repeated row: out of the scale search's sum
+                amax = lanes_reduce(amax, 32, "max")
+                scale, inv = searched_scales(d, amax, 32, scale_steps)
                 for i in cutlass.range_constexpr(steps):
                     token = group_first + i * self.rows_per_warp + k_row
                     to_codes(d[i, None], inv, codes)

@@ -7,7 +7,8 @@ q/k/v in HND, the variable wrapper; median of CUDA-event timings after warm-up; 
 SDPA (bf16) on the same shape in the same process; relative L2 error and cosine similarity
 against an fp32 reference on the unquantized inputs, on a slice of heads and rows.
 Sage FP8 workloads (F1, F3) quantize the bf16 inputs with sparseforge.sage_fp8_quantize
-(timed separately, not in the attention time) and run the e4m3 kernels.
+(timed separately, not in the attention time) and run the e4m3 kernels; a line per Sage
+workload gives the error and quantizer time without the scale search.
 """
 
 from __future__ import annotations
@@ -113,12 +114,12 @@ def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int =
     return math.sqrt(num / den), dot / math.sqrt(den * norm_out)
 
 
-def sage_inputs(q, k, v, smooth_k: bool = True):
+def sage_inputs(q, k, v, smooth_k: bool = True, scale_search: bool = True):
     """(quantized tensors, quantizer ms, quantizer GB/s) of bf16 HND q/k/v."""
     from sparseforge import quantize_bandwidth, sage_fp8_quantize
 
-    us, gbps = quantize_bandwidth(q, k, v, smooth_k=smooth_k)
-    return sage_fp8_quantize(q, k, v, smooth_k=smooth_k), us / 1e3, gbps
+    us, gbps = quantize_bandwidth(q, k, v, smooth_k=smooth_k, scale_search=scale_search)
+    return sage_fp8_quantize(q, k, v, smooth_k=smooth_k, scale_search=scale_search), us / 1e3, gbps
 
 
 def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
@@ -135,12 +136,22 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     workspace = torch.empty(1, dtype=torch.uint8, device=device)
     wrapper = VariableBlockSparseAttentionWrapper(workspace, backend=backend)
     quant_ms = quant_gbps = None
+    amax_scales = ""
     if w.sage:
+        def plan_sage(quantized):
+            wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim,
+                         q_data_type=torch.float8_e4m3fn, q_scale=quantized.q_scale,
+                         k_scale=quantized.k_scale, v_scale=quantized.v_scale)
+            return (quantized.q, quantized.k, quantized.v)
+
+        # The same inputs without the scale search (q and k at amax / 448): error and time.
+        quantized, amax_ms, amax_gbps = sage_inputs(q, k, v, scale_search=False)
+        err, cos = relative_error(wrapper_out(wrapper, plan_sage(quantized), q), q, k, v,
+                                  mask.cpu(), w.block, heads=(0, w.heads_q - 1))
+        amax_scales = (f"{w.name} without the scale search (scale_search=False): rel. L2 error "
+                       f"{err:.3e}, cosine {cos:.5f}, quantizer {amax_ms:.3f} ms ({amax_gbps:.0f} GB/s)")
         quantized, quant_ms, quant_gbps = sage_inputs(q, k, v)
-        wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim,
-                     q_data_type=torch.float8_e4m3fn, q_scale=quantized.q_scale,
-                     k_scale=quantized.k_scale, v_scale=quantized.v_scale)
-        operands = (quantized.q, quantized.k, quantized.v)
+        operands = plan_sage(quantized)
     else:
         wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
         operands = (q, k, v)
@@ -157,8 +168,15 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     return dict(
         workload=w.name, path=wrapper.backend_in_use, ms=ms, tflops=flops / (ms * 1e9),
         dense_tflops=dense_flops / (dense_ms * 1e9), err=err, cos=cos, floor_ms=floor_ms,
-        quant_ms=quant_ms, quant_gbps=quant_gbps,
+        quant_ms=quant_ms, quant_gbps=quant_gbps, amax_scales=amax_scales,
     )
+
+
+def wrapper_out(wrapper, operands, q):
+    """One run of a planned wrapper into a NaN-filled output."""
+    out = torch.full_like(q, float("nan"))
+    wrapper.run(*operands, out=out)
+    return out
 
 
 def sage_offset_accuracy(heads: int = 4, seq: int = 8192, offset: float = 8.0) -> list[str]:
@@ -315,7 +333,9 @@ def main(argv=None) -> int:
                 rows[-1]["path"] = variant.split("__")[2]
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     os.environ.pop("SPARSEFORGE_VARIANT", None)
-    sage_lines = sage_offset_accuracy() if any(WORKLOADS[n].sage for n in args.workloads.split(",")) else []
+    sage_lines = [r["amax_scales"] for r in rows if r["amax_scales"]]
+    if any(WORKLOADS[n].sage for n in args.workloads.split(",")):
+        sage_lines += sage_offset_accuracy()
     overhead = run_host_overhead(args.backend)
     plan_rows = []
     for form, what in (("mask", "block_mask_map, variable wrapper"), ("q2k", "q2k_indices, BSR wrapper")):

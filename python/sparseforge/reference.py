@@ -108,9 +108,20 @@ def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
     return q, k, v
 
 
-def fp8_quantize(x, amax):
-    """(float8_e4m3fn codes, fp32 scale) of fp32 x for its amax (broadcastable to x):
-    a = max(amax, 2^-100), scale = a / 448, codes = e4m3(x * (448 / a)) saturated to +-448.
+SCALE_STEPS = 16  # scale search: candidates (amax / 448) * (16 + c) / 16, c < SCALE_STEPS
+
+
+def scale_step_factors(c: int) -> tuple[float, float]:
+    """(grow, shrink) of candidate c: (16 + c) / 16, exact in fp32, and fl32(16 / (16 + c))."""
+    shrink = torch.tensor(16.0) / torch.tensor(16.0 + c)  # fp32 IEEE division, as the kernels
+    return (16.0 + c) / 16.0, float(shrink)
+
+
+def fp8_quantize(x, amax, step=0):
+    """(float8_e4m3fn codes, fp32 scale) of fp32 x for its amax (broadcastable to x) and scale
+    candidate `step` (an int, or an int tensor broadcastable to amax): a = max(amax, 2^-100),
+    scale = (a / 448) * grow, codes = e4m3((x * ((448 / a) * shrink))) saturated to +-448,
+    (grow, shrink) = scale_step_factors(step). Step 0 has grow = shrink = 1: the amax scale.
 
     The same fp32 operations in the same order as the quantizer kernels
     (generator/kernels/sage_quantize.py), so codes and scales agree bit for bit. 448 is a
@@ -119,17 +130,63 @@ def fp8_quantize(x, amax):
     """
     a = amax.float().clamp_min(FP8_AMAX_MIN)
     fp8_max = torch.tensor(FP8_MAX, device=x.device)
-    codes = (x * (fp8_max / a)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, a / fp8_max
+    factors = torch.tensor([scale_step_factors(c) for c in range(SCALE_STEPS)], device=x.device)
+    grow, shrink = factors[..., 0][step], factors[..., 1][step]
+    codes = (x * ((fp8_max / a) * shrink)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, (a / fp8_max) * grow
 
 
-def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None):
+def scale_step_errors(x, amax, dims):
+    """(..., SCALE_STEPS) fp64: per set (the elements of x along `dims`), the search criterion
+    of every candidate: sum over the set of (y - e4m3(y))^2 * grow^2 with y = x * inverse
+    scale, i.e. the squared rounding error in units of (amax / 448)^2 (the kernels sum it
+    in fp32, in their own order)."""
+    inverse = torch.tensor(FP8_MAX, device=x.device) / amax.float().clamp_min(FP8_AMAX_MIN)
+    errors = []
+    for c in range(SCALE_STEPS):
+        grow, shrink = scale_step_factors(c)
+        y = x * (inverse * shrink)
+        rounded = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        errors.append(((y - rounded).double() ** 2).sum(dims, keepdim=True) * grow**2)
+    return torch.stack(errors, -1)
+
+
+def fp8_quantize_searched(x, amax, dims, search=True):
+    """fp8_quantize with, per set (the elements of x along `dims`), the candidate of smallest
+    scale_step_errors (the first of equals); step 0 for all without `search`."""
+    if not search:
+        return fp8_quantize(x, amax)
+    return fp8_quantize(x, amax, scale_step_errors(x, amax, dims).argmin(-1))
+
+
+def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
+    """The sets of Sage quantization that get one searched scale each, as fp32 with their
+    amax (keepdim): q rows (Hq, Sq, D) and 16-token groups of k - k_mean (Hkv, G, 16, D),
+    zero past Sk; and the k_mean used (None without smoothing). k_mean as in
+    sage_fp8_quantize."""
+    hkv, sk, d = k.shape
+    groups = -(-sk // KEYS_PER_SCALE)
+    qf, kf = q.float(), k.float()
+    if smooth_k:
+        if k_mean is None:
+            k_mean = kf.double().mean(1).float()
+        kf = kf - k_mean.unsqueeze(1)
+    else:
+        k_mean = None
+    # Zeros pad the last group: they raise no max, add no rounding error and are cut off.
+    kg = torch.nn.functional.pad(kf, (0, 0, 0, groups * KEYS_PER_SCALE - sk))
+    kg = kg.view(hkv, groups, KEYS_PER_SCALE, d)
+    return (qf, qf.abs().amax(-1, keepdim=True)), (kg, kg.abs().amax(dim=(2, 3), keepdim=True)), k_mean
+
+
+def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
     """sparseforge.sage_fp8_quantize in torch (HND inputs, any device); same outputs and
     layouts (SageFP8Tensors, contract in sparseforge/sage.py).
 
     k_mean (Hkv, D) fp32: smooth with this mean instead of computing one. The kernel sums
     in another order, so its k_mean differs from torch's in the last bits; passed here, it
-    makes every code and scale equal to the kernel's.
+    makes every code and scale equal to the kernel's (without scale_search; with it, up to
+    the near-ties of the search's fp32 sums: tests/test_sage_quantize.py).
     """
     from sparseforge.sage import SageFP8Tensors
 
@@ -137,18 +194,11 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None):
     hkv, sk, _ = k.shape
     groups = -(-sk // KEYS_PER_SCALE)
     pad = groups * KEYS_PER_SCALE
-    qf, kf, vf = q.float(), k.float(), v.float()
-    q8, q_scale = fp8_quantize(qf, qf.abs().amax(-1, keepdim=True))
-    if smooth_k:
-        if k_mean is None:
-            k_mean = kf.double().mean(1).float()
-        kf = kf - k_mean.unsqueeze(1)
-    else:
-        k_mean = None
-    # 16-token groups; zeros pad the last one (they raise no max) and are cut off again.
-    kg = torch.nn.functional.pad(kf, (0, 0, 0, pad - sk)).view(hkv, groups, KEYS_PER_SCALE, d)
-    k8, k_scale = fp8_quantize(kg, kg.abs().amax(dim=(2, 3), keepdim=True))
+    (qf, q_amax), (kg, k_amax), k_mean = sage_scale_sets(q, k, smooth_k, k_mean)
+    q8, q_scale = fp8_quantize_searched(qf, q_amax, -1, scale_search)
+    k8, k_scale = fp8_quantize_searched(kg, k_amax, (2, 3), scale_search)
     k8 = k8.view(hkv, pad, d)[:, :sk].contiguous()
+    vf = v.float()
     v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))
     vt = torch.zeros(hkv, d, pad, dtype=torch.float8_e4m3fn, device=v.device)
     vt[:, :, :sk] = v8.transpose(1, 2)

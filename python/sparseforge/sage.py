@@ -2,7 +2,7 @@
 fp32 scales, in the layouts the Sage FP8 attention kernels read (the wrappers' plan() with
 q_data_type=torch.float8_e4m3fn and the three scales).
 
-    sage_fp8_quantize(q, k, v, *, smooth_k=True) -> SageFP8Tensors
+    sage_fp8_quantize(q, k, v, *, smooth_k=True, scale_search=True) -> SageFP8Tensors
 
 q (Hq, Sq, D), k and v (Hkv, Sk, D): HND, bfloat16 or float16, on one CUDA device, unit stride
 on D (head and token strides free, multiples of 8 elements), D in {64, 128}, Hq a multiple of
@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from sparseforge.reference import KEYS_PER_SCALE
+from sparseforge.reference import KEYS_PER_SCALE, SCALE_STEPS
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128)
@@ -76,9 +76,13 @@ class SageFP8Tensors(NamedTuple):
     k_mean: torch.Tensor | None
 
 
-def sage_fp8_quantize(q, k, v, *, smooth_k: bool = True) -> SageFP8Tensors:
+def sage_fp8_quantize(
+    q, k, v, *, smooth_k: bool = True, scale_search: bool = True
+) -> SageFP8Tensors:
     """Quantize bf16/fp16 HND q, k, v for the Sage FP8 attention kernels (module docstring)."""
     _check_inputs(q, k, v)
+    if not isinstance(scale_search, bool) or not isinstance(smooth_k, bool):
+        raise TypeError(f"smooth_k and scale_search must be bool, got {smooth_k!r}, {scale_search!r}")
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
     device = q.device
@@ -93,7 +97,8 @@ def sage_fp8_quantize(q, k, v, *, smooth_k: bool = True) -> SageFP8Tensors:
     v_scale = torch.empty((hkv, d), **f32)
     k_mean = torch.empty((hkv, d), **f32)  # written (zeros) even without smoothing
     partial = torch.empty((hkv, -(-sk // chunk), 2, d), **f32)
-    stats, quantize_kv = _launches(device.index, DTYPE_NAMES[q.dtype], d, chunk, int(smooth_k))
+    steps = SCALE_STEPS if scale_search else 1
+    stats, quantize_kv = _launches(device.index, DTYPE_NAMES[q.dtype], d, chunk, int(smooth_k), steps)
     with torch.cuda.device(device):
         stats((q, k, v, q8, q_scale[0], partial))
         quantize_kv((k, v, partial, k8, k_scale[0], vt, v_scale, k_mean))
@@ -128,17 +133,19 @@ def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     return reads + codes + scales + partials
 
 
-def quantize_bandwidth(q, k, v, *, smooth_k: bool = True, iters: int = 20) -> tuple[float, float]:
+def quantize_bandwidth(
+    q, k, v, *, smooth_k: bool = True, scale_search: bool = True, iters: int = 20
+) -> tuple[float, float]:
     """(microseconds, GB/s) of sage_fp8_quantize: median of `iters` CUDA-event timings after
     three warm-up calls; GB/s counts quantize_bytes(). Small problems include the host's
     launch time (the GPU waits for it)."""
     for _ in range(3):
-        sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
+        sage_fp8_quantize(q, k, v, smooth_k=smooth_k, scale_search=scale_search)
     events = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        sage_fp8_quantize(q, k, v, smooth_k=smooth_k)
+        sage_fp8_quantize(q, k, v, smooth_k=smooth_k, scale_search=scale_search)
         end.record()
         events.append((start, end))
     torch.cuda.synchronize()
@@ -193,8 +200,9 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k: int):
-    """The two launches (statistics + q, then k and v) with chunk_tokens and smooth_k bound."""
+def _launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k: int, steps: int):
+    """The two launches (statistics + q, then k and v) with chunk_tokens, smooth_k and
+    scale_steps bound."""
     from sparseforge._library import find_kernel
     from sparseforge.arch import arch_for_device
 
@@ -203,5 +211,5 @@ def _launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k
     for family in ("sage_quantize_stats", "sage_quantize_kv"):
         kernel = find_kernel(family, arch, dtype=dtype, head_dim=head_dim)
         kernel.prepare()
-        launches.append(kernel.bind(chunk, smooth_k))
+        launches.append(kernel.bind(chunk, smooth_k, steps))
     return tuple(launches)
