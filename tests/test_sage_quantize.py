@@ -5,10 +5,11 @@ scale search) and the input checks. GPU (marker gpu): the two kernels against th
 reference, code for code. The kernels do the reference's fp32 operations in the same order
 (generator/kernels/sage_quantize.py), so scales and codes must be equal, not close; only the
 k mean is summed in another order, and the reference is handed the kernel's mean. With the
-scale search, the kernels sum its criterion in fp32 in their own order: where two candidates
-tie to within that rounding, either may win, so the test checks that the kernel's choice is
-one of the scale candidates, within 1e-4 of the best criterion, and that the codes are those
-of that candidate bit for bit.
+scale search, the kernels rank the candidates by the criterion computed in f16 (fast, not
+exact): where two candidates come within that rounding, either may win, so the test checks
+that the kernel's choice is one of the scale candidates, within 5% of the best criterion
+(fp64), that it is the reference's own choice for nearly all q rows, and that the codes are
+those of that candidate bit for bit.
 """
 
 import itertools
@@ -97,6 +98,16 @@ def assert_searched(name, x, amax, dims, codes, scale, tol):
     return step
 
 
+def squared_error(t, q, k):
+    """(q, k) squared rounding error of Sage FP8 tensors t against the inputs (k smoothed)."""
+    qd, kd, _ = reference.sage_dequantize(
+        t.q.cpu(), t.k.cpu(), t.v.cpu(), t.q_scale.cpu(), t.k_scale.cpu(), t.v_scale.cpu(),
+        dtype=torch.float64,
+    )
+    kd = kd + t.k_mean.cpu().double().unsqueeze(1)
+    return float((qd - q.cpu().double()).square().sum()), float((kd - k.cpu().double()).square().sum())
+
+
 def assert_round_trip(x, codes, scale):
     """|x - codes * scale| within half an e4m3 step: 2^-4 |x| for normal codes, 2^-10 scale
     in the subnormal range, plus fp32 rounding."""
@@ -143,28 +154,8 @@ def test_scale_search_lowers_rounding_error():
     assert (candidate_steps(t[False].q_scale, q_amax) == 0).all()
     assert (candidate_steps(t[False].k_scale, k_amax) == 0).all()
 
-    def squared_error(tensors):
-        qd, kd, _ = reference.sage_dequantize(
-            tensors.q, tensors.k, tensors.v, tensors.q_scale, tensors.k_scale, tensors.v_scale,
-            dtype=torch.float64,
-        )
-        return float((qd - q.double()).square().sum()), float(
-            (kd + tensors.k_mean.double().unsqueeze(1) - k.double()).square().sum()
-        )
-
-    (q_on, k_on), (q_off, k_off) = squared_error(t[True]), squared_error(t[False])
+    (q_on, k_on), (q_off, k_off) = (squared_error(t[s], q, k) for s in (True, False))
     assert q_on < 0.85 * q_off and k_on < 0.97 * k_off, (q_on / q_off, k_on / k_off)
-
-
-def test_scale_step_factors_match_the_kernels():
-    """The candidates' constants: the kernels' (Python floats baked into the code) and the
-    reference's (fp32 division in torch) are the same numbers."""
-    pytest.importorskip("cutlass")
-    from generator.kernels import sage_quantize
-
-    assert sage_quantize.SCALE_STEPS == reference.SCALE_STEPS
-    for c in range(reference.SCALE_STEPS):
-        assert sage_quantize.scale_step_factors(c) == reference.scale_step_factors(c)
 
 
 def test_smoothing_leaves_softmax_unchanged():
@@ -328,13 +319,27 @@ def test_kernel_matches_reference(hq, hkv, sq, sk, d, dtype, layout, smooth_k, s
         assert_codes_equal("k", got.k, want.k)
         return
     (qf, q_amax), (kg, k_amax), _ = reference.sage_scale_sets(q, k, smooth_k, k_mean)
-    steps = assert_searched("q", qf, q_amax, -1, got.q.cpu(), got.q_scale.cpu(), 1e-4)
+    steps = assert_searched("q", qf, q_amax, -1, got.q.cpu(), got.q_scale.cpu(), 0.05)
     pad = kg.shape[1] * 16
     k8 = torch.nn.functional.pad(got.k.cpu().view(torch.uint8), (0, 0, 0, pad - sk)).view(FP8)
-    assert_searched("k", kg, k_amax, (2, 3), k8.view(kg.shape), got.k_scale.cpu(), 1e-4)
-    # Near-ties are rare: almost every q row gets the reference's own candidate.
+    assert_searched("k", kg, k_amax, (2, 3), k8.view(kg.shape), got.k_scale.cpu(), 0.05)
+    # Near-ties are few: most q rows get the reference's own candidate (97% in a CPU
+    # emulation of the f16 criterion).
     agree = float((steps == candidate_steps(want.q_scale, q_amax)).float().mean())
-    assert agree > 0.99 or qf.shape[1] < 20, agree
+    assert agree > 0.9 or qf.shape[1] * qf.shape[0] < 100, agree
+
+
+@pytest.mark.gpu
+def test_kernel_scale_search_lowers_rounding_error():
+    """The kernels' searched scales (f16 criterion) keep the reference's gain over the amax
+    scale on N(0, 1) q and k (CPU reference: q 0.79x, k 0.93x)."""
+    q, k, v = make_inputs(4, 2, 1024, 2048, 128, device=DEV, seed=5)
+    k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+    (q_on, k_on), (q_off, k_off) = (
+        squared_error(sparseforge.sage_fp8_quantize(q, k, v, scale_search=s), q, k)
+        for s in (True, False)
+    )
+    assert q_on < 0.85 * q_off and k_on < 0.97 * k_off, (q_on / q_off, k_on / k_off)
 
 
 @pytest.mark.gpu
@@ -355,9 +360,9 @@ def test_kernel_zeros_and_large_values():
     got = sparseforge.sage_fp8_quantize(q, q, q)
     assert not torch.isnan(got.q.float()).any() and torch.isfinite(got.q_scale).all()
     (qf, q_amax), (kg, k_amax), _ = reference.sage_scale_sets(q.cpu(), q.cpu(), True, got.k_mean.cpu())
-    assert_searched("q", qf, q_amax, -1, got.q.cpu(), got.q_scale.cpu(), 1e-4)
+    assert_searched("q", qf, q_amax, -1, got.q.cpu(), got.q_scale.cpu(), 0.05)
     k8 = torch.nn.functional.pad(got.k.cpu().view(torch.uint8), (0, 0, 0, kg.shape[1] * 16 - 5))
-    assert_searched("k", kg, k_amax, (2, 3), k8.view(FP8).view(kg.shape), got.k_scale.cpu(), 1e-4)
+    assert_searched("k", kg, k_amax, (2, 3), k8.view(FP8).view(kg.shape), got.k_scale.cpu(), 0.05)
 
 
 @pytest.mark.gpu

@@ -3,11 +3,13 @@ sage_fp8_fwd kernels. Two launches; the public function and the output contract 
 python/sparseforge/sage.py, the torch reference in python/sparseforge/reference.py.
 
 Numerics (every arch): for a set of values x (a q row, a 16-token group of k after
-smoothing, a channel of v) with a = max(max |x|, AMAX_MIN),
-    scale = a / 448          codes = e4m3_satfinite(x * (448 / a))
-Both divisions are IEEE (div.rn), the product is one rounding and the conversion rounds to
+smoothing, a channel of v) with a = max(max |x|, AMAX_MIN) and scale candidate c
+(scale_step: grow = (16 + c) / 16, shrink = 16 / (16 + c); c = 0 for v and without search),
+    scale = (a / 448) * grow          codes = e4m3_satfinite(x * ((448 / a) * shrink))
+The divisions are IEEE (div.rn), each product is one rounding and the conversion rounds to
 nearest even, so a torch reference doing the same fp32 operations reproduces every code and
-scale bit for bit. AMAX_MIN keeps all-zero sets finite: a positive scale and codes 0.
+scale bit for bit, given c. AMAX_MIN keeps all-zero sets finite: a positive scale and codes
+0. q rows and k groups pick c with search_scale_steps when scale_steps > 1.
 
 The k mean and the v amax run over all Sk tokens, so the tokens of each kv head are cut into
 P chunks of `chunk_tokens` tokens (a multiple of 256, so whole launch-2 tiles; chosen by the
@@ -45,8 +47,6 @@ H200, commit b3e2e17 (bench/results/2026-11-29_b3e2e17_h200_bench_sage.md, both 
 faster; that run was not kept.)
 """
 
-import struct
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -62,14 +62,6 @@ STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
 Q_ROWS_PER_THREAD = 8  # token rows per thread in a q CTA
 K_LOADS = 8  # k loads per thread in flight in a launch-2 k CTA
 STAT_K_SUM, STAT_V_MAX = 0, 1  # index of the statistic in mPartial[h, p, :, :]
-SCALE_STEPS = 16  # scale search candidates (searched_scales)
-
-
-def scale_step_factors(c: int) -> tuple[float, float]:
-    """(grow, shrink) of scale candidate c: (16 + c) / 16 (exact in fp32) and
-    fl32(16 / (16 + c)) (rounding the double quotient once more is exact for c < 16;
-    tests/test_sage_quantize.py checks these against reference.scale_step_factors)."""
-    return (16.0 + c) / 16.0, struct.unpack("f", struct.pack("f", 16.0 / (16.0 + c)))[0]
 
 
 @cute.jit
@@ -101,31 +93,92 @@ def lanes_reduce(val: cutlass.Float32, lanes: cutlass.Constexpr, op: cutlass.Con
 
 
 @cute.jit
-def searched_scales(x: cute.Tensor, amax: cutlass.Float32, lanes: cutlass.Constexpr, steps):
-    """(scale, inverse scale) of a set spread over `lanes` lanes (x: this lane's part, amax
-    the set's): of the first `steps` candidates (amax / 448) * (16 + c) / 16, the one whose
-    codes round x least, by sum (y - e4m3(y))^2 * ((16 + c) / 16)^2 with y = x * inverse
-    (the squared error in units of (amax / 448)^2); the first of equals. Why: e4m3 rounds
-    each element by up to 1/16 of it, and the positions of a set's values on the e4m3 grid
-    change with the scale; the best of 16 scales rounds a 128-element q row with ~20% less
-    squared error (CONTRIBUTING.md, Sage FP8)."""
-    scale0, inv0 = fp8_scales(amax)
-    y = cute.make_rmem_tensor(x.layout, cutlass.Float32)
-    best_scale, best_inv = scale0, inv0
-    best = cutlass.Float32(0.0)
-    for c in cutlass.range_constexpr(SCALE_STEPS):
-        if c < steps:
-            grow, shrink = scale_step_factors(c)
-            inv = inv0 * cutlass.Float32(shrink)
-            y.store(x.load() * inv)
-            miss = y.load() - y.load().to(cutlass.Float8E4M3FN).to(cutlass.Float32)
-            err = (miss * miss).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-            err = lanes_reduce(err, lanes, "sum") * cutlass.Float32(grow * grow)
-            if cutlass.const_expr(c == 0):
-                best = err
-            elif err < best:
-                best, best_scale, best_inv = err, scale0 * cutlass.Float32(grow), inv
-    return best_scale, best_inv
+def scale_step(c):
+    """(grow, shrink) of scale candidate c: (16 + c) / 16 (exact) and 16 / (16 + c) (IEEE
+    division): scale (amax / 448) * grow, inverse scale (448 / amax) * shrink; candidate 0
+    is the amax scale (grow = shrink = 1). reference.scale_step_factors in torch."""
+    steps = cutlass.Float32(c + 16)
+    return steps * cutlass.Float32(1.0 / 16.0), cutlass.Float32(16.0) / steps
+
+
+@cute.jit
+def search_scale_steps(y0: cute.Tensor, best_step: cute.Tensor, lanes: cutlass.Constexpr, steps):
+    """best_step[s] = the scale candidate c < steps whose codes round set s least: the
+    smallest sum over the set of (y - e4m3(y))^2 * grow^2, y = y0 * shrink (the squared
+    error in units of (amax / 448)^2), the first of equals. y0 (2, n / 2, sets) f16: this lane's
+    part of each set at the amax scale (x * 448 / amax), layout pairs_layout(n, sets); a
+    set spans `lanes` lanes.
+
+    Why: e4m3 rounds each element by up to 1/16 of it, and where a set's values fall on the
+    e4m3 grid changes with the scale: the best of 16 scales rounds a 128-element q row with
+    ~20% less squared error (CONTRIBUTING.md, Sage FP8). The criterion is computed in f16
+    (f16x2 instructions, 2-3 per element and candidate) only to rank the candidates; the
+    codes are then made from x in fp32 at the chosen scale.
+    """
+    sets = cute.size(best_step)
+    best = cute.make_rmem_tensor(best_step.layout, cutlass.Float32)
+    best.fill(float("inf"))
+    best_step.fill(0)
+    err = cute.make_rmem_tensor((2,), cutlass.Float16)  # two sets' lane sums, one word
+    for c in cutlass.range(steps if steps > 1 else 0, unroll=1):  # 1: no search
+        grow, shrink = scale_step(c)
+        shrink16 = cutlass.Float16(shrink)
+        for s in cutlass.range_constexpr(0, sets, 2):
+            if cutlass.const_expr(s + 1 < sets):
+                # Two sets share each shuffle: f16 lane sums (at most 2^15 for 16 lanes of 8).
+                for t in cutlass.range_constexpr(2):
+                    sq = squared_misses(y0[None, None, s + t], shrink16)
+                    err[t] = sq[0] + sq[1]
+                lanes_sum_f16x2(err, lanes)
+                sums = (cutlass.Float32(err[0]), cutlass.Float32(err[1]))
+            else:
+                sq = squared_misses(y0[None, None, s], shrink16)
+                sums = (lanes_reduce(cutlass.Float32(sq[0]) + cutlass.Float32(sq[1]), lanes, "sum"),)
+            for t in cutlass.range_constexpr(len(sums)):
+                scaled = sums[t] * (grow * grow)
+                if scaled < best[s + t]:
+                    best[s + t] = scaled
+                    best_step[s + t] = c
+
+
+@cute.jit
+def squared_misses(y0: cute.Tensor, shrink16: cutlass.Float16):
+    """(2,) f16: sums of (y - e4m3(y))^2 over this lane's pairs y = y0 * shrink16 (f16x2
+    instructions; y0 (2, n / 2))."""
+    acc = cute.make_rmem_tensor((2,), cutlass.Float16)
+    acc.fill(0.0)
+    for k in cutlass.range_constexpr(cute.size(y0, mode=[1])):
+        y = y0[None, k].load() * shrink16
+        miss = y - y.to(cutlass.Float8E4M3FN).to(cutlass.Float16)
+        acc.store(acc.load() + miss * miss)
+    return acc
+
+
+@cute.jit
+def lanes_sum_f16x2(pair: cute.Tensor, lanes: cutlass.Constexpr):
+    """pair (2,) f16 summed over aligned groups of `lanes` lanes, both halves in one
+    shuffle per step (butterfly: all lanes get the same bits)."""
+    word = cute.recast_tensor(pair, cutlass.Int32)
+    other = cute.make_rmem_tensor((1,), cutlass.Int32)
+    other_pair = cute.recast_tensor(other, cutlass.Float16)
+    offset = lanes // 2
+    while cutlass.const_expr(offset >= 1):
+        other[0] = cute.arch.shuffle_sync_bfly(word[0], offset=offset, mask=-1, mask_and_clamp=31)
+        pair.store(pair.load() + other_pair.load())
+        offset //= 2
+
+
+@cute.jit
+def to_pairs(x: cute.Tensor, inv: cutlass.Float32, pairs: cute.Tensor):
+    """pairs (2, n / 2) f16 = x (n) fp32 * inv, converted two at a time."""
+    xp = cute.make_tensor(x.iterator, cute.make_layout((2, cute.size(x) // 2), stride=(1, 2)))
+    for k in cutlass.range_constexpr(cute.size(x) // 2):
+        pairs[None, k].store((xp[None, k].load() * inv).to(cutlass.Float16))
+
+
+def pairs_layout(n: int, sets: int):
+    """(2, n / 2, sets): the f16 elements of search_scale_steps, pairs adjacent."""
+    return cute.make_layout((2, n // 2, sets), stride=(1, 2, n))
 
 
 @cute.jit
@@ -301,16 +354,24 @@ class SageQuantizeStats(_Geometry):
             cute.autovec_copy(row_vector(mQ, head, row, cg), rQ[s, None])
         x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+        amax = cute.make_rmem_tensor((Q_ROWS_PER_THREAD,), cutlass.Float32)
+        y0 = cute.make_rmem_tensor(pairs_layout(VEC, Q_ROWS_PER_THREAD), cutlass.Float16)
+        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
+            x.store(rQ[s, None].load().to(cutlass.Float32))
+            amax[s] = lanes_reduce(abs_max(x), self.threads_per_row, "max")
+            to_pairs(x, fp8_scales(amax[s])[1], y0[None, None, s])
+        step = cute.make_rmem_tensor((Q_ROWS_PER_THREAD,), cutlass.Int32)
+        search_scale_steps(y0, step, self.threads_per_row, scale_steps)
         for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
             row = first_row + s * self.rows_per_step + slot
+            scale0, inv0 = fp8_scales(amax[s])
+            grow, shrink = scale_step(step[s])
             x.store(rQ[s, None].load().to(cutlass.Float32))
-            amax = lanes_reduce(abs_max(x), self.threads_per_row, "max")
-            scale, inv = searched_scales(x, amax, self.threads_per_row, scale_steps)
-            to_codes(x, inv, codes)
+            to_codes(x, inv0 * shrink, codes)
             if row < mQ.shape[1]:
                 cute.autovec_copy(codes, row_vector(mQ8, head, row, cg))
                 if cg == 0:
-                    mQScale[head, row] = scale
+                    mQScale[head, row] = scale0 * grow
 
 
 class SageQuantizeKV(_Geometry):
@@ -463,6 +524,9 @@ class SageQuantizeKV(_Geometry):
         )
         d = cute.make_rmem_tensor(cute.make_layout((steps, VEC), stride=(VEC, 1)), cutlass.Float32)
         codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+        y0 = cute.make_rmem_tensor(pairs_layout(steps * VEC, 1), cutlass.Float16)  # the group
+        y0_rows = cute.make_tensor(y0.iterator, pairs_layout(VEC, steps))  # its token rows
+        step = cute.make_rmem_tensor((1,), cutlass.Int32)
         for b in cutlass.range_constexpr(self.groups_per_warp // batch):
             for g in cutlass.range_constexpr(batch):
                 for i in cutlass.range_constexpr(steps):
@@ -476,17 +540,22 @@ class SageQuantizeKV(_Geometry):
                 for i in cutlass.range_constexpr(steps):
                     d[i, None].store(rK[g, i, None].load().to(cutlass.Float32) - k_mean.load())
                     amax = cute.arch.fmax(amax, abs_max(d[i, None]))
-                    if group_first + i * self.rows_per_warp + k_row >= seq_k:
-                        d[i, None].fill(0.0)  # a repeated row: out of the scale search's sum
-                amax = lanes_reduce(amax, 32, "max")
-                scale, inv = searched_scales(d, amax, 32, scale_steps)
+                scale0, inv0 = fp8_scales(lanes_reduce(amax, 32, "max"))
+                for i in cutlass.range_constexpr(steps):
+                    # A row past Sk repeats a row: zero, it adds nothing to the search's sums.
+                    past_end = group_first + i * self.rows_per_warp + k_row >= seq_k
+                    to_pairs(d[i, None], inv0, y0_rows[None, None, i])
+                    if past_end:
+                        y0_rows[None, None, i].fill(0.0)
+                search_scale_steps(y0, step, 32, scale_steps)
+                grow, shrink = scale_step(step[0])
                 for i in cutlass.range_constexpr(steps):
                     token = group_first + i * self.rows_per_warp + k_row
-                    to_codes(d[i, None], inv, codes)
+                    to_codes(d[i, None], inv0 * shrink, codes)
                     if token < seq_k:
                         cute.autovec_copy(codes, row_vector(mK8, head, token, cg))
                 if lane == 0 and group_first < seq_k:
-                    mKScale[head, group_first // GROUP] = scale
+                    mKScale[head, group_first // GROUP] = scale0 * grow
 
 
 def make_kernel(variant):
