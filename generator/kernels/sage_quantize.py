@@ -119,26 +119,16 @@ def search_scale_steps(y0: cute.Tensor, best_step: cute.Tensor, lanes: cutlass.C
     best = cute.make_rmem_tensor(best_step.layout, cutlass.Float32)
     best.fill(float("inf"))
     best_step.fill(0)
-    err = cute.make_rmem_tensor((2,), cutlass.Float16)  # two sets' lane sums, one word
     for c in cutlass.range(steps if steps > 1 else 0, unroll=1):  # 1: no search
         grow, shrink = scale_step(c)
         shrink16 = cutlass.Float16(shrink)
-        for s in cutlass.range_constexpr(0, sets, 2):
-            if cutlass.const_expr(s + 1 < sets):
-                # Two sets share each shuffle: f16 lane sums (at most 2^15 for 16 lanes of 8).
-                for t in cutlass.range_constexpr(2):
-                    sq = squared_misses(y0[None, None, s + t], shrink16)
-                    err[t] = sq[0] + sq[1]
-                lanes_sum_f16x2(err, lanes)
-                sums = (cutlass.Float32(err[0]), cutlass.Float32(err[1]))
-            else:
-                sq = squared_misses(y0[None, None, s], shrink16)
-                sums = (lanes_reduce(cutlass.Float32(sq[0]) + cutlass.Float32(sq[1]), lanes, "sum"),)
-            for t in cutlass.range_constexpr(len(sums)):
-                scaled = sums[t] * (grow * grow)
-                if scaled < best[s + t]:
-                    best[s + t] = scaled
-                    best_step[s + t] = c
+        for s in cutlass.range_constexpr(cute.size(best_step)):
+            sq = squared_misses(y0[None, None, s], shrink16)
+            err = lanes_reduce(cutlass.Float32(sq[0]) + cutlass.Float32(sq[1]), lanes, "sum")
+            err = err * (grow * grow)
+            if err < best[s]:
+                best[s] = err
+                best_step[s] = c
 
 
 @cute.jit
@@ -152,20 +142,6 @@ def squared_misses(y0: cute.Tensor, shrink16: cutlass.Float16):
         miss = y - y.to(cutlass.Float8E4M3FN).to(cutlass.Float16)
         acc.store(acc.load() + miss * miss)
     return acc
-
-
-@cute.jit
-def lanes_sum_f16x2(pair: cute.Tensor, lanes: cutlass.Constexpr):
-    """pair (2,) f16 summed over aligned groups of `lanes` lanes, both halves in one
-    shuffle per step (butterfly: all lanes get the same bits)."""
-    word = cute.recast_tensor(pair, cutlass.Int32)
-    other = cute.make_rmem_tensor((1,), cutlass.Int32)
-    other_pair = cute.recast_tensor(other, cutlass.Float16)
-    offset = lanes // 2
-    while cutlass.const_expr(offset >= 1):
-        other[0] = cute.arch.shuffle_sync_bfly(word[0], offset=offset, mask=-1, mask_and_clamp=31)
-        pair.store(pair.load() + other_pair.load())
-        offset //= 2
 
 
 @cute.jit
