@@ -59,7 +59,8 @@ GROUP = 16  # tokens per k scale, and tokens per thread in a v tile
 FP8_MAX = 448.0  # largest finite e4m3 value
 AMAX_MIN = 2.0**-100  # floor of every amax: all-zero sets get a finite positive scale
 STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
-Q_ROWS_PER_THREAD = 8  # token rows per thread in a q CTA
+Q_ROWS_PER_CTA = 64  # token rows per q CTA
+Q_VECS = 4  # 16-byte vectors of a q row per lane (quantize_q)
 K_LOADS = 8  # k loads per thread in flight in a launch-2 k CTA
 STAT_K_SUM, STAT_V_MAX = 0, 1  # index of the statistic in mPartial[h, p, :, :]
 
@@ -115,7 +116,6 @@ def search_scale_steps(y0: cute.Tensor, best_step: cute.Tensor, lanes: cutlass.C
     (f16x2 instructions, 2-3 per element and candidate) only to rank the candidates; the
     codes are then made from x in fp32 at the chosen scale.
     """
-    sets = cute.size(best_step)
     best = cute.make_rmem_tensor(best_step.layout, cutlass.Float32)
     best.fill(float("inf"))
     best_step.fill(0)
@@ -176,7 +176,8 @@ class _Geometry:
         self.head_dim = head_dim
         self.threads_per_row = head_dim // VEC  # 16 or 8
         self.rows_per_step = NUM_THREADS // self.threads_per_row  # 8 or 16
-        self.q_rows = Q_ROWS_PER_THREAD * self.rows_per_step  # rows per q CTA: 64 or 128
+        self.q_rows = Q_ROWS_PER_CTA
+        self.q_lanes = self.threads_per_row // Q_VECS  # lanes per q row: 4 or 2
         self.kv_tile = GROUP * self.rows_per_step  # tokens per launch-2 tile: 128 or 256
         self.rows_per_warp = 32 // self.threads_per_row  # 2 or 4
         self.groups_per_warp = self.kv_tile // GROUP // (NUM_THREADS // 32)  # 2 or 4
@@ -318,34 +319,45 @@ class SageQuantizeStats(_Geometry):
     @cute.jit
     def quantize_q(self, mQ, mQ8, mQScale, head, first_row, tidx, scale_steps):
         """Rows first_row .. first_row + q_rows - 1 of q[head]: each row's amax over its
-        threads_per_row lanes, then its codes and its scale."""
-        cg = tidx % self.threads_per_row
-        slot = tidx // self.threads_per_row
+        lanes, its scale candidate, then its codes and its scale.
+
+        A row spans q_lanes lanes of Q_VECS 16-byte vectors each (vector cg + q_lanes i,
+        so a warp load covers 64 contiguous bytes per row): the scale search sums 32
+        elements per lane before its shuffles (8 per lane cost 1.6x the instructions).
+        """
+        cg = tidx % self.q_lanes
+        slot = tidx // self.q_lanes
+        rows_step = NUM_THREADS // self.q_lanes
+        rows = self.q_rows // rows_step  # per thread
         # Rows past Sq load row Sq - 1 (unconditional loads) and are not stored.
         rQ = cute.make_rmem_tensor(
-            cute.make_layout((Q_ROWS_PER_THREAD, VEC), stride=(VEC, 1)), self.dtype
+            cute.make_layout((Q_VECS, VEC, rows), stride=(VEC, 1, Q_VECS * VEC)), self.dtype
         )
-        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
-            row = cutlass.min(first_row + s * self.rows_per_step + slot, mQ.shape[1] - 1)
-            cute.autovec_copy(row_vector(mQ, head, row, cg), rQ[s, None])
-        x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-        codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
-        amax = cute.make_rmem_tensor((Q_ROWS_PER_THREAD,), cutlass.Float32)
-        y0 = cute.make_rmem_tensor(pairs_layout(VEC, Q_ROWS_PER_THREAD), cutlass.Float16)
-        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
-            x.store(rQ[s, None].load().to(cutlass.Float32))
-            amax[s] = lanes_reduce(abs_max(x), self.threads_per_row, "max")
+        for s in cutlass.range_constexpr(rows):
+            row = cutlass.min(first_row + s * rows_step + slot, mQ.shape[1] - 1)
+            for i in cutlass.range_constexpr(Q_VECS):
+                cute.autovec_copy(row_vector(mQ, head, row, cg + self.q_lanes * i), rQ[i, None, s])
+        x = cute.make_rmem_tensor(cute.make_layout((Q_VECS, VEC), stride=(VEC, 1)), cutlass.Float32)
+        codes = cute.make_rmem_tensor(x.layout, cutlass.Float8E4M3FN)
+        amax = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        y0 = cute.make_rmem_tensor(pairs_layout(Q_VECS * VEC, rows), cutlass.Float16)
+        for s in cutlass.range_constexpr(rows):
+            x.store(rQ[None, None, s].load().to(cutlass.Float32))
+            amax[s] = lanes_reduce(abs_max(x), self.q_lanes, "max")
             to_pairs(x, fp8_scales(amax[s])[1], y0[None, None, s])
-        step = cute.make_rmem_tensor((Q_ROWS_PER_THREAD,), cutlass.Int32)
-        search_scale_steps(y0, step, self.threads_per_row, scale_steps)
-        for s in cutlass.range_constexpr(Q_ROWS_PER_THREAD):
-            row = first_row + s * self.rows_per_step + slot
+        step = cute.make_rmem_tensor((rows,), cutlass.Int32)
+        search_scale_steps(y0, step, self.q_lanes, scale_steps)
+        for s in cutlass.range_constexpr(rows):
+            row = first_row + s * rows_step + slot
             scale0, inv0 = fp8_scales(amax[s])
             grow, shrink = scale_step(step[s])
-            x.store(rQ[s, None].load().to(cutlass.Float32))
+            x.store(rQ[None, None, s].load().to(cutlass.Float32))
             to_codes(x, inv0 * shrink, codes)
             if row < mQ.shape[1]:
-                cute.autovec_copy(codes, row_vector(mQ8, head, row, cg))
+                for i in cutlass.range_constexpr(Q_VECS):
+                    cute.autovec_copy(
+                        codes[i, None], row_vector(mQ8, head, row, cg + self.q_lanes * i)
+                    )
                 if cg == 0:
                     mQScale[head, row] = scale0 * grow
 
