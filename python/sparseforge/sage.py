@@ -35,9 +35,10 @@ the scale. For every q row and k group the quantizer tries the 16 candidates c =
 and keeps the one whose codes have the least squared rounding error (ranked with an f16
 criterion, so a candidate within ~1% of the best may win a near-tie; the reference ranks in
 fp64). On N(0, 1) inputs that is 21% less squared error on q and 7% on k (CPU reference,
-tests/test_sage_quantize.py), and the attention error of F1 drops from 0.0510 to 0.0489
-(H200, bench/results/). It costs quantizer time: the bench prints both (scale_search=False
-is the amax scale, as before).
+tests/test_sage_quantize.py), and the attention error of F1 / F3 drops from 0.0510 / 0.0505
+to 0.0489 / 0.0485. It costs quantizer time: 1.03 ms instead of 0.45 ms on the F1 shapes,
+0.59 instead of 0.20 on F3 (H200, bench/results/2026-11-30_d8a9fc5_h200_bench_sage_scale_search.md;
+the bench prints both). scale_search=False gives the amax scales (c = 0 everywhere).
 
 Smoothing K. Scores with the smoothed keys are q . (k - m) = q . k - q . m: each query row
 changes by the constant q . m, which softmax removes, so the attention output is unchanged.
@@ -50,7 +51,7 @@ decide the softmax; without it the scale follows those differences (bench.py:
 sage_offset_accuracy; tests/test_sage_quantize.py: test_smoothing_helps_offset_keys).
 
 Two kernel launches (generator/kernels/sage_quantize.py): column statistics of k and v per
-chunk of tokens plus q's codes, then k's and v's codes. quantize_bandwidth() times them.
+chunk of tokens plus q's codes (and scale search), then k's and v's codes. quantize_bandwidth() times them.
 Host time per call: eight output allocations and two argument packings (not yet measured in
 a kept run); large problems hide it behind the GPU queue.
 """
