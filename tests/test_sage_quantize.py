@@ -240,6 +240,13 @@ def test_input_checks(change, message):
         sparseforge.sage_fp8_quantize(q, k, v)
 
 
+def test_flag_checks():
+    q, k, v = make_inputs(1, 1, 4, 4, 64)
+    for flags in (dict(scale_search=1), dict(smooth_k="yes"), dict(scale_search=None)):
+        with pytest.raises(TypeError, match="must be bool"):
+            sparseforge.sage_fp8_quantize(q, k, v, **flags)
+
+
 # --- the kernels (GPU) -----------------------------------------------------------------
 
 DEV = "cuda"

@@ -95,9 +95,9 @@ def sage_fp8_quantize(
     q, k, v, *, smooth_k: bool = True, scale_search: bool = True
 ) -> SageFP8Tensors:
     """Quantize bf16/fp16 HND q, k, v for the Sage FP8 attention kernels (module docstring)."""
-    _check_inputs(q, k, v)
     if not isinstance(scale_search, bool) or not isinstance(smooth_k, bool):
         raise TypeError(f"smooth_k and scale_search must be bool, got {smooth_k!r}, {scale_search!r}")
+    _check_inputs(q, k, v)
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
     device = q.device
