@@ -119,16 +119,17 @@ def search_scale_steps(y0: cute.Tensor, best_step: cute.Tensor, lanes: cutlass.C
     best = cute.make_rmem_tensor(best_step.layout, cutlass.Float32)
     best.fill(float("inf"))
     best_step.fill(0)
-    for c in cutlass.range(steps if steps > 1 else 0, unroll=1):  # 1: no search
-        grow, shrink = scale_step(c)
-        shrink16 = cutlass.Float16(shrink)
-        for s in cutlass.range_constexpr(cute.size(best_step)):
-            sq = squared_misses(y0[None, None, s], shrink16)
-            err = lanes_reduce(cutlass.Float32(sq[0]) + cutlass.Float32(sq[1]), lanes, "sum")
-            err = err * (grow * grow)
-            if err < best[s]:
-                best[s] = err
-                best_step[s] = c
+    if steps > 1:  # 1: no search, every set keeps candidate 0
+        for c in cutlass.range(steps, unroll=1):
+            grow, shrink = scale_step(c)
+            shrink16 = cutlass.Float16(shrink)
+            for s in cutlass.range_constexpr(cute.size(best_step)):
+                sq = squared_misses(y0[None, None, s], shrink16)
+                err = lanes_reduce(cutlass.Float32(sq[0]) + cutlass.Float32(sq[1]), lanes, "sum")
+                err = err * (grow * grow)
+                if err < best[s]:
+                    best[s] = err
+                    best_step[s] = c
 
 
 @cute.jit
@@ -336,8 +337,10 @@ class SageQuantizeStats(_Geometry):
         for s in cutlass.range_constexpr(rows):
             row = cutlass.min(first_row + s * rows_step + slot, mQ.shape[1] - 1)
             for i in cutlass.range_constexpr(Q_VECS):
-                cute.autovec_copy(row_vector(mQ, head, row, cg + self.q_lanes * i), rQ[i, None, s])
-        x = cute.make_rmem_tensor(cute.make_layout((Q_VECS, VEC), stride=(VEC, 1)), cutlass.Float32)
+                vector = row_vector(mQ, head, row, cg + self.q_lanes * i)
+                cute.autovec_copy(vector, rQ[i, None, s])
+        row_layout = cute.make_layout((Q_VECS, VEC), stride=(VEC, 1))
+        x = cute.make_rmem_tensor(row_layout, cutlass.Float32)
         codes = cute.make_rmem_tensor(x.layout, cutlass.Float8E4M3FN)
         amax = cute.make_rmem_tensor((rows,), cutlass.Float32)
         y0 = cute.make_rmem_tensor(pairs_layout(Q_VECS * VEC, rows), cutlass.Float16)
