@@ -21,10 +21,13 @@ that quantized both the k and the v of its chunk needed 255 registers per thread
     v stats CTA (kv head, chunk): column maxima of |v|             -> mPartial[h, p, 1, :]
         Fixed summation order: the result does not depend on scheduling.
     q CTA (head, 64 rows at D = 128, 128 at D = 64): each row's amax -> q_scale, its codes.
-  launch 2  SageQuantizeKV      grid: 2 Hkv P CTAs (k, v alternating), the same chunks
+  launch 2  SageQuantizeKV      grid: (1 + K_PARTS) Hkv P CTAs: per chunk one v CTA, then
+    K_PARTS k CTAs that take a quarter of its tiles each (the scale search makes k the long
+    role; with one k CTA per chunk the F1 shapes had 512 long CTAs for 396 resident slots).
     Each CTA first combines its head's P partials of its statistic in chunk order (every CTA
     of a head gets the same bits): the k mean or the v inverse scale per channel, in shared
-    memory; the chunk-0 CTA also writes k_mean or v_scale. Then per tile of 16384 / D tokens:
+    memory; the chunk's first CTA of each role writes k_mean or v_scale. Then per tile of
+    16384 / D tokens:
     v CTA: thread = (8 channels, 16 tokens): 16 loads of 16 bytes, then per channel one
         16-byte store of its 16 codes into the transposed buffer (Hkv, D, Sk_pad); codes of
         tokens past Sk are masked to 0, which writes the zero padding up to Sk_pad.
@@ -62,6 +65,8 @@ STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
 Q_ROWS_PER_CTA = 64  # token rows per q CTA
 Q_VECS = 4  # 16-byte vectors of a q row per lane (quantize_q)
 K_LOADS = 8  # k loads per thread in flight in a launch-2 k CTA
+K_PARTS = 4  # launch-2 k CTAs per chunk (each a quarter of its tiles): short CTAs, short tail
+SEARCH_CHAINS = 4  # independent partial sums per lane in squared_misses
 STAT_K_SUM, STAT_V_MAX = 0, 1  # index of the statistic in mPartial[h, p, :, :]
 
 
@@ -136,13 +141,20 @@ def search_scale_steps(y0: cute.Tensor, best_step: cute.Tensor, lanes: cutlass.C
 def squared_misses(y0: cute.Tensor, shrink16: cutlass.Float16):
     """(2,) f16: sums of (y - e4m3(y))^2 over this lane's pairs y = y0 * shrink16 (f16x2
     instructions; y0 (2, n / 2))."""
-    acc = cute.make_rmem_tensor((2,), cutlass.Float16)
+    # SEARCH_CHAINS independent sums: one chain of dependent HFMA2s stalled the warps (ncu).
+    acc = cute.make_rmem_tensor((2, SEARCH_CHAINS), cutlass.Float16)
     acc.fill(0.0)
     for k in cutlass.range_constexpr(cute.size(y0, mode=[1])):
         y = y0[None, k].load() * shrink16
         miss = y - y.to(cutlass.Float8E4M3FN).to(cutlass.Float16)
-        acc.store(acc.load() + miss * miss)
-    return acc
+        chain = k % SEARCH_CHAINS
+        acc[None, chain].store(acc[None, chain].load() + miss * miss)
+    width = SEARCH_CHAINS // 2
+    while cutlass.const_expr(width >= 1):
+        for w in cutlass.range_constexpr(width):
+            acc[None, w].store(acc[None, w].load() + acc[None, w + width].load())
+        width //= 2
+    return acc[None, 0]
 
 
 @cute.jit
@@ -388,7 +400,7 @@ class SageQuantizeKV(_Geometry):
             mK, mV, mPartial, mK8, mKScale, mVt, mVScale, mKMean, chunk_tokens, smooth_k,
             scale_steps,
         ).launch(
-            grid=[2 * mK.shape[0] * mPartial.shape[1], 1, 1],
+            grid=[(1 + K_PARTS) * mK.shape[0] * mPartial.shape[1], 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -411,7 +423,8 @@ class SageQuantizeKV(_Geometry):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_chunks = mPartial.shape[1]
-        unit = bidx // 2
+        unit = bidx // (1 + K_PARTS)
+        role = bidx - unit * (1 + K_PARTS)  # 0: v, 1 + p: part p of k
         head = unit // num_chunks
         chunk = unit - head * num_chunks
         seq_k = mK.shape[1]
@@ -419,7 +432,7 @@ class SageQuantizeKV(_Geometry):
         num_tiles = cute.ceil_div(cutlass.min(first + chunk_tokens, seq_k) - first, self.kv_tile)
         smem = cutlass.memory.SmemAllocator()
         sChannel = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.head_dim), 16)
-        if bidx % 2 == 1:
+        if role == 0:
             # v: sChannel = 448 / amax per channel.
             if tidx < self.head_dim:
                 peak = cutlass.Float32(0.0)
@@ -448,7 +461,7 @@ class SageQuantizeKV(_Geometry):
                         total = total + mPartial[head, p, STAT_K_SUM, tidx]
                     mean = total / cutlass.Float32(seq_k)
                 sChannel[tidx] = mean
-                if chunk == 0:
+                if chunk == 0 and role == 1:
                     mKMean[head, tidx] = mean
             cute.arch.sync_threads()
             # Lane = (row of a warp step, channel group); a warp owns groups_per_warp groups.
@@ -458,7 +471,11 @@ class SageQuantizeKV(_Geometry):
             k_mean = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             cute.autovec_copy(cute.local_tile(sChannel, (VEC,), (cg,)), k_mean)
             warp_first = (tidx // 32) * self.groups_per_warp * GROUP
-            for tile in cutlass.range(num_tiles, unroll=1):
+            part_tiles = cute.ceil_div(num_tiles, K_PARTS)
+            first_tile = (role - 1) * part_tiles
+            for tile in cutlass.range(
+                first_tile, cutlass.min(first_tile + part_tiles, num_tiles), unroll=1
+            ):
                 t0 = first + tile * self.kv_tile
                 self.quantize_k(
                     mK, mK8, mKScale, k_mean, head, t0 + warp_first, k_row, cg, lane, scale_steps
