@@ -36,8 +36,8 @@ and keeps the one whose codes have the least squared rounding error (ranked with
 criterion, so a candidate within ~1% of the best may win a near-tie; the reference ranks in
 fp64). On N(0, 1) inputs that is 21% less squared error on q and 7% on k (CPU reference,
 tests/test_sage_quantize.py), and the attention error of F1 / F3 drops from 0.0510 / 0.0505
-to 0.0489 / 0.0485. It costs quantizer time: 1.03 ms instead of 0.45 ms on the F1 shapes,
-0.59 instead of 0.20 on F3 (H200, bench/results/2026-11-30_d8a9fc5_h200_bench_sage_scale_search.md;
+to 0.0489 / 0.0485. It costs quantizer time: 0.89 ms instead of 0.44 ms on the F1 shapes,
+0.50 instead of 0.21 on F3 (H200, bench/results/2026-11-30_740a08a_h200_bench_sage_scale_search.md;
 the bench prints both). scale_search=False gives the amax scales (c = 0 everywhere).
 
 Smoothing K. Scores with the smoothed keys are q . (k - m) = q . k - q . m: each query row
