@@ -131,21 +131,29 @@ def test_sm_scale_of_either_sign(backend, sm_scale):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_accuracy_against_unquantized_inputs(backend, d):
-    """N(0,1) inputs (W1's pattern, smaller) against the unquantized fp32 reference."""
+    """N(0,1) inputs (W1's pattern, smaller) against the unquantized fp32 reference; the
+    quantizer's scale search (default) must beat the amax scales end to end."""
     hq, hkv, seq, block, topk = 4, 2, 4096, 64, 16
     q, k, v = bf16_inputs(hq, hkv, seq, seq, d, seed=7)
-    qz = sparseforge.sage_fp8_quantize(q, k, v)
     nb = seq // block
     rank = torch.rand(hkv, nb, nb, generator=torch.Generator().manual_seed(3)).argsort(-1).argsort(-1)
     mask = rank < topk
     sizes = torch.full((hkv, nb), block, dtype=torch.int32)
-    w = plan_variable(mask, sizes, sizes, hq, hkv, d, qz, backend)
-    out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
     ref, _ = reference.attention(q, k, v, reference.block_mask_to_token_mask(mask, sizes, sizes).to(DEV),
                                  compute_dtype=torch.float32)
-    err, cos = rel_l2(out, ref), cosine(out, ref)
-    print(f"Sage FP8 d{d} {backend}: rel L2 {err:.4f}, cosine {cos:.5f}")
-    assert err <= 0.052 and cos >= 0.998, f"relative L2 {err:.4f}, cosine {cos:.5f}"
+    errors = {}
+    for scale_search in (True, False):
+        qz = sparseforge.sage_fp8_quantize(q, k, v, scale_search=scale_search)
+        w = plan_variable(mask, sizes, sizes, hq, hkv, d, qz, backend)
+        out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
+        err, cos = rel_l2(out, ref), cosine(out, ref)
+        print(f"Sage FP8 d{d} {backend} scale_search={scale_search}: rel L2 {err:.4f}, cosine {cos:.5f}")
+        # Issue 5's bound with the search; the amax scales' e4m3 floor is ~0.0505 (H200 at
+        # 740a08a: 0.0480 / 0.0484 with the search, 0.0507 / 0.0505 without, d 64 / 128).
+        bound = 0.050 if scale_search else 0.052
+        assert err <= bound and cos >= 0.998, f"relative L2 {err:.4f}, cosine {cos:.5f}"
+        errors[scale_search] = err
+    assert errors[True] < errors[False] - 0.0005, errors
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
