@@ -229,7 +229,7 @@ def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) 
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
     does not set the number. The host itself varies more: with the same code, loans have
-    read 15 us (d4244c8) and 17-23 us (three calls in one process, 9f4caa1's build)."""
+    read 15 us (d4244c8) and 17-23 us (three calls in one process on a later loan)."""
     import time
 
     from sparseforge import VariableBlockSparseAttentionWrapper
