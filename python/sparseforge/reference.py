@@ -111,10 +111,11 @@ def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
 SCALE_STEPS = 16  # scale search: candidates (amax / 448) * (16 + c) / 16, c < SCALE_STEPS
 
 
-def scale_step_factors(c: int) -> tuple[float, float]:
-    """(grow, shrink) of candidate c: (16 + c) / 16, exact in fp32, and fl32(16 / (16 + c))."""
-    shrink = torch.tensor(16.0) / torch.tensor(16.0 + c)  # fp32 IEEE division, as the kernels
-    return (16.0 + c) / 16.0, float(shrink)
+def scale_step_factors(step, device=None):
+    """fp32 (grow, shrink) of candidate(s) `step` (an int or an int tensor): (16 + c) / 16,
+    exact, and fl32(16 / (16 + c)) by an IEEE tensor division, as the kernels."""
+    steps = torch.as_tensor(step, dtype=torch.float32, device=device) + 16.0
+    return steps / 16.0, torch.full_like(steps, 16.0) / steps
 
 
 def fp8_quantize(x, amax, step=0):
@@ -130,8 +131,7 @@ def fp8_quantize(x, amax, step=0):
     """
     a = amax.float().clamp_min(FP8_AMAX_MIN)
     fp8_max = torch.tensor(FP8_MAX, device=x.device)
-    factors = torch.tensor([scale_step_factors(c) for c in range(SCALE_STEPS)], device=x.device)
-    grow, shrink = factors[..., 0][step], factors[..., 1][step]
+    grow, shrink = scale_step_factors(step, x.device)
     codes = (x * ((fp8_max / a) * shrink)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes, (a / fp8_max) * grow
 
@@ -144,10 +144,10 @@ def scale_step_errors(x, amax, dims):
     inverse = torch.tensor(FP8_MAX, device=x.device) / amax.float().clamp_min(FP8_AMAX_MIN)
     errors = []
     for c in range(SCALE_STEPS):
-        grow, shrink = scale_step_factors(c)
+        grow, shrink = scale_step_factors(c, x.device)
         y = x * (inverse * shrink)
         rounded = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        errors.append(((y - rounded).double() ** 2).sum(dims, keepdim=True) * grow**2)
+        errors.append(((y - rounded).double() ** 2).sum(dims, keepdim=True) * grow.double() ** 2)
     return torch.stack(errors, -1)
 
 

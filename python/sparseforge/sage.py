@@ -51,7 +51,8 @@ decide the softmax; without it the scale follows those differences (bench.py:
 sage_offset_accuracy; tests/test_sage_quantize.py: test_smoothing_helps_offset_keys).
 
 Two kernel launches (generator/kernels/sage_quantize.py): column statistics of k and v per
-chunk of tokens plus q's codes (and scale search), then k's and v's codes. quantize_bandwidth() times them.
+chunk of tokens plus q's scale search and codes, then k's and v's. quantize_bandwidth() times
+them.
 Host time per call: eight output allocations and two argument packings (not yet measured in
 a kept run); large problems hide it behind the GPU queue.
 """
