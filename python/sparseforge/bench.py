@@ -96,7 +96,7 @@ def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int =
     first `rows` query rows."""
     group = q.shape[0] // k.shape[0]
     num, den, dot, norm_out = 0.0, 0.0, 0.0, 0.0
-    seq_q, seq_k = q.shape[1], k.shape[1]
+    seq_k = k.shape[1]
     for h in heads:
         hk = h // group
         row_blocks = -(-rows // block)
