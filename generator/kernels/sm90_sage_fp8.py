@@ -1,24 +1,25 @@
 """Sage FP8 block-sparse attention forward for Hopper (sm_90a): e4m3 wgmma, bf16 output.
 
-The sm90_wgmma kernel's structure (one CTA per 64-row unit, one consumer warpgroup, K/V
-ring) plus a TMA producer warp, with e4m3 operands and the Sage scales
+The sm90_wgmma kernel's structure (one CTA = one warpgroup per 64-row unit, warp 0 also
+issues the TMA loads, K/V ring) with e4m3 operands and the Sage scales
 (generator/kernels/sage_common.py):
     S       = Q8 K8^T (e4m3 wgmma, fp32)        * q_scale[row] * k_scale[key // 16] * sm_scale
     P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
     partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
     O       = O * alpha + partial * beta        fp32 (two-level accumulation)
     out     = bf16(O / l * v_scale[channel])
-P V runs in slices of at most 64 channels into one fp32 partial (32 registers), which keeps
-three CTAs per SM at head_dim 128; e4m3 tiles are half the bytes of bf16, so the ring holds
-8 stages (72 KB per CTA; F1 549 TFLOPS against 527 with 6 stages,
-bench/results/2026-11-30_0d481ec+stages8_h200_bench_sage_stages8.md).
+P V runs in slices of at most 64 channels into one fp32 partial (32 registers). The kernel
+is latency-bound (ncu: issue slots ~55% busy at three warpgroups per SM), so it runs four
+CTAs per SM: 128 registers each and a 40 KB ring (five stages at head_dim 128). Against
+three CTAs with a producer warp and an 8-stage ring: F1 574/575 vs 569/569, F3 587/582 vs
+578/578 TFLOPS (bench/results/2026-11-30_5e9155c+4cta_h200_sage_four_ctas_ab.md).
 """
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
@@ -31,12 +32,10 @@ from generator.kernels.sage_common import (
 )
 from generator.kernels.sm90_wgmma import CONSUMER_THREADS, TILE_M, TILE_N, BlockSparseFwdSm90
 
-KV_STAGES = 8
-# A producer warp issues the loads (warp 4): the Sage consumer needs no more than the 136
-# registers a 5-warp CTA gets at three per SM.
-PRODUCER_WARP = 4
-NUM_THREADS = CONSUMER_THREADS + 32
-CTAS_PER_SM = 3
+CTAS_PER_SM = 4
+# Four CTAs of Q (8 KB at head_dim 128) and this ring fit the SM's 228 KB; one more 8 KB
+# stage would not.
+RING_BYTES = 40 * 1024
 # P V runs in column slices of at most 64 channels, each into the same fp32 partial
 # accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
 # leave room for only two CTAs per SM.
@@ -47,9 +46,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     def __init__(self, head_dim: int, cluster: int = 1):
         super().__init__(cutlass.Float8E4M3FN, head_dim, cluster)
         self.v_major = OperandMajorMode.K
-        self.kv_stages = KV_STAGES
+        self.kv_stages = RING_BYTES // (TILE_N * head_dim)  # e4m3: one byte per element
         self.ctas_per_sm = CTAS_PER_SM
-        self.num_threads = NUM_THREADS  # the warpgroup and a producer warp
         self.pv_slice = min(head_dim, PV_SLICE)
 
     @cute.jit
@@ -128,26 +126,44 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
-        if warp == PRODUCER_WARP:
-            self.produce(
-                tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-                q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
-            )
-        if warp < PRODUCER_WARP:
-            self.consume_sage(
-                qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
-                mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-                head, kv_head, chunk, num_tiles, tidx,
-            )
+        loads = self.load_partitions(
+            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+        )
+        self.consume_sage(
+            qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
+            loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+            head, kv_head, chunk, num_tiles, tidx, warp,
+        )
         self.leave_cluster()
 
     @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_consumer, kv_consumer,
-        mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-        head, kv_head, chunk, num_tiles, tidx,
+        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
+        loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+        head, kv_head, chunk, num_tiles, tidx, warp,
     ):
+        """The warpgroup's work; warp 0 also issues the loads.
+
+        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage
+        n % kv_stages. Warp 0 issues loads 0 .. kv_stages - 1 up front, then at the top of
+        tile j (j > 0) the two loads whose stages tile j - 1 released, with tile ids read a
+        tile earlier (no global load on warp 0's way to a TMA).
+        """
         d = self.head_dim
+        stages = self.kv_stages
+        q_load, k_load, v_load = loads
+        loader = warp == 0
+        num_loads = 2 * num_tiles
+        next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
+        if loader:
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            self.load_q(q_producer, q_load)
+            # The pipeline state is advanced here, in the loop bodies: not in a helper.
+            for n in cutlass.range(cutlass.min(num_loads, stages), unroll=1):
+                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
+                kv_producer.advance()
+            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, stages, next_ids)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
@@ -182,6 +198,14 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         for j in cutlass.range(num_tiles, unroll=1):
+            if loader:
+                if j > 0:
+                    first = 2 * j - 2 + stages
+                    for i in cutlass.range_constexpr(2):
+                        if first + i < num_loads:
+                            self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
+                            kv_producer.advance()
+                    self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + stages, next_ids)
             tile_len = next_len
             key_scale.store(next_scale.load())
             next_len = self.load_tile_data(
@@ -218,6 +242,20 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
 
+
+    @cute.jit
+    def ring_load(self, kv_producer, k_load, v_load, n, tile):
+        """Issue load n of the ring (K of `tile` for even n, V for odd) into its stage."""
+        if n % 2 == 0:
+            self.load_tile(kv_producer, k_load, tile)
+        else:
+            self.load_tile(kv_producer, v_load, tile)
+
+    @cute.jit
+    def read_load_ids(self, mTileIdx, kv_head, chunk, num_tiles, first, ids):
+        """Tile ids of loads first and first + 1 (clamped to the list; unused past its end)."""
+        for i in cutlass.range_constexpr(2):
+            ids[i] = mTileIdx[kv_head, chunk, cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
     def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):

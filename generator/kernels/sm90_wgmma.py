@@ -291,25 +291,6 @@ class BlockSparseFwdSm90:
         cute.copy(atom, src[None, tile], dst[None, handle.index], tma_bar_ptr=handle.barrier, **self.kv_multicast())
 
     @cute.jit
-    def produce(
-        self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV,
-        q_producer, kv_producer, mTileIdx, head, kv_head, chunk, num_tiles,
-    ):
-        """The producer warp's loop (Sage FP8 kernel): Q, then K and V of every listed tile."""
-        q_load, k_load, v_load = self.load_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
-        )
-        cpasync.prefetch_descriptor(tma_k)
-        cpasync.prefetch_descriptor(tma_v)
-        self.load_q(q_producer, q_load)
-        for j in cutlass.range(num_tiles, unroll=1):
-            tile = mTileIdx[kv_head, chunk, j]
-            self.load_tile(kv_producer, k_load, tile)
-            kv_producer.advance()
-            self.load_tile(kv_producer, v_load, tile)
-            kv_producer.advance()
-
-    @cute.jit
     def consume(
         self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
         mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
