@@ -145,9 +145,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         """The warpgroup's work; warp 0 also issues the loads.
 
         Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage
-        n % kv_stages. Warp 0 issues loads 0 .. kv_stages - 1 up front, then at the top of
-        tile j (j > 0) the two loads whose stages tile j - 1 released, with tile ids read a
-        tile earlier (no global load on warp 0's way to a TMA).
+        n % kv_stages. Warp 0 issues loads 0 .. kv_stages - 1 up front, then in tile j > 0,
+        while the tensor core computes its S, the two loads whose stages tile j - 1
+        released, with tile ids read a tile earlier (no global load on warp 0's way to a
+        TMA). F3 +2.4%: bench/results/2026-11-30_4df71ca+overlap_h200_sage_loads_under_qk_ab.md.
         """
         d = self.head_dim
         stages = self.kv_stages
@@ -198,6 +199,12 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         q_handle = q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, q_handle.index]
         for j in cutlass.range(num_tiles, unroll=1):
+            tile_len = next_len
+            key_scale.store(next_scale.load())
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            # While the tensor core computes S: warp 0's loads, and the next tile's data (whose
+            # load the compiler waits for at once, to keep it in uniform registers).
             if loader:
                 if j > 0:
                     first = 2 * j - 2 + stages
@@ -206,13 +213,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                             self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
                             kv_producer.advance()
                     self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + stages, next_ids)
-            tile_len = next_len
-            key_scale.store(next_scale.load())
             next_len = self.load_tile_data(
                 mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
             )
-            k_handle = kv_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
             k_handle.release()
             sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
