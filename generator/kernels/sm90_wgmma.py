@@ -343,19 +343,26 @@ class BlockSparseFwdSm90:
             if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
                 self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
                 kv_producer.advance()
+        tile_len = cutlass.Int32(0)
+        if num_tiles > 0:
+            tile_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                mTileLen[mTileIdx[kv_head, chunk, j]], tidx,
+                tile_len, tidx,
             )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            # Under the two MMAs: the next tile's length, and the id of the tile warp 0 loads
+            # next (ptxas may wait for a load right after it: CONTRIBUTING.md).
+            tile_len = mTileLen[mTileIdx[kv_head, chunk, j + 1]]
+            next_tile = mTileIdx[kv_head, chunk, cutlass.min(j + 2, num_tiles - 1)]
             warpgroup.wait_group(0)
             v_handle.release()
             k_handle.release()
             if loader:
                 if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                    tile = mTileIdx[kv_head, chunk, j + 2]
+                    tile = next_tile
                     self.load_tile(kv_producer, k_load, tile)
                     kv_producer.advance()
                     self.load_tile(kv_producer, v_load, tile)
@@ -363,7 +370,7 @@ class BlockSparseFwdSm90:
         if num_tiles > 0:
             v_handle = self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                mTileLen[mTileIdx[kv_head, chunk, num_tiles - 1]], tidx,
+                tile_len, tidx,
             )
             warpgroup.wait_group(0)
             v_handle.release()
