@@ -30,15 +30,15 @@ from generator.kernels.sage_common import (
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.sm90_wgmma import CONSUMER_THREADS, TILE_M, TILE_N, BlockSparseFwdSm90
+from generator.kernels.sm90_wgmma import TILE_M, TILE_N, BlockSparseFwdSm90
 
 CTAS_PER_SM = 4
 # Four CTAs of Q (8 KB at head_dim 128) and this ring fit the SM's 228 KB; one more 8 KB
 # stage would not.
 RING_BYTES = 40 * 1024
 # P V runs in column slices of at most 64 channels, each into the same fp32 partial
-# accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) would
-# leave room for only two CTAs per SM.
+# accumulator (32 registers): at head_dim 128 a full-width partial (64 registers) does not
+# fit the 128 registers of four CTAs per SM (nor paid at three: CONTRIBUTING.md).
 PV_SLICE = 64
 
 
@@ -244,7 +244,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
-
 
     @cute.jit
     def ring_load(self, kv_producer, k_load, v_load, n, tile):

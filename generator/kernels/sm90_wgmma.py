@@ -11,9 +11,9 @@ CTA = one warpgroup (4 warps), three CTAs per SM (64 KB of shared memory each):
 Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync):
   q   1 stage;        producer: warp 0 (one elected arrive + TMA bytes); consumer: 4 warps
   kv  KV_STAGES ring; K and V of a tile take consecutive stages; same arrive counts
-Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384): the
-schedule above needs 138, and with a fifth warp the cap is 136, where ptxas serializes every
-wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one session: W1 501/500
+Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384), all of
+which the schedule above uses (head_dim 128); with a fifth warp the cap is 136, where ptxas
+serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one session: W1 501/500
 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
 (bench/results/2026-11-30_producerless_h200_bench_ab.md). Three CTAs per SM beat every
 variant with fewer consumer warpgroups per SM (bench/results/2026-11-29_17f3808_h200_sm90_tuning.md).
@@ -362,10 +362,9 @@ class BlockSparseFwdSm90:
             k_handle.release()
             if loader:
                 if j + 2 < num_tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                    tile = next_tile
-                    self.load_tile(kv_producer, k_load, tile)
+                    self.load_tile(kv_producer, k_load, next_tile)
                     kv_producer.advance()
-                    self.load_tile(kv_producer, v_load, tile)
+                    self.load_tile(kv_producer, v_load, next_tile)
                     kv_producer.advance()
         if num_tiles > 0:
             v_handle = self.softmax_then_pv(
