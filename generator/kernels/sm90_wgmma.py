@@ -13,8 +13,8 @@ Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync):
   kv  KV_STAGES ring; K and V of a tile take consecutive stages; same arrive counts
 Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384), all of
 which the schedule above uses (head_dim 128); with a fifth warp the cap is 136, where ptxas
-serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one session: W1 501/500
-vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
+serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one
+session: W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
 (bench/results/2026-11-30_producerless_h200_bench_ab.md). Three CTAs per SM beat every
 variant with fewer consumer warpgroups per SM (bench/results/2026-11-29_17f3808_h200_sm90_tuning.md).
 TMA zero-fills key rows past the sequence end; keys past a tile's valid length are masked
@@ -353,10 +353,12 @@ class BlockSparseFwdSm90:
             )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            # Under the two MMAs: the next tile's length, and the id of the tile warp 0 loads
-            # next (ptxas may wait for a load right after it: CONTRIBUTING.md).
+            # Under the two MMAs: the next tile's length, and (warp 0) the id of the tile it
+            # loads next (ptxas may wait for a load right after it: CONTRIBUTING.md).
             tile_len = mTileLen[mTileIdx[kv_head, chunk, j + 1]]
-            next_tile = mTileIdx[kv_head, chunk, cutlass.min(j + 2, num_tiles - 1)]
+            next_tile = cutlass.Int32(0)
+            if loader:
+                next_tile = mTileIdx[kv_head, chunk, cutlass.min(j + 2, num_tiles - 1)]
             warpgroup.wait_group(0)
             v_handle.release()
             k_handle.release()
