@@ -206,12 +206,17 @@ class Variant:
     # CTAs per cluster (sm90 attention): the partners run units with the same tile list
     # and share each K/V tile, every partner loading 1/cluster of it for all (TMA multicast).
     cluster: int = 1
+    # Consumer warpgroups per CTA (sm90 attention): each runs one unit of the same tile list
+    # and all read the CTA's one K/V ring (GQA heads, 64-row units of 128-row blocks).
+    warpgroups: int = 1
 
     @property
     def name(self) -> str:
         config = f"{self.dtype}_d{self.head_dim}" if self.dtype else "any"
         if self.cluster > 1:
             config += f"_c{self.cluster}"
+        if self.warpgroups > 1:
+            config += f"_w{self.warpgroups}"
         return f"{self.family}__{self.template}__{config}__{self.arch}"
 
     @property
@@ -252,15 +257,19 @@ _TEMPLATES = {
 # The kernels and planner take any power of two; 4 was slower than 2 on W3 (512 vs 520
 # TFLOPS) and F3 (493 vs 531): bench/results/2026-11-30_0d481ec_h200_bench_cluster4_ab.md.
 CLUSTERS = (1, 2)
+# (cluster, warpgroups) pairs of the sm90 attention kernels.
+SHARING = tuple((c, w) for w in (1, 2) for c in CLUSTERS) + ((1, 4),)
 
 _CONFIGS = {
     "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
     "sm90_wgmma": [
-        dict(dtype=dtype, head_dim=hd, cluster=c) for dtype in DTYPES for hd in (64, 128) for c in CLUSTERS
+        dict(dtype=dtype, head_dim=hd, cluster=c, warpgroups=w)
+        for dtype in DTYPES for hd in (64, 128) for c, w in SHARING
     ],
     "warp_mma_fp8": [dict(dtype=dtype, head_dim=hd) for dtype in SAGE_DTYPES for hd in (64, 128)],
     "sm90_sage_fp8": [
-        dict(dtype=dtype, head_dim=hd, cluster=c) for dtype in SAGE_DTYPES for hd in (64, 128) for c in CLUSTERS
+        dict(dtype=dtype, head_dim=hd, cluster=c, warpgroups=w)
+        for dtype in SAGE_DTYPES for hd in (64, 128) for c, w in SHARING
     ],
     "tile_compact": [{}],
     "sage_quantize": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],

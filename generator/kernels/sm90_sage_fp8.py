@@ -43,11 +43,12 @@ PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
-    def __init__(self, head_dim: int, cluster: int = 1):
-        super().__init__(cutlass.Float8E4M3FN, head_dim, cluster)
+    def __init__(self, head_dim: int, cluster: int = 1, warpgroups: int = 1):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, cluster, warpgroups)
         self.v_major = OperandMajorMode.K
-        self.kv_stages = RING_BYTES // (TILE_N * head_dim)  # e4m3: one byte per element
-        self.ctas_per_sm = CTAS_PER_SM
+        # Warpgroups sharing a ring share their CTAs' rings too: the same bytes per SM.
+        self.kv_stages = RING_BYTES * warpgroups // (TILE_N * head_dim)  # e4m3: a byte each
+        self.ctas_per_sm = CTAS_PER_SM // warpgroups
         self.pv_slice = min(head_dim, PV_SLICE)
 
     @cute.jit
@@ -117,13 +118,15 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
+        tidx, warp, wg, bar = self.warpgroup_of_thread()
+        head, chunk, kv_head, num_tiles = unit_of_cta(
+            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M, self.warpgroups, wg
+        )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
-        # The bf16 output tile (twice sQ's bytes) reuses the K/V ring once every tile is used.
+        # The bf16 output tiles (twice sQ's bytes) reuse the K/V ring once every tile is used.
         sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
+        sO = sO[None, None, wg]
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
         loads = self.load_partitions(
@@ -132,7 +135,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.consume_sage(
             qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
             loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-            head, kv_head, chunk, num_tiles, tidx, warp,
+            head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
         )
         self.leave_cluster()
 
@@ -140,15 +143,16 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     def consume_sage(
         self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
         loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
-        head, kv_head, chunk, num_tiles, tidx, warp,
+        head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
     ):
-        """The warpgroup's work; warp 0 also issues the loads.
+        """A warpgroup's work; warp 0 of the CTA also issues the loads.
 
         Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage
         n % kv_stages. Warp 0 issues loads 0 .. kv_stages - 1 up front, then in tile j > 0,
         while the tensor core computes its S, the two loads whose stages tile j - 1
-        released, with tile ids read a tile earlier (no global load on warp 0's way to a
-        TMA). F3 +2.4%: bench/results/2026-11-30_4df71ca+overlap_h200_sage_loads_under_qk_ab.md.
+        released (in every warpgroup of the CTA), with tile ids read a tile earlier (no
+        global load on warp 0's way to a TMA). F3 +2.4%:
+        bench/results/2026-11-30_4df71ca+overlap_h200_sage_loads_under_qk_ab.md.
         """
         d = self.head_dim
         stages = self.kv_stages
@@ -156,10 +160,11 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         loader = warp == 0
         num_loads = 2 * num_tiles
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
+        if warp % 4 == 0:
+            self.load_q(q_producer, q_load, wg)
         if loader:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
-            self.load_q(q_producer, q_load)
             # The pipeline state is advanced here, in the loop bodies: not in a helper.
             for n in cutlass.range(cutlass.min(num_loads, stages), unroll=1):
                 self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
@@ -196,8 +201,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         next_len = cutlass.Int32(0)
         if num_tiles > 0:
             next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
-        q_handle = q_consumer.wait_and_advance()
-        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
             tile_len = next_len
             key_scale.store(next_scale.load())
@@ -222,7 +227,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             scores_to_e4m3_operand(acc_S_mn, tOrP)
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:
-                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+                self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
             for r in cutlass.range_constexpr(rows):
                 rescale_rows(acc_O_mn, r, alpha[r])
             for s in cutlass.range_constexpr(d // self.pv_slice):
@@ -242,22 +247,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
             for r in cutlass.range_constexpr(rows):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        if cutlass.const_expr(self.warpgroups > 1):  # the output tiles reuse the shared ring
+            cute.arch.sync_threads()
         # Scores are already in log2 units (scale_log2 is inside row_scale).
-        self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx)
-
-    @cute.jit
-    def ring_load(self, kv_producer, k_load, v_load, n, tile):
-        """Issue load n of the ring (K of `tile` for even n, V for odd) into its stage."""
-        if n % 2 == 0:
-            self.load_tile(kv_producer, k_load, tile)
-        else:
-            self.load_tile(kv_producer, v_load, tile)
-
-    @cute.jit
-    def read_load_ids(self, mTileIdx, kv_head, chunk, num_tiles, first, ids):
-        """Tile ids of loads first and first + 1 (clamped to the list; unused past its end)."""
-        for i in cutlass.range_constexpr(2):
-            ids[i] = mTileIdx[kv_head, chunk, cutlass.min((first + i) // 2, num_tiles - 1)]
+        self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx, bar)
 
     @cute.jit
     def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):
@@ -280,4 +273,4 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
 def make_kernel(variant):
     if variant.dtype != "e4m3" or not SageFp8FwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_sage_fp8: {variant.dtype} head_dim {variant.head_dim} not supported")
-    return SageFp8FwdSm90(variant.head_dim, variant.cluster)
+    return SageFp8FwdSm90(variant.head_dim, variant.cluster, variant.warpgroups)

@@ -45,18 +45,25 @@ TILE_N = 64
 KV_STAGES = 3  # K, V, K in flight per CTA; 3 CTAs per SM (see the module docstring)
 CTAS_PER_SM = 3
 CONSUMER_THREADS = 128
+# Warpgroups sharing one ring: four per SM (128 registers each), CTAs that hold this much
+# ring per SM between them.
+SHARED_RING_BYTES_PER_SM = 160 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, cluster: int = 1):
+    def __init__(self, dtype, head_dim: int, cluster: int = 1, warpgroups: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.cluster = cluster
-        self.num_threads = CONSUMER_THREADS  # warp 0 of the warpgroup issues the loads
+        self.warpgroups = warpgroups
+        self.num_threads = CONSUMER_THREADS * warpgroups  # warp 0 also issues the loads
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
-        self.consumer_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        if warpgroups > 1:
+            self.ctas_per_sm = 4 // warpgroups
+            ring_bytes = SHARED_RING_BYTES_PER_SM // self.ctas_per_sm
+            self.kv_stages = ring_bytes // (TILE_N * head_dim * dtype.width // 8)
 
     @staticmethod
     def can_implement(head_dim: int) -> bool:
@@ -98,9 +105,10 @@ class BlockSparseFwdSm90:
         ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
-        """One CTA per entry of mWork; with cluster > 1, in clusters of that many partners."""
+        """One CTA per `warpgroups` entries of mWork; with cluster > 1, in clusters of that
+        many partners."""
         config = dict(
-            grid=[mWork.shape[0], 1, 1],
+            grid=[mWork.shape[0] // self.warpgroups, 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -136,16 +144,19 @@ class BlockSparseFwdSm90:
             cutlass.Float32, (1, 1, 1), (TILE_M, d), warpgroup.OperandSource.RMEM,
         )
         v_enum = LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, 1)
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.warpgroups
+        )
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages)
-        # Output staging: plain 8x64 swizzled rows (16-bit) for 16-byte global stores.
+        # Output staging, one tile per warpgroup: plain 8x64 swizzled rows (16-bit) for
+        # 16-byte global stores.
         sO_layout = cute.tile_to_shape(
             cute.make_composed_layout(
                 cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
             ),
-            (TILE_M, d),
-            (0, 1),
+            (TILE_M, d, self.warpgroups),
+            (0, 1, 2),
         )
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         # Cluster partners share every K/V tile: each loads 1/cluster of it for all of them.
@@ -174,7 +185,8 @@ class BlockSparseFwdSm90:
         return storage, sQ, sK, sV
 
     def pipelines(self, storage, tile_bytes):
-        """Q (one stage) and the K/V ring: TMA producer warp, consumer warpgroup.
+        """Q (one stage, a tile per warpgroup, each loaded by its warp 0) and the K/V ring
+        (loaded by warp 0), consumed by all warps.
 
         In a cluster, a K/V stage is refilled (by multicast, into every partner) only when
         the consumers of all partners have released it: one arrive per consumer warp and
@@ -182,14 +194,15 @@ class BlockSparseFwdSm90:
         initialised before any multicast or remote arrive reaches them.
         """
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
-            producer_group=producers, consumer_group=consumer_warps, tx_count=tile_bytes,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warpgroups),
+            consumer_group=consumer_warps, tx_count=tile_bytes,
         ).make_participants()
         if cutlass.const_expr(self.cluster > 1):
             ring = dict(
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
                 cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
                 enable_multicast_signaling=True,
             )
@@ -237,28 +250,45 @@ class BlockSparseFwdSm90:
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M)
+        tidx, warp, wg, bar = self.warpgroup_of_thread()
+        head, chunk, kv_head, num_tiles = unit_of_cta(
+            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M, self.warpgroups, wg
+        )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
-        # The output tile reuses sQ's bytes once S = Q K^T is done. Its swizzle is part of the
-        # layout (element units), not of the pointer (byte units, as for the wgmma operands).
-        sO = storage.sQ.get_tensor(sO_layout)
+        # A warpgroup's output tile reuses its sQ bytes once S = Q K^T is done. Its swizzle is
+        # part of the layout (element units), not of the pointer (byte units, as for wgmma).
+        sO = storage.sQ.get_tensor(sO_layout)[None, None, wg]
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
-        self.consume(
+        args = (
             qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
+            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
         )
+        if cutlass.const_expr(self.warpgroups == 1):
+            self.consume(*args)
+        else:
+            self.consume_shared(*args)
         self.leave_cluster()
+
+    def warpgroup_of_thread(self):
+        """(thread index in its warpgroup, warp index in the CTA, warpgroup, the warpgroup's
+        named barrier)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(self.warpgroups == 1):
+            return tidx, warp, 0, pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        wg = warp // 4
+        bar = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=CONSUMER_THREADS)
+        return tidx % CONSUMER_THREADS, warp, wg, bar
 
     @cute.jit
     def load_partitions(self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
-        """(atom, global source, shared destination) of the Q tile and of K and V by tile id."""
+        """(atom, global source, shared destination) of this warpgroup's Q tile and of K and V
+        by tile id; Q's destination is indexed by warpgroup."""
         d = self.head_dim
         gQ = cute.local_tile(mQ_tma[None, None, head], (TILE_M, d), (chunk, 0))
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, d), (None, 0))
@@ -277,11 +307,26 @@ class BlockSparseFwdSm90:
         return (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
 
     @cute.jit
-    def load_q(self, q_producer, q_load):
+    def load_q(self, q_producer, q_load, wg):
+        """Warp 0 of each warpgroup: its Q tile (the stage completes with every tile)."""
         atom, src, dst = q_load
         cpasync.prefetch_descriptor(atom)
         handle = q_producer.acquire()
-        cute.copy(atom, src, dst[None, handle.index], tma_bar_ptr=handle.barrier)
+        cute.copy(atom, src, dst[None, wg], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def ring_load(self, kv_producer, k_load, v_load, n, tile):
+        """Issue load n of the ring (K of `tile` for even n, V for odd) into its stage."""
+        if n % 2 == 0:
+            self.load_tile(kv_producer, k_load, tile)
+        else:
+            self.load_tile(kv_producer, v_load, tile)
+
+    @cute.jit
+    def read_load_ids(self, mTileIdx, kv_head, chunk, num_tiles, first, ids):
+        """Tile ids of loads first and first + 1 (clamped to the list; unused past its end)."""
+        for i in cutlass.range_constexpr(2):
+            ids[i] = mTileIdx[kv_head, chunk, cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
     def load_tile(self, kv_producer, kv_load, tile):
@@ -293,7 +338,7 @@ class BlockSparseFwdSm90:
     @cute.jit
     def consume(
         self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp,
+        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
     ):
         """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
 
@@ -320,7 +365,7 @@ class BlockSparseFwdSm90:
         if loader:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
-            self.load_q(q_producer, q_load)
+            self.load_q(q_producer, q_load, wg)
             if num_tiles > 0:  # loads 0, 1: K and V of tile 0
                 tile = mTileIdx[kv_head, chunk, 0]
                 self.load_tile(kv_producer, k_load, tile)
@@ -331,8 +376,8 @@ class BlockSparseFwdSm90:
                 self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
                 kv_producer.advance()
 
-        q_handle = q_consumer.wait_and_advance()
-        sQ_stage = tSrQ[None, None, None, q_handle.index]
+        q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, wg]
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
         if num_tiles > 0:
             k_handle = kv_consumer.wait_and_advance()
@@ -349,7 +394,7 @@ class BlockSparseFwdSm90:
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx,
+                tile_len, tidx, bar,
             )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
@@ -371,27 +416,96 @@ class BlockSparseFwdSm90:
         if num_tiles > 0:
             v_handle = self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx,
+                tile_len, tidx, bar,
             )
             warpgroup.wait_group(0)
             v_handle.release()
 
-        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx)
+        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
+
+    @cute.jit
+    def consume_shared(
+        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
+        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+    ):
+        """One warpgroup's work when several share the ring (their units list the same tiles).
+
+        Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage
+        n % kv_stages. Warp 0 of the CTA issues loads 0 .. kv_stages - 1 up front, then in
+        tile j > 0, while the tensor core computes its S, the two loads whose stages every
+        warpgroup released in tile j - 1. At 128 registers (two CTAs of 8 warps per SM) S of
+        the next tile is not issued behind P V (ptxas would serialize the wgmmas).
+        """
+        stages = self.kv_stages
+        q_load, k_load, v_load = loads
+        loader = warp == 0
+        num_loads = 2 * num_tiles
+        next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
+        if warp % 4 == 0:
+            self.load_q(q_producer, q_load, wg)
+        if loader:
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            # The pipeline state is advanced here, in the loop bodies: not in a helper.
+            for n in cutlass.range(cutlass.min(num_loads, stages), unroll=1):
+                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
+                kv_producer.advance()
+            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, stages, next_ids)
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_thr = qk_mma.get_slice(tidx)
+        pv_thr = pv_mma.get_slice(tidx)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32)
+        acc_O.fill(0.0)
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        next_len = cutlass.Int32(0)
+        if num_tiles > 0:
+            next_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
+        q_consumer.wait_and_advance()
+        sQ_stage = tSrQ[None, None, None, wg]
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile_len = next_len
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            if loader:
+                if j > 0:
+                    first = 2 * j - 2 + stages
+                    for i in cutlass.range_constexpr(2):
+                        if first + i < num_loads:
+                            self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
+                            kv_producer.advance()
+                    self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + stages, next_ids)
+            next_len = mTileLen[mTileIdx[kv_head, chunk, cutlass.min(j + 1, num_tiles - 1)]]
+            warpgroup.wait_group(0)
+            k_handle.release()
+            v_handle = self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
+                tile_len, tidx, bar,
+            )
+            warpgroup.wait_group(0)
+            v_handle.release()
+        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
 
     @cute.jit
     def softmax_then_pv(
-        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len, tidx,
+        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len,
+        tidx, bar,
     ):
         """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
         tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
         v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
-            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx)
+            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
         self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
         return v_handle
 
     @cute.jit
-    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx):
+    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar):
         """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
         d = self.head_dim
         out_dtype = mO.element_type
@@ -406,11 +520,11 @@ class BlockSparseFwdSm90:
 
         rO = cute.make_fragment_like(acc_O, out_dtype)
         rO.store(acc_O.load().to(out_dtype))
-        self.consumer_barrier.arrive_and_wait()
+        bar.arrive_and_wait()
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma)
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
-        self.consumer_barrier.arrive_and_wait()
+        bar.arrive_and_wait()
 
         elems = 128 // out_dtype.width
         per_row = d // elems if d < 64 else 64 // elems
@@ -448,7 +562,7 @@ class BlockSparseFwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def zero_keys_from(self, sV_stage, first_key, tidx):
+    def zero_keys_from(self, sV_stage, first_key, tidx, bar):
         """Zero V rows first_key..63 of a staged tile (keys past a tile's valid length).
 
         Their probabilities are 0, but 0 * inf or 0 * NaN from padding would still poison O.
@@ -463,7 +577,7 @@ class BlockSparseFwdSm90:
                 sV_stage[flat - key * d, key] = self.dtype(0.0)
         # Generic-proxy stores, read next by wgmma (async proxy), by all four warps.
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.consumer_barrier.arrive_and_wait()
+        bar.arrive_and_wait()
 
     @cute.jit
     def probabilities(self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2):
@@ -492,4 +606,4 @@ def make_kernel(variant):
     dtype = element_type(variant.dtype)
     if not BlockSparseFwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} not supported")
-    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.cluster)
+    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.cluster, variant.warpgroups)

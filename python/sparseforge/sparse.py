@@ -39,9 +39,9 @@ LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
 SAGE_FAMILY = "sage_fp8_fwd"
 SAGE_DTYPE = torch.float8_e4m3fn
-# sm90 kernels: the first cluster size the plan allows (see _choose_path); measured in
-# bench/results/2026-11-30_489ffd1_h200_bench_cluster_ab.md.
-CLUSTER_PREFERENCE = (2, 1)
+# sm90 kernels: the first (cluster, warpgroups) whose group of units the plan allows (see
+# _choose_path); measured in bench/results/2026-11-30_489ffd1_h200_bench_cluster_ab.md.
+SHARING_PREFERENCE = ((2, 1), (1, 1))
 # Preferred template of each family on sm_90a, then the portable one.
 _TEMPLATES = {FAMILY: ("sm90_wgmma", "warp_mma"), SAGE_FAMILY: ("sm90_sage_fp8", "warp_mma_fp8")}
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
@@ -243,17 +243,20 @@ class _BlockSparseBase:
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
             kernel = find_kernel_by_name(forced, family, arch, **params)
-            if not fits(kernel.cluster):
+            units = kernel.units_sharing_tiles
+            if not fits(units):
                 raise ValueError(
-                    f"variant {forced} runs units in groups of {kernel.cluster} with one tile list; this "
-                    f"plan has none (GQA group {group}, row blocks not multiples of {planner.TILE * kernel.cluster} tokens)"
+                    f"variant {forced} runs units in groups of {units} with one tile list; this "
+                    f"plan has none (GQA group {group}, row blocks not multiples of {planner.TILE * units} tokens)"
                 )
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
         else:
-            cluster = next(c for c in CLUSTER_PREFERENCE if fits(c))
+            cluster, warpgroups = next(cw for cw in SHARING_PREFERENCE if fits(cw[0] * cw[1]))
             try:
-                kernel = find_kernel(family, arch, template=native, cluster=cluster, **params)
+                kernel = find_kernel(
+                    family, arch, template=native, cluster=cluster, warpgroups=warpgroups, **params
+                )
             except VariantNotBuiltError:
                 kernel = find_kernel(family, arch, template=portable, **params)
         kernel.prepare()
@@ -433,7 +436,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         else:
             tiles = planner.plan_tiles(
                 head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C,
-                blocks_are_tiles=R == C == planner.TILE, cluster=kernel.cluster,
+                blocks_are_tiles=R == C == planner.TILE, cluster=kernel.units_sharing_tiles,
             )
             self._bind(plan, kernel, tiles, (M, num_qo_heads))
         self._plan = plan
@@ -524,7 +527,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             tiles = planner.plan_tiles(
                 block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads,
                 blocks_are_tiles=planner.sizes_are_tiles(host_rows) and planner.sizes_are_tiles(host_cols),
-                cluster=kernel.cluster,
+                cluster=kernel.units_sharing_tiles,
             )
             self._bind(plan, kernel, tiles, (num_qo_heads, seq_q))
         self._plan = plan
