@@ -203,18 +203,13 @@ class Variant:
     arch: str
     dtype: str | None = None  # element type of the attention operands
     head_dim: int | None = None
-    # CTAs per cluster (sm90 attention): the partners run units with the same tile list
-    # and share each K/V tile, every partner loading 1/cluster of it for all (TMA multicast).
-    cluster: int = 1
-    # Consumer warpgroups per CTA (sm90 attention): each runs one unit of the same tile list
-    # and all read the CTA's one K/V ring (GQA heads, 64-row units of 128-row blocks).
+    # Consumer warpgroups per CTA (sm90 attention): each runs one unit, all of one tile list
+    # (GQA heads of a kv head, 64-row units of one row block), and all read one K/V ring.
     warpgroups: int = 1
 
     @property
     def name(self) -> str:
         config = f"{self.dtype}_d{self.head_dim}" if self.dtype else "any"
-        if self.cluster > 1:
-            config += f"_c{self.cluster}"
         if self.warpgroups > 1:
             config += f"_w{self.warpgroups}"
         return f"{self.family}__{self.template}__{config}__{self.arch}"
@@ -253,23 +248,22 @@ _TEMPLATES = {
     "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
-# sm90 attention: alone, or in pairs sharing K/V (GQA heads, 64-row units of 128-row blocks).
-# The kernels and planner take any power of two; 4 was slower than 2 on W3 (512 vs 520
-# TFLOPS) and F3 (493 vs 531): bench/results/2026-11-30_0d481ec_h200_bench_cluster4_ab.md.
-CLUSTERS = (1, 2)
-# (cluster, warpgroups) pairs of the sm90 attention kernels.
-SHARING = tuple((c, w) for w in (1, 2) for c in CLUSTERS) + ((1, 4),)
+# sm90 attention: warpgroups per CTA sharing one K/V ring. Interleaved A/B against 2-CTA
+# clusters that multicast each tile (the sharing used before; TFLOPS, H200): W3 587 (4) /
+# 544 (2 x 2) / 520 (cluster), W5 545 (2) / 518 (cluster), F3 Sage 602 (2) / 578 (4) / 575
+# (cluster): bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
+WARPGROUPS = {"sm90_wgmma": (1, 2, 4), "sm90_sage_fp8": (1, 2)}
 
 _CONFIGS = {
     "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],
     "sm90_wgmma": [
-        dict(dtype=dtype, head_dim=hd, cluster=c, warpgroups=w)
-        for dtype in DTYPES for hd in (64, 128) for c, w in SHARING
+        dict(dtype=dtype, head_dim=hd, warpgroups=w)
+        for dtype in DTYPES for hd in (64, 128) for w in WARPGROUPS["sm90_wgmma"]
     ],
     "warp_mma_fp8": [dict(dtype=dtype, head_dim=hd) for dtype in SAGE_DTYPES for hd in (64, 128)],
     "sm90_sage_fp8": [
-        dict(dtype=dtype, head_dim=hd, cluster=c, warpgroups=w)
-        for dtype in SAGE_DTYPES for hd in (64, 128) for c, w in SHARING
+        dict(dtype=dtype, head_dim=hd, warpgroups=w)
+        for dtype in SAGE_DTYPES for hd in (64, 128) for w in WARPGROUPS["sm90_sage_fp8"]
     ],
     "tile_compact": [{}],
     "sage_quantize": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],

@@ -264,11 +264,11 @@ def test_no_host_sync_in_run():
     "group, block, seq",
     [(2, 64, 1000), (4, 128, 777), (8, 64, 130), (1, 128, 300), (3, 128, 1100), (1, 256, 700)],
 )
-def test_cluster_pairs_match_single_ctas(monkeypatch, dtype, head_dim, group, block, seq):
-    """Units sharing K/V, by multicast to a cluster partner (_c2), as two warpgroups of one
-    CTA (_w2) or both (_c2_w2, groups of 4): heads of a group, or the 64-row units of a
-    128-row block (a last unit without a partner computed twice). Each gives bit for bit the
-    output of one CTA per unit, which matches the reference."""
+def test_units_sharing_a_ring_match_single_ctas(monkeypatch, dtype, head_dim, group, block, seq):
+    """Two or four units per CTA, one per warpgroup, sharing its K/V ring (_w2, _w4): heads of
+    a group, or the 64-row units of a row block (a last unit without a partner computed
+    twice). Each gives bit for bit the output of one unit per CTA, which matches the
+    reference."""
     torch.manual_seed(zlib.crc32(f"{dtype}{head_dim}{group}{block}{seq}".encode()))
     hkv = 2
     mb = -(-seq // block)
@@ -279,19 +279,18 @@ def test_cluster_pairs_match_single_ctas(monkeypatch, dtype, head_dim, group, bl
     monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}__sm_90a")
     out1, lse1 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
     check(out1, lse1, *reference_for(mask, sizes, sizes, q, k, v))
-    for sharing in ("_c2", "_w2", "_c2_w2", "_w4"):
-        units = 4 if sharing in ("_c2_w2", "_w4") else 2
-        if group % units and not planner.rows_fit_cluster(sizes, units):
+    for units in (2, 4):
+        if group % units and not planner.rows_fit_units(sizes, units):
             continue  # no groups of `units` units with one tile list (the variant refuses)
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}{sharing}__sm_90a")
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}_w{units}__sm_90a")
         out2, lse2 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
-        assert torch.equal(out2, out1) and torch.equal(lse2, lse1), sharing
+        assert torch.equal(out2, out1) and torch.equal(lse2, lse1), units
 
 
-def test_cluster_variant_refuses_plans_without_pairs(monkeypatch):
+def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
     if "sparseforge" not in BACKENDS:
         pytest.skip("no sm90_wgmma build")
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_c2__sm_90a")
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_w2__sm_90a")
     sizes = torch.full((3, 4), 64)
     with pytest.raises(ValueError, match="groups of 2"):
         run_variable(torch.ones(3, 4, 4, dtype=torch.bool), sizes, sizes,

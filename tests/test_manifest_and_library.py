@@ -24,7 +24,6 @@ def test_manifest_schema():
         assert v["entry"] == index and v["arch"] in m["archs"]
         p = v["params"]
         config = f"{p['dtype']}_d{p['head_dim']}" if p["dtype"] else "any"
-        config += f"_c{p['cluster']}" if p["cluster"] > 1 else ""
         config += f"_w{p['warpgroups']}" if p["warpgroups"] > 1 else ""
         assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"
         for arg in v["abi"]:

@@ -76,34 +76,34 @@ def test_work_order_longest_first_and_complete():
     assert counts[0] == 8 and counts[-1] == 0
 
 
-@pytest.mark.parametrize("group, cluster", [(2, 2), (4, 2), (8, 2), (4, 4), (8, 4)])
-def test_cluster_work_groups_query_heads_of_a_kv_group(group, cluster):
+@pytest.mark.parametrize("group, n", [(2, 2), (4, 2), (8, 2), (4, 4), (8, 4)])
+def test_cta_work_groups_query_heads_of_a_kv_group(group, n):
     hkv, units = 3, 7
     mask = random_selection(hkv, units, 8, topk=3)
     mask[1, 4] = True
     plan = planner.plan_tiles(mask, uniform(hkv, 64 * units, 64), uniform(hkv, 512, 64),
-                              64 * units, 512, hkv * group, cluster=cluster)
-    work = plan.work.view(-1, cluster).tolist()
+                              64 * units, 512, hkv * group, units_per_cta=n)
+    work = plan.work.view(-1, n).tolist()
     assert sorted(u for members in work for u in members) == list(range(hkv * group * units))
-    for members in work:  # partners: heads cluster*m .. cluster*m + cluster-1 of one group, same rows
+    for members in work:  # one CTA: heads n*m .. n*m + n-1 of one group, same rows
         lead = members[0]
-        assert members == [lead + i * units for i in range(cluster)]
-        assert (lead // units) % cluster == 0 and (lead // units) // group == (members[-1] // units) // group
+        assert members == [lead + i * units for i in range(n)]
+        assert (lead // units) % n == 0 and (lead // units) // group == (members[-1] // units) // group
     counts = [int(plan.tile_cnt[(m[0] // units) // group, m[0] % units]) for m in work]
     assert counts == sorted(counts, reverse=True) and counts[0] == 8
 
 
 @pytest.mark.parametrize("seq_q", [64 * 6, 64 * 7 - 5])
-def test_cluster_work_pairs_units_of_128_row_blocks(seq_q):
-    """Pairs of 64-row units; a 4-CTA cluster over 256-row blocks is the same code."""
+def test_cta_work_pairs_units_of_128_row_blocks(seq_q):
+    """Pairs of 64-row units; four units of 256-row blocks are the same code."""
     hq, units = 3, -(-seq_q // 64)
     mask = random_selection(hq, -(-seq_q // 128), 8, topk=3)
     mask[2, 1] = True
     rows = uniform(hq, seq_q, 128)
-    assert planner.rows_fit_cluster(rows, 2) and not planner.rows_fit_cluster(uniform(hq, seq_q, 192), 2)
-    plan = planner.plan_tiles(mask, rows, uniform(hq, 512, 64), seq_q, 512, hq, cluster=2)
+    assert planner.rows_fit_units(rows, 2) and not planner.rows_fit_units(uniform(hq, seq_q, 192), 2)
+    plan = planner.plan_tiles(mask, rows, uniform(hq, 512, 64), seq_q, 512, hq, units_per_cta=2)
     work = plan.work.view(-1, 2).tolist()
-    for a, b in work:  # partners: units 2m, 2m+1 of one head (a last odd unit twice)
+    for a, b in work:  # one CTA: units 2m, 2m+1 of one head (a last odd unit twice)
         assert a // units == b // units and (a % units) % 2 == 0 and b == min(a + 1, (a // units + 1) * units - 1)
         assert torch.equal(plan.tile_idx[a // units, a % units, : plan.tile_cnt[a // units, a % units]],
                            plan.tile_idx[b // units, b % units, : plan.tile_cnt[b // units, b % units]])

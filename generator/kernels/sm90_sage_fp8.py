@@ -13,6 +13,10 @@ is latency-bound (ncu: issue slots ~55% busy at three warpgroups per SM), so it 
 CTAs per SM: 128 registers each and a 40 KB ring (five stages at head_dim 128). Against
 three CTAs with a producer warp and an 8-stage ring: F1 574/575 vs 569/569, F3 587/582 vs
 578/578 TFLOPS (bench/results/2026-11-30_5e9155c+4cta_h200_sage_four_ctas_ab.md).
+Two warpgroups whose units list the same tiles (GQA heads, 64-row units of a 128-row block)
+may share a CTA and its ring (two CTAs per SM, the same bytes and registers per warpgroup):
+F3 602 TFLOPS against 575 for 2-CTA clusters sharing tiles by multicast; four per CTA: 578
+(bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md).
 """
 
 import cuda.bindings.driver as cuda
@@ -43,10 +47,10 @@ PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
-    def __init__(self, head_dim: int, cluster: int = 1, warpgroups: int = 1):
-        super().__init__(cutlass.Float8E4M3FN, head_dim, cluster, warpgroups)
+    def __init__(self, head_dim: int, warpgroups: int = 1):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, warpgroups)
         self.v_major = OperandMajorMode.K
-        # Warpgroups sharing a ring share their CTAs' rings too: the same bytes per SM.
+        # Warpgroups sharing a CTA pool their rings: the same bytes per SM.
         self.kv_stages = RING_BYTES * warpgroups // (TILE_N * head_dim)  # e4m3: a byte each
         self.ctas_per_sm = CTAS_PER_SM // warpgroups
         self.pv_slice = min(head_dim, PV_SLICE)
@@ -137,7 +141,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
             head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
         )
-        self.leave_cluster()
 
     @cute.jit
     def consume_sage(
@@ -273,4 +276,4 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
 def make_kernel(variant):
     if variant.dtype != "e4m3" or not SageFp8FwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_sage_fp8: {variant.dtype} head_dim {variant.head_dim} not supported")
-    return SageFp8FwdSm90(variant.head_dim, variant.cluster, variant.warpgroups)
+    return SageFp8FwdSm90(variant.head_dim, variant.warpgroups)

@@ -1,22 +1,30 @@
-"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, one warpgroup per CTA.
+"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, warp-specialized
+only in that warp 0 also issues the loads.
 
-Same contract as the portable template (the family ABI in generator/catalog.py): one CTA
-owns one unit, 64 query rows of one head, and walks that unit's list of 64-key tiles.
+Same contract as the portable template (the family ABI in generator/catalog.py): a unit is
+64 query rows of one head, run by one warpgroup that walks the unit's list of 64-key tiles.
+A CTA has `warpgroups` consumer warpgroups, one unit each; their units list the same tiles
+(the planner groups them: GQA heads of one kv head, 64-row units of one row block), so they
+read one K/V ring, loaded once.
 
-CTA = one warpgroup (4 warps), three CTAs per SM (64 KB of shared memory each):
+One warpgroup per CTA (any plan), three CTAs per SM (64 KB of shared memory each):
   S = Q K^T (wgmma, both operands in shared memory), online softmax in fp32 registers,
   O += P V (wgmma, P from registers); S of tile j+1 is issued right behind P V of tile j.
   Warp 0 also issues the TMA loads: Q once, then K and V of each listed tile by its index,
-  each as soon as all consumers (of every cluster partner) have released its stage.
+  each as soon as the consumers have released its stage.
+  Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384), all of
+  which this schedule uses (head_dim 128); with a fifth warp the cap is 136, where ptxas
+  serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one
+  session: W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
+  (bench/results/2026-11-30_producerless_h200_bench_ab.md).
+Two or four warpgroups per CTA (consume_shared), four warpgroups per SM at 128 registers:
+  a 160 KB ring per SM and no S(j+1) behind P V(j) (it needs ~138 registers). W3 with four:
+  587 TFLOPS against 520 for 2-CTA clusters sharing tiles by multicast, W5 with two: 545
+  against 518 (bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md).
 Pipelines (mbarriers, cutlass.pipeline.PipelineTmaAsync):
-  q   1 stage;        producer: warp 0 (one elected arrive + TMA bytes); consumer: 4 warps
-  kv  KV_STAGES ring; K and V of a tile take consecutive stages; same arrive counts
-Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384), all of
-which the schedule above uses (head_dim 128); with a fifth warp the cap is 136, where ptxas
-serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one
-session: W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
-(bench/results/2026-11-30_producerless_h200_bench_ab.md). Three CTAs per SM beat every
-variant with fewer consumer warpgroups per SM (bench/results/2026-11-29_17f3808_h200_sm90_tuning.md).
+  q   1 stage, a tile per warpgroup; producers: warp 0 of each warpgroup (an elected arrive
+      + the TMA bytes of its tile); consumers: every warp
+  kv  kv_stages ring; K and V of a tile take consecutive stages; producer: warp 0 of the CTA
 TMA zero-fills key rows past the sequence end; keys past a tile's valid length are masked
 to -inf before the softmax and their V rows zeroed in shared memory. A unit with no tiles
 writes O = 0 and LSE = -inf.
@@ -51,10 +59,9 @@ SHARED_RING_BYTES_PER_SM = 160 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, cluster: int = 1, warpgroups: int = 1):
+    def __init__(self, dtype, head_dim: int, warpgroups: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.cluster = cluster
         self.warpgroups = warpgroups
         self.num_threads = CONSUMER_THREADS * warpgroups  # warp 0 also issues the loads
         self.v_major = OperandMajorMode.MN
@@ -105,9 +112,8 @@ class BlockSparseFwdSm90:
         ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
-        """One CTA per `warpgroups` entries of mWork; with cluster > 1, in clusters of that
-        many partners."""
-        config = dict(
+        """One CTA per `warpgroups` entries of mWork."""
+        return dict(
             grid=[mWork.shape[0] // self.warpgroups, 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
@@ -115,9 +121,6 @@ class BlockSparseFwdSm90:
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )
-        if self.cluster > 1:
-            config["cluster"] = [self.cluster, 1, 1]
-        return config
 
     def operands(self, mQ, mK, v_view):
         """MMAs, shared-memory layouts and TMA atoms (trace time).
@@ -159,18 +162,14 @@ class BlockSparseFwdSm90:
             (0, 1, 2),
         )
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        # Cluster partners share every K/V tile: each loads 1/cluster of it for all of them.
-        kv_op, kv_multicast = tma_op, {}
-        if cutlass.const_expr(self.cluster > 1):
-            kv_op, kv_multicast = cpasync.CopyBulkTensorTileG2SMulticastOp(), dict(num_multicast=self.cluster)
         tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
             tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, d)
         )
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            kv_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d), **kv_multicast
+            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
         )
         tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-            kv_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N), **kv_multicast
+            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
         )
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
@@ -186,44 +185,19 @@ class BlockSparseFwdSm90:
 
     def pipelines(self, storage, tile_bytes):
         """Q (one stage, a tile per warpgroup, each loaded by its warp 0) and the K/V ring
-        (loaded by warp 0), consumed by all warps.
-
-        In a cluster, a K/V stage is refilled (by multicast, into every partner) only when
-        the consumers of all partners have released it: one arrive per consumer warp and
-        partner. Creating the ring syncs the cluster, so every partner's barriers are
-        initialised before any multicast or remote arrive reaches them.
-        """
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        (loaded by warp 0 of the CTA; a stage is refilled once every warp released it)."""
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warpgroups),
             consumer_group=consumer_warps, tx_count=tile_bytes,
         ).make_participants()
-        if cutlass.const_expr(self.cluster > 1):
-            ring = dict(
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
-                cta_layout_vmnk=cute.make_layout((1, self.cluster, 1, 1)),
-                enable_multicast_signaling=True,
-            )
-        else:
-            ring = dict(consumer_group=consumer_warps)
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.kv_barriers.data_ptr(), num_stages=self.kv_stages,
-            producer_group=producers, tx_count=tile_bytes, **ring,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=consumer_warps, tx_count=tile_bytes,
         ).make_participants()
         return q_producer, q_consumer, kv_producer, kv_consumer
-
-    def kv_multicast(self) -> dict:
-        """cute.copy arguments of a K/V load: to every partner of the cluster."""
-        return dict(mcast_mask=cutlass.Int16((1 << self.cluster) - 1)) if self.cluster > 1 else {}
-
-    @cute.jit
-    def leave_cluster(self):
-        """All threads: a partner may still arrive on this CTA's barriers until it is done."""
-        if cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
 
     @cute.kernel
     def kernel(
@@ -272,7 +246,6 @@ class BlockSparseFwdSm90:
             self.consume(*args)
         else:
             self.consume_shared(*args)
-        self.leave_cluster()
 
     def warpgroup_of_thread(self):
         """(thread index in its warpgroup, warp index in the CTA, warpgroup, the warpgroup's
@@ -296,13 +269,11 @@ class BlockSparseFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        partners = cute.make_layout(self.cluster)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_k, rank, partners, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
         tVsV, tVgV = cpasync.tma_partition(
-            tma_v, rank, partners, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
 
@@ -333,7 +304,7 @@ class BlockSparseFwdSm90:
         """K or V of one tile into the ring's current stage (every partner's, by multicast)."""
         atom, src, dst = kv_load
         handle = kv_producer.acquire()
-        cute.copy(atom, src[None, tile], dst[None, handle.index], tma_bar_ptr=handle.barrier, **self.kv_multicast())
+        cute.copy(atom, src[None, tile], dst[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
     def consume(
@@ -606,4 +577,4 @@ def make_kernel(variant):
     dtype = element_type(variant.dtype)
     if not BlockSparseFwdSm90.can_implement(variant.head_dim):
         raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} not supported")
-    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.cluster, variant.warpgroups)
+    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.warpgroups)

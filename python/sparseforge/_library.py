@@ -85,10 +85,10 @@ class Kernel:
     abi: tuple
 
     @property
-    def units_sharing_tiles(self) -> int:
-        """Units run together on one tile list (cluster partners times warpgroups per CTA):
-        consecutive entries of the plan's work list, which must share their tiles."""
-        return self.params.get("cluster", 1) * self.params.get("warpgroups", 1)
+    def units_per_cta(self) -> int:
+        """Units a CTA runs on one tile list (its warpgroups): consecutive entries of the
+        plan's work list, which must share their tiles."""
+        return self.params.get("warpgroups", 1)
 
     def prepare(self) -> None:
         """Load the module (outside graph capture; launch() would otherwise do it)."""

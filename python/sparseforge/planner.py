@@ -95,13 +95,13 @@ def plan_tiles(
     kv_block_lens: torch.Tensor | None = None,
     kv_block_size: int = TILE,
     blocks_are_tiles: bool = False,
-    cluster: int = 1,
+    units_per_cta: int = 1,
 ) -> TilePlan:
     """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
 
     blocks_are_tiles: every block is 64 x 64 tokens (the last may be short), so the mask
     already is the tile mask and the two gathers are skipped.
-    cluster: CTAs per cluster of the chosen kernel (see longest_first).
+    units_per_cta: units per CTA of the chosen kernel (see longest_first).
     """
     device = block_mask.device
     hkv = block_mask.shape[0]
@@ -124,7 +124,7 @@ def plan_tiles(
         tile_idx=tile_idx,
         tile_cnt=tile_cnt,
         tile_len=tile_len,
-        work=longest_first(tile_cnt, num_qo_heads // hkv, cluster),
+        work=longest_first(tile_cnt, num_qo_heads // hkv, units_per_cta),
         seq_q=seq_q,
         seq_k=seq_k,
         num_qo_heads=num_qo_heads,
@@ -159,37 +159,38 @@ def _compact_launch(device_index: int):
     return kernel.bind()
 
 
-def longest_first(tile_cnt: torch.Tensor, group: int, cluster: int = 1) -> torch.Tensor:
+def longest_first(tile_cnt: torch.Tensor, group: int, units_per_cta: int = 1) -> torch.Tensor:
     """Unit ids h * R + r of every query head's units in launch order, longest list first.
 
-    With cluster c > 1 each run of c entries is one cluster, whose partners must share a
-    tile list: c query heads of one kv group when the group allows (group % c == 0), else c
+    With n = units_per_cta > 1 each run of n entries is one CTA, whose units must share a
+    tile list: n query heads of one kv group when the group allows (group % n == 0), else n
     consecutive 64-row units of one head, which the caller guarantees lie in one row block
     (a last unit without partners is its own partner: computed twice, written alike).
     """
     r = tile_cnt.shape[1]
-    if cluster == 1:
+    n = units_per_cta
+    if n == 1:
         unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
         return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
-    rank = torch.arange(cluster, device=tile_cnt.device)
-    if group % cluster == 0:
-        cluster_cnt = tile_cnt.repeat_interleave(group // cluster, dim=0).reshape(-1)
-        order = torch.argsort(cluster_cnt, descending=True, stable=True)
-        head = (order // r * cluster).unsqueeze(1) + rank
+    rank = torch.arange(n, device=tile_cnt.device)
+    if group % n == 0:
+        cta_cnt = tile_cnt.repeat_interleave(group // n, dim=0).reshape(-1)
+        order = torch.argsort(cta_cnt, descending=True, stable=True)
+        head = (order // r * n).unsqueeze(1) + rank
         row = (order % r).unsqueeze(1)
     else:
-        cluster_cnt = tile_cnt[:, ::cluster].repeat_interleave(group, dim=0)
-        width = cluster_cnt.shape[1]
-        order = torch.argsort(cluster_cnt.reshape(-1), descending=True, stable=True)
+        cta_cnt = tile_cnt[:, ::n].repeat_interleave(group, dim=0)
+        width = cta_cnt.shape[1]
+        order = torch.argsort(cta_cnt.reshape(-1), descending=True, stable=True)
         head = (order // width).unsqueeze(1)
-        row = ((order % width) * cluster).unsqueeze(1).add(rank).clamp_max(r - 1)
+        row = ((order % width) * n).unsqueeze(1).add(rank).clamp_max(r - 1)
     return (head * r + row).reshape(-1).to(torch.int32)
 
 
-def rows_fit_cluster(row_sizes: torch.Tensor, cluster: int) -> bool:
-    """True when `cluster` consecutive 64-row units always lie in one row block: every
-    block but each head's last is a multiple of 64 * cluster tokens (host sizes)."""
-    return sizes_tile_aligned(row_sizes, TILE * cluster)
+def rows_fit_units(row_sizes: torch.Tensor, units: int) -> bool:
+    """True when `units` consecutive 64-row units always lie in one row block: every block
+    but each head's last is a multiple of 64 * units tokens (host sizes)."""
+    return sizes_tile_aligned(row_sizes, TILE * units)
 
 
 # Error bits of the data checks done on the GPU (see validation.py).

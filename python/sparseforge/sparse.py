@@ -39,9 +39,10 @@ LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
 SAGE_FAMILY = "sage_fp8_fwd"
 SAGE_DTYPE = torch.float8_e4m3fn
-# sm90 kernels: the first (cluster, warpgroups) whose group of units the plan allows (see
-# _choose_path); measured in bench/results/2026-11-30_489ffd1_h200_bench_cluster_ab.md.
-SHARING_PREFERENCE = ((2, 1), (1, 1))
+# sm90 kernels: the most warpgroups per CTA (units sharing one K/V ring) that the plan allows
+# (see _choose_path), up to what was measured fastest: bf16 4, Sage 2
+# (bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md).
+WARPGROUP_PREFERENCE = {"sm90_wgmma": (4, 2, 1), "sm90_sage_fp8": (2, 1)}
 # Preferred template of each family on sm_90a, then the portable one.
 _TEMPLATES = {FAMILY: ("sm90_wgmma", "warp_mma"), SAGE_FAMILY: ("sm90_sage_fp8", "warp_mma_fp8")}
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
@@ -220,9 +221,10 @@ class _BlockSparseBase:
         """(path, kernel) for this plan; errors or warns per the backend rules above.
 
         float8_e4m3fn plans use the sage_fp8_fwd family, 16-bit ones block_sparse_fwd.
-        The sm90 kernels run in clusters sharing K/V when units come in groups of `cluster`
-        with one tile list: query heads of a kv group (group % cluster == 0) or consecutive
-        64-row units of one row block (rows_fit(cluster)); see planner.longest_first."""
+        The sm90 kernels run n units per CTA, one per warpgroup, sharing its K/V loads, when
+        the plan's units come in groups of n with one tile list: query heads of a kv group
+        (group % n == 0) or consecutive 64-row units of one row block (rows_fit(n)); see
+        planner.longest_first."""
         if self._backend == "torch":
             return "torch", None
         if not kernel_ok:
@@ -237,13 +239,13 @@ class _BlockSparseBase:
         family = SAGE_FAMILY if dtype == SAGE_DTYPE else FAMILY
         native, portable = _TEMPLATES[family]
 
-        def fits(cluster):
-            return group % cluster == 0 or rows_fit(cluster)
+        def fits(units):
+            return group % units == 0 or rows_fit(units)
 
         forced = os.environ.get("SPARSEFORGE_VARIANT")
         if forced:
             kernel = find_kernel_by_name(forced, family, arch, **params)
-            units = kernel.units_sharing_tiles
+            units = kernel.units_per_cta
             if not fits(units):
                 raise ValueError(
                     f"variant {forced} runs units in groups of {units} with one tile list; this "
@@ -252,11 +254,9 @@ class _BlockSparseBase:
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
         else:
-            cluster, warpgroups = next(cw for cw in SHARING_PREFERENCE if fits(cw[0] * cw[1]))
+            warpgroups = next(n for n in WARPGROUP_PREFERENCE[native] if fits(n))
             try:
-                kernel = find_kernel(
-                    family, arch, template=native, cluster=cluster, warpgroups=warpgroups, **params
-                )
+                kernel = find_kernel(family, arch, template=native, warpgroups=warpgroups, **params)
             except VariantNotBuiltError:
                 kernel = find_kernel(family, arch, template=portable, **params)
         kernel.prepare()
@@ -425,7 +425,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         tiled = R % planner.TILE == 0 and C % planner.TILE == 0
         path, kernel = self._choose_path(
             tiled, f"blocks of {R}x{C} tokens are not multiples of 64", dtype, head_dim,
-            group, rows_fit=lambda cluster: R % (planner.TILE * cluster) == 0,
+            group, rows_fit=lambda units: R % (planner.TILE * units) == 0,
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=out_dtype, sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     M=M, N=N, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -436,7 +436,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         else:
             tiles = planner.plan_tiles(
                 head_mask, row_sizes, col_sizes, M, N, num_qo_heads, kv_block_lens, C,
-                blocks_are_tiles=R == C == planner.TILE, cluster=kernel.units_sharing_tiles,
+                blocks_are_tiles=R == C == planner.TILE, units_per_cta=kernel.units_per_cta,
             )
             self._bind(plan, kernel, tiles, (M, num_qo_heads))
         self._plan = plan
@@ -516,7 +516,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         tiled = planner.sizes_tile_aligned(host_rows) and planner.sizes_tile_aligned(host_cols)
         path, kernel = self._choose_path(
             tiled, "block sizes that are not multiples of 64 (except each head's last block)", dtype, head_dim,
-            num_qo_heads // num_kv_heads, rows_fit=lambda cluster: planner.rows_fit_cluster(host_rows, cluster),
+            num_qo_heads // num_kv_heads, rows_fit=lambda units: planner.rows_fit_units(host_rows, units),
         )
         plan = dict(path=path, kernel=kernel, dtype=dtype, out_dtype=_output_dtype(dtype), sage=sage, scale=scale, scale_log2=scale * LOG2_E,
                     seq_q=seq_q, seq_k=seq_k, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -527,7 +527,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             tiles = planner.plan_tiles(
                 block_mask_map, row_sizes, col_sizes, seq_q, seq_k, num_qo_heads,
                 blocks_are_tiles=planner.sizes_are_tiles(host_rows) and planner.sizes_are_tiles(host_cols),
-                cluster=kernel.units_sharing_tiles,
+                units_per_cta=kernel.units_per_cta,
             )
             self._bind(plan, kernel, tiles, (num_qo_heads, seq_q))
         self._plan = plan
