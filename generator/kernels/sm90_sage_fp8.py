@@ -23,7 +23,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
 from generator.kernels.sage_common import (
@@ -158,21 +158,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         bench/results/2026-11-30_4df71ca+overlap_h200_sage_loads_under_qk_ab.md.
         """
         d = self.head_dim
-        stages = self.kv_stages
-        q_load, k_load, v_load = loads
-        loader = warp == 0
-        num_loads = 2 * num_tiles
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        if warp % 4 == 0:
-            self.load_q(q_producer, q_load, wg)
-        if loader:
-            cpasync.prefetch_descriptor(k_load[0])
-            cpasync.prefetch_descriptor(v_load[0])
-            # The pipeline state is advanced here, in the loop bodies: not in a helper.
-            for n in cutlass.range(cutlass.min(num_loads, stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
-                kv_producer.advance()
-            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, stages, next_ids)
+        kv_producer = self.start_ring(q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
@@ -213,14 +200,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             # While the tensor core computes S: warp 0's loads, and the next tile's data (whose
             # load the compiler waits for at once, to keep it in uniform registers).
-            if loader:
-                if j > 0:
-                    first = 2 * j - 2 + stages
-                    for i in cutlass.range_constexpr(2):
-                        if first + i < num_loads:
-                            self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
-                            kv_producer.advance()
-                    self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + stages, next_ids)
+            kv_producer = self.refill_ring(kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids)
             next_len = self.load_tile_data(
                 mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
             )

@@ -300,6 +300,59 @@ class BlockSparseFwdSm90:
             ids[i] = mTileIdx[kv_head, chunk, cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
+    def start_ring(self, q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids):
+        """Ring loops: each warpgroup's Q; warp 0 fills the ring (loads 0 .. kv_stages - 1, load
+        n being K of tile n // 2 for even n, else its V, into stage n % kv_stages) and reads
+        the tile ids of the next two loads. Returns the producer (callers rebind it: its state
+        advanced here)."""
+        q_load, k_load, v_load = loads
+        if warp % 4 == 0:
+            self.load_q(q_producer, q_load, wg)
+        if warp == 0:
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
+                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
+                kv_producer.advance()
+            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, self.kv_stages, next_ids)
+        return kv_producer
+
+    @cute.jit
+    def refill_ring(self, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids):
+        """Ring loops, tile j > 0, warp 0: the two loads whose stages tile j - 1 released (in
+        every warpgroup), with the ids read a tile earlier; then the next two ids. Returns the
+        producer (rebind it in the loop, or the loop does not carry its state)."""
+        _, k_load, v_load = loads
+        if warp == 0:
+            if j > 0:
+                first = 2 * j - 2 + self.kv_stages
+                for i in cutlass.range_constexpr(2):
+                    if first + i < 2 * num_tiles:
+                        self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
+                        kv_producer.advance()
+                self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + self.kv_stages, next_ids)
+        return kv_producer
+
+    @cute.jit
+    def fragments(self, qk_mma, pv_mma, sQ, sK, sV, tidx):
+        """The 16-bit loops' operand fragments, accumulators and softmax state; both MMAs
+        always accumulate (S is zeroed before each tile), set once here, where it dominates
+        every later use."""
+        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        qk_thr = qk_mma.get_slice(tidx)
+        pv_thr = pv_mma.get_slice(tidx)
+        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32)
+        acc_O.fill(0.0)
+        tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        return tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum
+
+    @cute.jit
     def load_tile(self, kv_producer, kv_load, tile):
         """K or V of one tile into the ring's current stage (every partner's, by multicast)."""
         atom, src, dst = kv_load
@@ -316,22 +369,9 @@ class BlockSparseFwdSm90:
         Load n of the ring is K of tile n // 2 (n even) or its V (n odd), into stage n % 3.
         S of tile j+1 is issued right behind P V of tile j: one wait covers both MMAs.
         """
-        d = self.head_dim
         q_load, k_load, v_load = loads
         loader = warp == 0
-        # Both MMAs always accumulate (S is zeroed before each tile). Set once, here: a field set
-        # inside a loop or branch would not dominate its uses in later regions.
-        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qk_thr = qk_mma.get_slice(tidx)
-        pv_thr = pv_mma.get_slice(tidx)
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
-        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
-        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_O.fill(0.0)
-        tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(qk_mma, pv_mma, sQ, sK, sV, tidx)
 
         if loader:
             cpasync.prefetch_descriptor(k_load[0])
@@ -349,7 +389,6 @@ class BlockSparseFwdSm90:
 
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
-        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
         if num_tiles > 0:
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
@@ -385,12 +424,10 @@ class BlockSparseFwdSm90:
                     self.load_tile(kv_producer, v_load, next_tile)
                     kv_producer.advance()
         if num_tiles > 0:
-            v_handle = self.softmax_then_pv(
+            self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx, bar,
+                tile_len, tidx, bar, drain=True,
             )
-            warpgroup.wait_group(0)
-            v_handle.release()
 
         self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
 
@@ -407,33 +444,9 @@ class BlockSparseFwdSm90:
         warpgroup released in tile j - 1. At 128 registers (two CTAs of 8 warps per SM) S of
         the next tile is not issued behind P V (ptxas would serialize the wgmmas).
         """
-        stages = self.kv_stages
-        q_load, k_load, v_load = loads
-        loader = warp == 0
-        num_loads = 2 * num_tiles
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        if warp % 4 == 0:
-            self.load_q(q_producer, q_load, wg)
-        if loader:
-            cpasync.prefetch_descriptor(k_load[0])
-            cpasync.prefetch_descriptor(v_load[0])
-            # The pipeline state is advanced here, in the loop bodies: not in a helper.
-            for n in cutlass.range(cutlass.min(num_loads, stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
-                kv_producer.advance()
-            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, stages, next_ids)
-        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        qk_thr = qk_mma.get_slice(tidx)
-        pv_thr = pv_mma.get_slice(tidx)
-        tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
-        tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-        tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
-        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32)
-        acc_O.fill(0.0)
-        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        kv_producer = self.start_ring(q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids)
+        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(qk_mma, pv_mma, sQ, sK, sV, tidx)
         next_len = cutlass.Int32(0)
         if num_tiles > 0:
             next_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
@@ -443,36 +456,31 @@ class BlockSparseFwdSm90:
             tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            if loader:
-                if j > 0:
-                    first = 2 * j - 2 + stages
-                    for i in cutlass.range_constexpr(2):
-                        if first + i < num_loads:
-                            self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
-                            kv_producer.advance()
-                    self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + stages, next_ids)
+            kv_producer = self.refill_ring(kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids)
             next_len = mTileLen[mTileIdx[kv_head, chunk, cutlass.min(j + 1, num_tiles - 1)]]
             warpgroup.wait_group(0)
             k_handle.release()
-            v_handle = self.softmax_then_pv(
+            self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx, bar,
+                tile_len, tidx, bar, drain=True,
             )
-            warpgroup.wait_group(0)
-            v_handle.release()
         self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
 
     @cute.jit
     def softmax_then_pv(
         self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len,
-        tidx, bar,
+        tidx, bar, drain: cutlass.Constexpr = False,
     ):
-        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle."""
+        """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle, or
+        with drain, waits for every MMA issued and releases V's stage."""
         tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
         v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
             self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
         self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        if cutlass.const_expr(drain):
+            warpgroup.wait_group(0)
+            v_handle.release()
         return v_handle
 
     @cute.jit
