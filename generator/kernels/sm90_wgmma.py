@@ -1,5 +1,5 @@
-"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, warp-specialized
-only in that warp 0 also issues the loads.
+"""Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, consumer
+warpgroups of which warp 0 also issues the loads (no producer warp).
 
 Same contract as the portable template (the family ABI in generator/catalog.py): a unit is
 64 query rows of one head, run by one warpgroup that walks the unit's list of 64-key tiles.
