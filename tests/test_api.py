@@ -101,6 +101,29 @@ def test_duplicate_blocks_in_a_row_are_rejected():
         wrapper.plan(None, None, *rest, q2k_indices=sel)
 
 
+def test_query_heads_of_a_group_must_select_alike():
+    """GQA selections are per kv head: per-query-head rows that differ within a group raise
+    (the first head would otherwise select for all, silently); the same set in another order,
+    or entries past q2k_num, do not."""
+    wrapper = BlockSparseAttentionWrapper(WS, backend="torch")  # CPU: the checks run on the host
+    _, _, *rest = bsr_args()  # 4 query heads, 2 kv heads
+    mask = torch.ones(4, 4, 4, dtype=torch.bool)
+    wrapper.plan(None, None, *rest, block_mask=mask)
+    mask[3, 1, 2] = False
+    with pytest.raises(ValueError, match="the query heads of a GQA group select different blocks"):
+        wrapper.plan(None, None, *rest, block_mask=mask)
+    sel = torch.tensor([0, 1, 2], dtype=torch.int32).repeat(4, 4, 1)
+    sel[1, 2] = torch.tensor([2, 0, 1], dtype=torch.int32)  # same blocks, another order
+    num = torch.full((4, 4), 3, dtype=torch.int32)
+    wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=num)
+    num[:, 0] = 2
+    sel[1, 0, 2] = 3  # past q2k_num: unused
+    wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=num)
+    sel[3, 3, 0] = 3
+    with pytest.raises(ValueError, match="the query heads of a GQA group select different blocks"):
+        wrapper.plan(None, None, *rest, q2k_indices=sel, q2k_num=num)
+
+
 def test_kernel_path_needs_cuda():
     wrapper = BlockSparseAttentionWrapper(WS)
     with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):

@@ -94,6 +94,11 @@ def test_gpu_validation_raises_at_check_and_at_run():
     wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
     with pytest.raises(ValueError, match="q2k_num values must lie in"):
         wrapper.check_plan()
+    per_head = random_selection(HKV, MB, MB, 5, seed=3).repeat_interleave(HQ // HKV, 0).to(DEV)
+    per_head[HQ - 1, 0] = ~per_head[HQ - 1, 0]  # the last query head leaves its group's selection
+    wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, block_mask=per_head)
+    with pytest.raises(ValueError, match="the query heads of a GQA group select different blocks"):
+        wrapper.check_plan()
     wrapper.plan(indptr, indices, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16)
     wrapper.check_plan()  # a good plan clears the error
 

@@ -199,6 +199,7 @@ ERR_DUPLICATE = 2
 ERR_INDPTR = 4
 ERR_KV_BLOCK_LENS = 8
 ERR_Q2K_NUM = 16
+ERR_GROUP_SELECTIONS = 32
 
 
 def _flag(condition: torch.Tensor, bit: int) -> torch.Tensor:
@@ -254,6 +255,23 @@ def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
     errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
     errors = errors + _flag(valid.sum(-1, dtype=torch.int32) != mask.sum(-1, dtype=torch.int32), ERR_DUPLICATE)
     return mask, errors
+
+
+def group_selection_errors(per_head: torch.Tensor, group: int) -> torch.Tensor:
+    """ERR_GROUP_SELECTIONS when the query heads of a GQA group have different rows in
+    `per_head` (Hq, ...): a block mask, or sorted_selections."""
+    rows = per_head.reshape(per_head.shape[0] // group, group, *per_head.shape[1:])
+    return _flag(rows != rows[:, :1], ERR_GROUP_SELECTIONS)
+
+
+def sorted_selections(q2k_indices, q2k_num) -> torch.Tensor:
+    """Each selection row's used entries, sorted (unused ones as INT32_MIN, first): rows
+    that select the same blocks in any order compare equal."""
+    idx = q2k_indices
+    if q2k_num is not None:
+        used = torch.arange(idx.shape[-1], device=idx.device) < q2k_num.unsqueeze(-1)
+        idx = torch.where(used, idx, torch.iinfo(torch.int32).min)
+    return idx.sort(dim=-1).values
 
 
 def kv_block_lens_errors(kv_block_lens, block: int) -> torch.Tensor:

@@ -390,10 +390,12 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             _check_index_tensor("q2k_indices", q2k_indices, (num_qo_heads, mb, q2k_indices.shape[-1]), torch.int32, device)
             if q2k_num is not None:
                 _check_index_tensor("q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, q2k_indices.device)
-            # GQA: the first query head of each group selects for the group.
+            # GQA: the first query head of each group selects for the group; the others must agree.
             head_mask, errors = planner.selection_block_mask(
                 q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
             )
+            if group > 1:
+                errors = errors + planner.group_selection_errors(planner.sorted_selections(q2k_indices, q2k_num), group)
             source = "q2k_indices / q2k_num"
         elif block_mask is not None:
             if block_mask.dtype != torch.bool or block_mask.dim() != 3 or block_mask.shape[0] not in (num_qo_heads, num_kv_heads) or tuple(block_mask.shape[1:]) != (mb, nb):
@@ -402,8 +404,10 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
                     f"got {block_mask.dtype} {tuple(block_mask.shape)}"
                 )
             _check_index_tensor("block_mask", block_mask, block_mask.shape, torch.bool, device)
-            head_mask = block_mask[::group] if block_mask.shape[0] == num_qo_heads else block_mask
-            errors, source = None, "block_mask"
+            head_mask, errors, source = block_mask, None, "block_mask"
+            if block_mask.shape[0] == num_qo_heads and group > 1:
+                head_mask = block_mask[::group]
+                errors = planner.group_selection_errors(block_mask, group)
         else:
             if indptr is None or indices is None:
                 raise ValueError("give indptr and indices, or block_mask, or q2k_indices")
