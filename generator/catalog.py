@@ -248,10 +248,12 @@ _TEMPLATES = {
     "sage_quantize_kv": {arch: ("sage_quantize",) for arch in ALL_ARCHS},
 }
 
-# sm90 attention: warpgroups per CTA sharing one K/V ring. Interleaved A/B against 2-CTA
-# clusters that multicast each tile (the sharing used before; TFLOPS, H200): W3 587 (4) /
-# 544 (2 x 2) / 520 (cluster), W5 545 (2) / 518 (cluster), F3 Sage 602 (2) / 578 (4) / 575
-# (cluster): bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
+# sm90 attention: warpgroups per CTA sharing one K/V ring. A plan runs on the most of them
+# that are built and that its groups of units allow (python/sparseforge/sparse.py), so only
+# counts that pay are built. Interleaved A/B against 2-CTA clusters that multicast each tile
+# (the sharing used before; TFLOPS, H200): W3 587 (4) / 544 (2 x 2) / 520 (cluster), W5 545
+# (2) / 518 (cluster), F3 Sage 602 (2) / 578 (4) / 575 (cluster):
+# bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
 WARPGROUPS = {"sm90_wgmma": (1, 2, 4), "sm90_sage_fp8": (1, 2)}
 
 _CONFIGS = {

@@ -184,6 +184,19 @@ def _current_stream(device_index: int) -> int:
         return raw(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
 
+
+def built_values(key: str, family: str, arch: str, template: str, **params) -> list:
+    """The values of parameter `key` among the built variants of `template` that match
+    `params`, largest first (the catalog builds only the configurations worth choosing)."""
+    values = {
+        v["params"].get(key)
+        for v in manifest()["variants"]
+        if v["family"] == family and v["arch"] == arch and v["template"] == template
+        and all(v["params"].get(k) == want for k, want in params.items())
+    }
+    return sorted(values, reverse=True)
+
+
 def find_kernel_by_name(name: str, family: str, arch: str, **params) -> Kernel:
     """The variant called `name`, checked against what the caller needs."""
     for v in manifest()["variants"]:

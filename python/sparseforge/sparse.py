@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from sparseforge import ops, planner, reference, validation
-from sparseforge._library import find_kernel, find_kernel_by_name
+from sparseforge._library import built_values, find_kernel, find_kernel_by_name
 from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
 from sparseforge.sage import KEYS_PER_SCALE
@@ -39,10 +39,6 @@ LOG2_E = math.log2(math.e)
 FAMILY = "block_sparse_fwd"
 SAGE_FAMILY = "sage_fp8_fwd"
 SAGE_DTYPE = torch.float8_e4m3fn
-# sm90 kernels: the most warpgroups per CTA (units sharing one K/V ring) that the plan allows
-# (see _choose_path), up to what was measured fastest: bf16 4, Sage 2
-# (bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md).
-WARPGROUP_PREFERENCE = {"sm90_wgmma": (4, 2, 1), "sm90_sage_fp8": (2, 1)}
 # Preferred template of each family on sm_90a, then the portable one.
 _TEMPLATES = {FAMILY: ("sm90_wgmma", "warp_mma"), SAGE_FAMILY: ("sm90_sage_fp8", "warp_mma_fp8")}
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
@@ -254,7 +250,10 @@ class _BlockSparseBase:
         elif self._backend == "warp_mma":
             kernel = find_kernel(family, arch, template=portable, **params)
         else:
-            warpgroups = next(n for n in WARPGROUP_PREFERENCE[native] if fits(n))
+            # The most warpgroups per CTA (units sharing one K/V ring) that is built and that
+            # the plan allows; the catalog builds up to the count measured fastest.
+            built = built_values("warpgroups", family, arch, native, **params)
+            warpgroups = next((n for n in built if fits(n)), 1)
             try:
                 kernel = find_kernel(family, arch, template=native, warpgroups=warpgroups, **params)
             except VariantNotBuiltError:
