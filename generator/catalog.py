@@ -33,6 +33,9 @@ class TensorArg:
     shape: tuple
     stride: tuple
     divisibility: int = 1  # of every run-time stride, in elements
+    # Run-time strides as 32-bit: cheaper address math in the kernel's loop (a 64-bit
+    # stride costs three IMADs per use); only for tensors the planner sizes (< 2^31 elements).
+    narrow_strides: bool = False
 
     @property
     def dynamic_shape_modes(self) -> list[int]:
@@ -70,7 +73,7 @@ def _abi_block_sparse_fwd(head_dim: int):
         TensorArg("mO", "input", **qkv),
         TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None)),
         TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
-        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1), narrow_strides=True),
         TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
         ScalarArg("scale_log2", "f32"),
@@ -104,10 +107,10 @@ def _abi_sage_fp8_fwd(head_dim: int):
         TensorArg("mO", "bf16", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8),
         TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None)),
         TensorArg("mQScale", "f32", shape=(None, None), stride=(None, None)),
-        TensorArg("mKScale", "f32", shape=(None, None), stride=(1, None), divisibility=4),
+        TensorArg("mKScale", "f32", shape=(None, None), stride=(1, None), divisibility=4, narrow_strides=True),
         TensorArg("mVScale", "f32", shape=(head_dim, None), stride=(None, None)),
         TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
-        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1), narrow_strides=True),
         TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
         ScalarArg("scale_log2", "f32"),
@@ -123,7 +126,7 @@ def _abi_tile_compact(head_dim=None):
     """
     return (
         TensorArg("mListed", "u8", shape=(None, None, None), stride=(None, None, 1)),
-        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1), narrow_strides=True),
         TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
     )
 

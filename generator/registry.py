@@ -34,6 +34,7 @@ def abi_json(variant: Variant) -> list[dict]:
                     "dtype": variant.dtype if arg.dtype == "input" else arg.dtype,
                     "shape": list(arg.shape),
                     "stride": list(arg.stride),
+                    "narrow_strides": arg.narrow_strides,
                     # byte alignment the kernel assumes for the data pointer
                     "align": 16 if arg.divisibility > 1 else 4 if arg.dtype in ("f32", "i32") else 1,
                 }

@@ -30,6 +30,21 @@ def test_manifest_schema():
             assert arg["kind"] in ("tensor", "scalar")
             if arg["kind"] == "tensor":
                 assert len(arg["shape"]) == len(arg["stride"])
+                assert isinstance(arg["narrow_strides"], bool)
+
+
+def test_narrow_stride_tensors_past_2_31_elements_raise():
+    """Plan tensors the kernels index with 32-bit offsets (narrow_strides) are checked when
+    bound; one element short of 2^31 binds."""
+    import torch
+
+    spec = {"name": "mTileIdx", "shape": [None, None, None], "stride": [None, None, 1], "narrow_strides": True}
+    fits = torch.empty_strided((2, 1, 2), (2**31 - 2, 1, 1), device="meta", dtype=torch.int32)
+    too_far = torch.empty_strided((2, 1, 2), (2**31 - 1, 1, 1), device="meta", dtype=torch.int32)
+    with pytest.raises(ValueError, match="2\\^31"):
+        _library._tensor_words(spec, too_far)
+    assert _library._tensor_words(spec, fits) == [0, 2, 1, 2, 2**31 - 2, 1]  # meta: pointer 0
+    assert any(a.get("narrow_strides") for v in _library.manifest()["variants"] for a in v["abi"] if a["kind"] == "tensor")
 
 
 def test_default_build_has_every_arch():

@@ -19,16 +19,18 @@ def element_type(name: str):
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[name]
 
 
-def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileCnt, tile_m: int, units_per_cta=1, index=0):
-    """(head, tile_m-row chunk, kv head, listed tiles) of a unit of this CTA: CTA b runs the
-    units mWork[b * units_per_cta + index] = head * chunks + chunk (the block-sparse ABI)."""
+def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileIdx, mTileCnt, tile_m: int, units_per_cta=1, index=0):
+    """(head, tile_m-row chunk, kv head, tile list, its length) of a unit of this CTA: CTA b
+    runs the units mWork[b * units_per_cta + index] = head * chunks + chunk (the block-sparse
+    ABI). The tile list is the unit's row of mTileIdx, sliced once: indexing mTileIdx by
+    (kv_head, chunk, j) in a loop recomputed the row's 64-bit address every tile."""
     bidx, _, _ = cute.arch.block_idx()
     num_chunks = cute.ceil_div(num_rows, tile_m)
     unit = mWork[bidx * units_per_cta + index]
     head = unit // num_chunks
     chunk = unit - head * num_chunks
     kv_head = head // (num_qo_heads // num_kv_heads)
-    return head, chunk, kv_head, mTileCnt[kv_head, chunk]
+    return head, chunk, kv_head, mTileIdx[kv_head, chunk, None], mTileCnt[kv_head, chunk]
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:

@@ -40,10 +40,11 @@ def load_row_scales(mQScale, head, first_row, coord_mn, scale_log2, out):
 
 
 @cute.jit
-def load_key_scales(mKScale, kv_head, tile, out):
-    """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile`: one 16-byte load
-    (the ABI lays k_scale out per tile, padded past the sequence end)."""
-    cute.autovec_copy(cute.local_tile(mKScale[None, kv_head], (cute.size(out),), (tile,)), out)
+def load_key_scales(head_scales, tile, out):
+    """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile`, from a kv head's
+    k_scale row (mKScale[None, kv_head]): one 16-byte load (the ABI lays k_scale out per
+    tile, padded past the sequence end)."""
+    cute.autovec_copy(cute.local_tile(head_scales, (cute.size(out),), (tile,)), out)
 
 
 @cute.jit

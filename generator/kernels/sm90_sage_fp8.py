@@ -123,8 +123,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
-        head, chunk, kv_head, num_tiles = unit_of_cta(
-            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M, self.warpgroups, wg
+        head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
+            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
         )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
@@ -138,14 +138,14 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         )
         self.consume_sage(
             qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-            loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+            loads, mO, mLSE, mQScale, mKScale, mVScale, tile_ids, mTileLen, scale_log2,
             head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
         )
 
     @cute.jit
     def consume_sage(
         self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-        loads, mO, mLSE, mQScale, mKScale, mVScale, mTileIdx, mTileLen, scale_log2,
+        loads, mO, mLSE, mQScale, mKScale, mVScale, tile_ids, mTileLen, scale_log2,
         head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
     ):
         """A warpgroup's work; warp 0 of the CTA also issues the loads.
@@ -159,7 +159,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         """
         d = self.head_dim
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        kv_producer = self.start_ring(q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids)
+        kv_producer = self.start_ring(q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids)
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
@@ -189,8 +189,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         # loads (tile id, then its data) would otherwise stall the softmax.
         next_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         next_len = cutlass.Int32(0)
+        head_scales = mKScale[None, kv_head]
         if num_tiles > 0:
-            next_len = self.load_tile_data(mTileIdx, mTileLen, mKScale, kv_head, chunk, 0, next_scale)
+            next_len = self.load_tile_data(tile_ids, mTileLen, head_scales, 0, next_scale)
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
@@ -200,9 +201,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             # While the tensor core computes S: warp 0's loads, and the next tile's data (whose
             # load the compiler waits for at once, to keep it in uniform registers).
-            kv_producer = self.refill_ring(kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids)
+            kv_producer = self.refill_ring(kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids)
             next_len = self.load_tile_data(
-                mTileIdx, mTileLen, mKScale, kv_head, chunk, cutlass.min(j + 1, num_tiles - 1), next_scale
+                tile_ids, mTileLen, head_scales, cutlass.min(j + 1, num_tiles - 1), next_scale
             )
             warpgroup.wait_group(0)
             k_handle.release()
@@ -236,10 +237,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx, bar)
 
     @cute.jit
-    def load_tile_data(self, mTileIdx, mTileLen, mKScale, kv_head, chunk, j, key_scale):
+    def load_tile_data(self, tile_ids, mTileLen, head_scales, j, key_scale):
         """Valid length of the unit's j-th listed tile; its key scales into key_scale."""
-        tile = mTileIdx[kv_head, chunk, j]
-        load_key_scales(mKScale, kv_head, tile, key_scale)
+        tile = tile_ids[j]
+        load_key_scales(head_scales, tile, key_scale)
         return mTileLen[tile]
 
     @cute.jit

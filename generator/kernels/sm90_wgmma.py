@@ -225,8 +225,8 @@ class BlockSparseFwdSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
-        head, chunk, kv_head, num_tiles = unit_of_cta(
-            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileCnt, TILE_M, self.warpgroups, wg
+        head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
+            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
         )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
@@ -240,7 +240,7 @@ class BlockSparseFwdSm90:
         )
         args = (
             qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-            mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+            mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
         )
         if cutlass.const_expr(self.warpgroups == 1):
             self.consume(*args)
@@ -294,13 +294,13 @@ class BlockSparseFwdSm90:
             self.load_tile(kv_producer, v_load, tile)
 
     @cute.jit
-    def read_load_ids(self, mTileIdx, kv_head, chunk, num_tiles, first, ids):
+    def read_load_ids(self, tile_ids, num_tiles, first, ids):
         """Tile ids of loads first and first + 1 (clamped to the list; unused past its end)."""
         for i in cutlass.range_constexpr(2):
-            ids[i] = mTileIdx[kv_head, chunk, cutlass.min((first + i) // 2, num_tiles - 1)]
+            ids[i] = tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
-    def start_ring(self, q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids):
+    def start_ring(self, q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids):
         """Ring loops: each warpgroup's Q; warp 0 fills the ring (loads 0 .. kv_stages - 1, load
         n being K of tile n // 2 for even n, else its V, into stage n % kv_stages) and reads
         the tile ids of the next two loads. Returns the producer (callers rebind it: its state
@@ -312,13 +312,13 @@ class BlockSparseFwdSm90:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
             for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, mTileIdx[kv_head, chunk, n // 2])
+                self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
                 kv_producer.advance()
-            self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, self.kv_stages, next_ids)
+            self.read_load_ids(tile_ids, num_tiles, self.kv_stages, next_ids)
         return kv_producer
 
     @cute.jit
-    def refill_ring(self, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids):
+    def refill_ring(self, kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids):
         """Ring loops, tile j > 0, warp 0: the two loads whose stages tile j - 1 released (in
         every warpgroup), with the ids read a tile earlier; then the next two ids. Returns the
         producer (rebind it in the loop, or the loop does not carry its state)."""
@@ -330,7 +330,7 @@ class BlockSparseFwdSm90:
                     if first + i < 2 * num_tiles:
                         self.ring_load(kv_producer, k_load, v_load, first + i, next_ids[i])
                         kv_producer.advance()
-                self.read_load_ids(mTileIdx, kv_head, chunk, num_tiles, 2 * j + self.kv_stages, next_ids)
+                self.read_load_ids(tile_ids, num_tiles, 2 * j + self.kv_stages, next_ids)
         return kv_producer
 
     @cute.jit
@@ -362,7 +362,7 @@ class BlockSparseFwdSm90:
     @cute.jit
     def consume(
         self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
     ):
         """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
 
@@ -378,13 +378,13 @@ class BlockSparseFwdSm90:
             cpasync.prefetch_descriptor(v_load[0])
             self.load_q(q_producer, q_load, wg)
             if num_tiles > 0:  # loads 0, 1: K and V of tile 0
-                tile = mTileIdx[kv_head, chunk, 0]
+                tile = tile_ids[0]
                 self.load_tile(kv_producer, k_load, tile)
                 kv_producer.advance()
                 self.load_tile(kv_producer, v_load, tile)
                 kv_producer.advance()
             if num_tiles > 1:  # load 2: K of tile 1
-                self.load_tile(kv_producer, k_load, mTileIdx[kv_head, chunk, 1])
+                self.load_tile(kv_producer, k_load, tile_ids[1])
                 kv_producer.advance()
 
         q_consumer.wait_and_advance()
@@ -396,11 +396,11 @@ class BlockSparseFwdSm90:
             k_handle.release()
         if loader:
             if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
-                self.load_tile(kv_producer, v_load, mTileIdx[kv_head, chunk, 1])
+                self.load_tile(kv_producer, v_load, tile_ids[1])
                 kv_producer.advance()
         tile_len = cutlass.Int32(0)
         if num_tiles > 0:
-            tile_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
+            tile_len = mTileLen[tile_ids[0]]
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
                 pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
@@ -410,10 +410,10 @@ class BlockSparseFwdSm90:
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             # Under the two MMAs: the next tile's length, and (warp 0) the id of the tile it
             # loads next (ptxas may wait for a load right after it: CONTRIBUTING.md).
-            tile_len = mTileLen[mTileIdx[kv_head, chunk, j + 1]]
+            tile_len = mTileLen[tile_ids[j + 1]]
             next_tile = cutlass.Int32(0)
             if loader:
-                next_tile = mTileIdx[kv_head, chunk, cutlass.min(j + 2, num_tiles - 1)]
+                next_tile = tile_ids[cutlass.min(j + 2, num_tiles - 1)]
             warpgroup.wait_group(0)
             v_handle.release()
             k_handle.release()
@@ -434,7 +434,7 @@ class BlockSparseFwdSm90:
     @cute.jit
     def consume_shared(
         self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-        mO, mLSE, mTileIdx, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
     ):
         """One warpgroup's work when several share the ring (their units list the same tiles).
 
@@ -445,19 +445,19 @@ class BlockSparseFwdSm90:
         the next tile is not issued behind P V (ptxas would serialize the wgmmas).
         """
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        kv_producer = self.start_ring(q_producer, kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, wg, next_ids)
+        kv_producer = self.start_ring(q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids)
         tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(qk_mma, pv_mma, sQ, sK, sV, tidx)
         next_len = cutlass.Int32(0)
         if num_tiles > 0:
-            next_len = mTileLen[mTileIdx[kv_head, chunk, 0]]
+            next_len = mTileLen[tile_ids[0]]
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
             tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            kv_producer = self.refill_ring(kv_producer, loads, mTileIdx, kv_head, chunk, num_tiles, warp, j, next_ids)
-            next_len = mTileLen[mTileIdx[kv_head, chunk, cutlass.min(j + 1, num_tiles - 1)]]
+            kv_producer = self.refill_ring(kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids)
+            next_len = mTileLen[tile_ids[cutlass.min(j + 1, num_tiles - 1)]]
             warpgroup.wait_group(0)
             k_handle.release()
             self.softmax_then_pv(

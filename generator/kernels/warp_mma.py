@@ -126,7 +126,9 @@ class BlockSparseFwdWarpMma:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileCnt, TILE_M)
+        head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
+            mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileIdx, mTileCnt, TILE_M
+        )
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -184,12 +186,12 @@ class BlockSparseFwdWarpMma:
         q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(gmem_load, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
-            self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, 0)
+            self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, tile_ids, mTileLen, 0)
         cute.arch.cp_async_commit_group()
 
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
         for j in cutlass.range(num_tiles, unroll=1):
-            tile = mTileIdx[kv_head, chunk, j]
+            tile = tile_ids[j]
             tile_len = mTileLen[tile]
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
@@ -205,7 +207,7 @@ class BlockSparseFwdWarpMma:
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if j + 1 < num_tiles:
-                self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, j + 1)
+                self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, tile_ids, mTileLen, j + 1)
                 cute.arch.cp_async_commit_group()
 
             acc_S_mn = acc_mn_view(acc_S)
@@ -270,9 +272,9 @@ class BlockSparseFwdWarpMma:
                 cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
-    def load_listed_k(self, gmem_load, tKgK, tKsK, coord, mTileIdx, mTileLen, kv_head, chunk, j):
+    def load_listed_k(self, gmem_load, tKgK, tKsK, coord, tile_ids, mTileLen, j):
         """cp.async K of the unit's j-th listed tile (rows past its valid length zeroed)."""
-        tile = mTileIdx[kv_head, chunk, j]
+        tile = tile_ids[j]
         self.load_rows(gmem_load, tKgK[None, None, None, tile], tKsK, coord, mTileLen[tile])
 
     @cute.jit

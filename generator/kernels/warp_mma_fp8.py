@@ -156,7 +156,9 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
     ):
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        head, chunk, kv_head, num_tiles = unit_of_cta(mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileCnt, TILE_M)
+        head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
+            mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileIdx, mTileCnt, TILE_M
+        )
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -232,14 +234,14 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(load_qk, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
-            self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, 0)
+            self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, mTileLen, 0)
         cute.arch.cp_async_commit_group()
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
         for j in cutlass.range(num_tiles, unroll=1):
-            tile = mTileIdx[kv_head, chunk, j]
+            tile = tile_ids[j]
             tile_len = mTileLen[tile]
-            load_key_scales(mKScale, kv_head, tile, key_scale)
+            load_key_scales(mKScale[None, kv_head], tile, key_scale)
             # K[t_j] (and Q) landed; every warp is done reading V^T[t_j-1].
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
@@ -258,7 +260,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if j + 1 < num_tiles:
-                self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, mTileIdx, mTileLen, kv_head, chunk, j + 1)
+                self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, mTileLen, j + 1)
                 cute.arch.cp_async_commit_group()
 
             sage_softmax_step(

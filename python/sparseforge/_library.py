@@ -112,6 +112,11 @@ def _tensor_words(spec: dict, tensor) -> list[int]:
                 f"{spec['name']}: shape {tuple(shape)} / strides {stride} do not fit the kernel's "
                 f"{spec['shape']} / {spec['stride']}"
             )
+    if spec.get("narrow_strides") and sum((n - 1) * s for n, s in zip(shape, stride) if n) >= 2**31:
+        raise ValueError(
+            f"{spec['name']}: shape {tuple(shape)} / strides {stride} reach past 2^31 elements; the "
+            "kernel indexes it with 32-bit offsets (a plan this large is not supported)"
+        )
     return (
         [tensor.data_ptr()]
         + [shape[i] for i, s in enumerate(spec["shape"]) if s is None]
