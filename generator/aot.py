@@ -53,8 +53,9 @@ def fake_args(variant: Variant) -> list:
             continue
         dtype = cutlass_dtype(arg.dtype, variant)
         shape = tuple(cute.sym_int() if s is None else s for s in arg.shape)
-        sym_stride = cute.sym_int32 if arg.narrow_strides else cute.sym_int64
-        stride = tuple(sym_stride(divisibility=arg.divisibility) if s is None else s for s in arg.stride)
+        stride = tuple(
+            cute.sym_int64(divisibility=arg.divisibility) if s is None else s for s in arg.stride
+        )
         align = 16 if arg.divisibility * dtype.width >= 128 else max(1, dtype.width // 8)
         args.append(cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align))
     args.append(cute.runtime.make_fake_stream())

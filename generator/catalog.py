@@ -33,8 +33,9 @@ class TensorArg:
     shape: tuple
     stride: tuple
     divisibility: int = 1  # of every run-time stride, in elements
-    # Run-time strides as 32-bit: cheaper address math in the kernel's loop (a 64-bit
-    # stride costs three IMADs per use); only for tensors the planner sizes (< 2^31 elements).
+    # The kernel narrows the run-time strides to 32 bits (attention_common.with_narrow_strides:
+    # a 64-bit stride costs three IMADs per use in the loops); the ABI still passes 64-bit
+    # words, and binding checks the tensor spans fewer than 2^31 elements.
     narrow_strides: bool = False
 
     @property

@@ -33,6 +33,15 @@ def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileIdx, mTileCnt,
     return head, chunk, kv_head, mTileIdx[kv_head, chunk, None], mTileCnt[kv_head, chunk]
 
 
+def with_narrow_strides(t: cute.Tensor, divisibility: int = 1) -> cute.Tensor:
+    """t with 32-bit run-time strides (the ABI passes 64-bit ones): for the plan tensors
+    whose TensorArg says narrow_strides, indexed in the loops (sparseforge._library checks
+    they span fewer than 2^31 elements). `divisibility`: the ABI's, which the narrowed
+    strides would otherwise lose (it lets the Sage kernels load k_scale 16 bytes at once)."""
+    strides = tuple(s if isinstance(s, int) else cute.assume(cutlass.Int32(s), divby=divisibility) for s in t.stride)
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
+
+
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     """View an MMA accumulator fragment as (rows of this thread, columns of this thread).
 

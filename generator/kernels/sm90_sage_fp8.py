@@ -25,7 +25,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state, rescale_rows, unit_of_cta
+from generator.kernels.attention_common import (
+    acc_mn_view,
+    new_softmax_state,
+    rescale_rows,
+    unit_of_cta,
+    with_narrow_strides,
+)
 from generator.kernels.sage_common import (
     KEYS_PER_SCALE,
     add_partial,
@@ -87,6 +93,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
+        mTileIdx = with_narrow_strides(mTileIdx)
+        mKScale = with_narrow_strides(mKScale, divisibility=TILE_N // KEYS_PER_SCALE)
         self.kernel(
             qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,

@@ -46,6 +46,7 @@ from generator.kernels.attention_common import (
     softmax_finalize,
     softmax_update,
     unit_of_cta,
+    with_narrow_strides,
 )
 
 TILE_M = 64
@@ -105,6 +106,7 @@ class BlockSparseFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
+        mTileIdx = with_narrow_strides(mTileIdx)
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,

@@ -11,6 +11,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from generator.kernels.attention_common import with_narrow_strides
+
 WARPS_PER_CTA = 4
 
 
@@ -18,6 +20,7 @@ class TileCompact:
     @cute.jit
     def __call__(self, mListed: cute.Tensor, mTileIdx: cute.Tensor, mTileCnt: cute.Tensor, stream: cuda.CUstream):
         rows = mListed.shape[0] * mListed.shape[1]
+        mTileIdx = with_narrow_strides(mTileIdx)
         self.kernel(mListed, mTileIdx, mTileCnt).launch(
             grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream
         )

@@ -30,6 +30,7 @@ from generator.kernels.attention_common import (
     softmax_finalize,
     softmax_update,
     unit_of_cta,
+    with_narrow_strides,
 )
 
 TILE_M = 64
@@ -100,6 +101,7 @@ class BlockSparseFwdWarpMma:
             (NUM_THREADS // 32, 1, 1),
             permutation_mnk=(TILE_M, 16, 16),
         )
+        mTileIdx = with_narrow_strides(mTileIdx)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
             sQ_layout, sKV_layout, gmem_load, gmem_store, tiled_mma, SharedStorage,

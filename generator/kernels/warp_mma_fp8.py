@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state, unit_of_cta
+from generator.kernels.attention_common import acc_mn_view, new_softmax_state, unit_of_cta, with_narrow_strides
 from generator.kernels.sage_common import (
     KEYS_PER_SCALE,
     accumulate_tile,
@@ -112,6 +112,8 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             (NUM_THREADS // 32, 1, 1),
             permutation_mnk=(TILE_M, 16, 32),  # 16 columns of B: one ldmatrix.x4 per k-block
         )
+        mTileIdx = with_narrow_strides(mTileIdx)
+        mKScale = with_narrow_strides(mKScale, divisibility=TILE_N // KEYS_PER_SCALE)
         self.kernel(
             mQ, mK, mVt, mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt,
             mTileLen, scale_log2, sQK_layout, sVt_layout, sO_layout, load_qk, load_vt, store_o,
