@@ -87,7 +87,10 @@ def _abi_sage_fp8_fwd(head_dim: int):
     Same units and tiles as block_sparse_fwd. Scores are (q8 . k8) * q_scale[row] *
     k_scale[key // 16] * sm_scale; the output is (P V8) * v_scale[channel], in bf16.
       mQ         (Sq, Hq, D)    e4m3, unit stride on D
-      mK         (Sk, Hkv, D)   e4m3, unit stride on D
+      mK         (Sk, Hkv, D)   e4m3, unit stride on D; sm90_sage_fp8 also needs the head
+                                stride a multiple of 64 key rows, with the last head's padding
+                                allocated (it TMA-loads all heads through one view, keys
+                                permuted within each 16: generator/kernels/sm90_sage_fp8.py)
       mVt        (D, Sk, Hkv)   e4m3, unit stride on the keys (V transposed: the K-major
                                 B operand of P V that e4m3 MMAs need)
       mO         (Sq, Hq, D)    bf16

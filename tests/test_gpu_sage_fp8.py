@@ -158,8 +158,9 @@ def test_accuracy_against_unquantized_inputs(backend, d):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bsr_wrapper_nhd_kv_block_lens_and_v_layouts(backend):
-    """NHD views, a short last block and kv_block_lens cutting blocks short; NaN bytes in V
-    past each block's valid keys must not leak; v in any layout gives the same output."""
+    """NHD views, a short last block and kv_block_lens cutting blocks short; NaN bytes in K
+    and V past each block's valid keys must not leak (sm90_sage_fp8 loads keys permuted
+    within each 16 and masks them by key); k and v in any layout give the same output."""
     hq, hkv, d, m, n, block = 4, 2, 128, 320, 448, 64
     q, k, v = bf16_inputs(hq, hkv, m, n, d, seed=11)
     qz = sparseforge.sage_fp8_quantize(q, k, v)
@@ -169,19 +170,23 @@ def test_bsr_wrapper_nhd_kv_block_lens_and_v_layouts(backend):
     indptr = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(1).cumsum(0)]).to(torch.int32)
     lens = torch.randint(1, block + 1, (nb,), generator=torch.Generator().manual_seed(2)).to(torch.int32)
     v8 = qz.v.clone()  # same layout as sage_fp8_quantize's (unit stride on the keys)
-    assert v8.stride(1) == 1
+    k8 = qz.k.clone()  # contiguous HND; n is whole 64-key tiles, so used as is
+    assert v8.stride(1) == 1 and k8.is_contiguous() and n % 64 == 0
     for b in range(nb):  # NaN (0x7f) in the keys each block does not use
         v8.view(torch.uint8)[:, b * block + int(lens[b]) : (b + 1) * block] = 0x7F
+        k8.view(torch.uint8)[:, b * block + int(lens[b]) : (b + 1) * block] = 0x7F
     w = BlockSparseAttentionWrapper(torch.empty(1, device=DEV), backend=backend)
     w.plan(indptr.to(DEV), cols.to(torch.int32).to(DEV), m, n, block, block, hq, hkv, d, kv_block_lens=lens.to(DEV),
            q_data_type=FP8, q_scale=qz.q_scale, k_scale=qz.k_scale, v_scale=qz.v_scale)
-    out, lse = run_poisoned(w, qz.q.transpose(0, 1), qz.k.transpose(0, 1), v8.transpose(0, 1), (m, hq, d))
+    out, lse = run_poisoned(w, qz.q.transpose(0, 1), k8.transpose(0, 1), v8.transpose(0, 1), (m, hq, d))
     tokens = reference.block_mask_to_token_mask(mask[None], reference.uniform_sizes(m, block),
                                                 torch.full((nb,), block), lens)
     ref_out, ref_lse = dequantized_reference(qz, tokens)
     check(out.transpose(0, 1), lse.t(), ref_out, ref_lse)
-    # v as a plain contiguous NHD tensor: transposed by run() into a new buffer.
-    out2, _ = run_poisoned(w, qz.q.transpose(0, 1), qz.k.transpose(0, 1), v8.transpose(0, 1).contiguous(), (m, hq, d))
+    # k and v as plain contiguous NHD tensors: copied by run() into new buffers (heads a whole
+    # number of tiles apart; keys contiguous).
+    nhd = (qz.q.transpose(0, 1), k8.transpose(0, 1).contiguous(), v8.transpose(0, 1).contiguous())
+    out2, _ = run_poisoned(w, *nhd, (m, hq, d))
     assert torch.equal(out, out2)
 
 

@@ -98,3 +98,22 @@ def test_bsr_sage_output_dtype_is_bf16():
     with pytest.raises(NotImplementedError, match="written in torch.bfloat16"):
         w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 64, 64, 64, 64, 2, 2, 64,
                q_data_type=FP8, o_data_type=torch.float16, q_scale=qs, k_scale=ks, v_scale=vs)
+
+
+def test_k_heads_in_whole_tiles_kept_or_copied():
+    """sm90_sage_fp8 reads every head's keys through one view: k passes as is when heads lie
+    whole 64-key tiles apart and the last head's padding is in its storage; otherwise run()
+    copies it into such a buffer (zero padding), with the same values."""
+    from sparseforge.sparse import _heads_in_whole_tiles
+
+    hkv, sk, d = 3, 300, 64
+    buf = (torch.randn(hkv, 320, d) * 60).to(FP8)
+    padded = buf[:, :sk].transpose(0, 1)  # (Sk, Hkv, D) as the kernel ABI takes it
+    assert _heads_in_whole_tiles(padded) is padded
+    short = torch.empty((hkv - 1) * 320 * d + sk * d, dtype=FP8)  # last head's padding not allocated
+    short = short.as_strided((sk, hkv, d), (d, 320 * d, 1)).copy_(padded)
+    for k in (buf[:, :sk].contiguous().transpose(0, 1), buf[:, :sk].transpose(0, 1).contiguous(), short):
+        got = _heads_in_whole_tiles(k)
+        assert got.data_ptr() != k.data_ptr() and torch.equal(got.view(torch.uint8), k.view(torch.uint8))
+        assert got.stride() == (d, 320 * d, 1)
+        assert not got.transpose(0, 1).as_strided((hkv, 320, d), (320 * d, d, 1))[:, sk:].view(torch.uint8).any()

@@ -56,10 +56,19 @@ def vt_buffer(v):
     return v.as_strided((hkv, d, pad), (d * pad, pad, 1))
 
 
+def k_buffer(k):
+    """The (Hkv, Sk_pad64, D) buffer behind the view k (checks the view's strides)."""
+    hkv, sk, d = k.shape
+    pad = -(-sk // 64) * 64
+    assert k.stride() == (pad * d, d, 1)
+    return k.as_strided((hkv, pad, d), (pad * d, d, 1))
+
+
 def check_layout(t, hq, sq, hkv, sk, d, smooth_k):
     groups = -(-sk // 16)
     assert t.q.shape == (hq, sq, d) and t.q.dtype == FP8 and t.q.is_contiguous()
-    assert t.k.shape == (hkv, sk, d) and t.k.dtype == FP8 and t.k.is_contiguous()
+    assert t.k.shape == (hkv, sk, d) and t.k.dtype == FP8
+    assert not k_buffer(t.k)[:, sk:].view(torch.uint8).any(), "k padding must be zero"
     assert t.v.shape == (hkv, sk, d) and t.v.dtype == FP8
     assert not vt_buffer(t.v)[..., sk:].view(torch.uint8).any(), "v padding must be zero"
     scales = {"q_scale": (1, hq, sq), "k_scale": (1, hkv, groups), "v_scale": (hkv, d)}
@@ -285,7 +294,7 @@ def poison_allocator(nbytes):
 def output_bytes(hq, sq, hkv, sk, d):
     groups = -(-sk // 16)
     """Bytes of sage_fp8_quantize's outputs, in the order it allocates them."""
-    q8, k8, vt = hq * sq * d, hkv * sk * d, hkv * d * groups * 16
+    q8, k8, vt = hq * sq * d, hkv * (-(-sk // 64) * 64) * d, hkv * d * groups * 16
     return [q8, 4 * hq * sq, k8, 4 * hkv * groups, vt, 4 * hkv * d, 4 * hkv * d]
 
 

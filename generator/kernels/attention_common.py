@@ -144,9 +144,13 @@ def softmax_finalize(row_max, row_sum, scale_log2, acc_o_mn: cute.Tensor, lse: c
 
 
 @cute.jit
-def mask_columns(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, limit):
-    """Set scores whose key column (coordinate mode 1) is >= limit to -inf."""
+def mask_columns(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, limit, key_of_column=None):
+    """Set scores whose key column (coordinate mode 1) is >= limit to -inf; key_of_column
+    maps a column to its key where the kernel loads keys permuted (sm90_sage_fp8)."""
     for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        if coord_mn[0, c][1] >= limit:
+        key = coord_mn[0, c][1]
+        if cutlass.const_expr(key_of_column is not None):
+            key = key_of_column(key)
+        if key >= limit:
             for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
                 acc_s_mn[r, c] = -cutlass.Float32.inf

@@ -16,7 +16,9 @@ Per row and tile, with m the running max and t the tile's max (log2 units):
 Register layouts: the fp32 accumulator of S (wgmma m64nNk32 and mma.sync m16n8k32 alike)
 gives each thread, per 8-key chunk, keys 2i, 2i+1 (i = lane % 4); the e4m3 A operand wants
 keys 4i..4i+3 of each 16. `scores_to_e4m3_operand` moves the bytes with two shuffles and a
-byte permute per 32-bit word, so V needs no reordering.
+byte permute per 32-bit word, so V needs no reordering (warp_mma_fp8). sm90_sage_fp8 instead
+loads each 16 keys of K permuted (`permuted_key`), so that a thread's scores already are the
+keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lanes.
 """
 
 import cutlass
@@ -49,7 +51,7 @@ def load_key_scales(head_scales, tile, out):
 
 @cute.jit
 def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_max, row_sum,
-                      alpha, beta):
+                      alpha, beta, key_of_column=None):
     """Scale and mask one tile's scores, update (row_max, row_sum), leave P8 (as fp32, in
     (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring).
 
@@ -58,7 +60,8 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
     of c * s is the max over groups of c times the group's max of s, so each score costs
     one max and one fused multiply-add (exp2(s * c - base)) instead of a multiply, a max
     and an add. Short tiles (masked keys) and negative sm_scale scale the scores in place
-    first and use c = 1: rare.
+    first and use c = 1: rare. key_of_column: see mask_columns (a permutation within each
+    16 keys leaves every column in its 16-key scale group).
     """
     rows = cute.size(row_max)
     groups = cute.size(key_scale)
@@ -73,7 +76,7 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
                 acc_s_mn[r, j] = acc_s_mn[r, j] * scale[r, j // per_group]
             for g in cutlass.range_constexpr(groups):
                 scale[r, g] = cutlass.Float32(1.0)
-        mask_columns(acc_s_mn, coord_mn, tile_len)
+        mask_columns(acc_s_mn, coord_mn, tile_len, key_of_column)
     for r in cutlass.range_constexpr(rows):
         scaled_max = NEG_INF
         for g in cutlass.range_constexpr(groups):
@@ -120,6 +123,38 @@ def add_partial(acc_o_mn, partial_mn, beta, first_col: cutlass.Constexpr):
 
 
 @cute.jit
+def e4m3_words(p_mn):
+    """P (rows, keys) quantized to e4m3, as (rows, keys / 4) 32-bit words of four keys."""
+    rows, keys = cute.size(p_mn, mode=[0]), cute.size(p_mn, mode=[1])
+    p8 = cute.make_rmem_tensor(cute.make_layout((rows, keys), stride=(keys, 1)), cutlass.Float8E4M3FN)
+    for r in cutlass.range_constexpr(rows):
+        p8[r, None] = p_mn[r, None].load().to(cutlass.Float8E4M3FN)
+    return cute.recast_tensor(p8, cutlass.Int32)
+
+
+def permuted_key(column):
+    """The key in score column `column` when each 16 keys are loaded in the order
+    e + 2 i + 8 h <- key e + 4 i + 2 h (e < 2, i < 4, h < 2; sm90_sage_fp8.k_tma_view)."""
+    return (column & ~15) + ((column >> 1) & 3) * 4 + ((column >> 3) & 1) * 2 + (column & 1)
+
+
+@cute.jit
+def scores_to_e4m3_operand_in_place(p_mn, operand_a):
+    """Quantize P (fp32 accumulator, (rows, keys) view) into the e4m3 A-operand fragment
+    ((4, 2, 2), 1, K / 32) of P V when keys are loaded permuted (permuted_key): a thread's
+    word w of row r (its columns 16 w + 2 i + {0, 1} and 16 w + 8 + 2 i + {0, 1}, i = lane
+    % 4) then holds keys 16 w + 4 i .. 16 w + 4 i + 3, in order: exactly the bytes of A's
+    register (row r, 16-key half w % 2) of k-block w // 2. No data moves between lanes."""
+    rows = cute.size(p_mn, mode=[0])
+    words = e4m3_words(p_mn)
+    out = cute.recast_tensor(operand_a, cutlass.Int32)  # ((1, 2, 2), 1, K / 32)
+    for kb in cutlass.range_constexpr(cute.size(operand_a, mode=[2])):
+        for v2 in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(rows):
+                out[(0, r, v2), 0, kb] = words[r, 2 * kb + v2]
+
+
+@cute.jit
 def scores_to_e4m3_operand(p_mn, operand_a):
     """Quantize P (fp32 accumulator, (rows, keys) view) into the e4m3 A-operand fragment
     ((4, 2, 2), 1, K / 32) of P V: byte b of register (v1, v2) of k-block kb holds row v1's
@@ -130,10 +165,7 @@ def scores_to_e4m3_operand(p_mn, operand_a):
     lane 2 (i % 2) and two from lane 2 (i % 2) + 1, from chunk i // 2 of that word.
     """
     rows = cute.size(p_mn, mode=[0])
-    p8 = cute.make_rmem_tensor(cute.make_layout((rows, cute.size(p_mn, mode=[1])), stride=(cute.size(p_mn, mode=[1]), 1)), cutlass.Float8E4M3FN)
-    for r in cutlass.range_constexpr(rows):
-        p8[r, None] = p_mn[r, None].load().to(cutlass.Float8E4M3FN)
-    words = cute.recast_tensor(p8, cutlass.Int32)  # (rows, keys / 4)
+    words = e4m3_words(p_mn)
     out = cute.recast_tensor(operand_a, cutlass.Int32)  # ((1, 2, 2), 1, K / 32)
     lane = cute.arch.lane_idx()
     quad = lane % 4

@@ -37,8 +37,9 @@ from generator.kernels.sage_common import (
     add_partial,
     load_key_scales,
     load_row_scales,
+    permuted_key,
     sage_softmax_step,
-    scores_to_e4m3_operand,
+    scores_to_e4m3_operand_in_place,
 )
 from generator.kernels.sm90_wgmma import TILE_M, TILE_N, BlockSparseFwdSm90
 
@@ -60,6 +61,21 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.kv_stages = RING_BYTES * warpgroups // (TILE_N * head_dim)  # e4m3: a byte each
         self.ctas_per_sm = CTAS_PER_SM // warpgroups
         self.pv_slice = min(head_dim, PV_SLICE)
+
+    def k_tma_view(self, mK):
+        """K for TMA: all heads' keys as one sequence, (keys, D), each 16 keys loaded into
+        shared memory in the order e + 2 i + 8 h <- key e + 4 i + 2 h (e < 2, i < 4, h < 2):
+        score column 2 i + e + 8 h then holds key 4 i + 2 h + e, so lane i % 4 of a quad
+        holds keys 4 i .. 4 i + 3 of every 16, the bytes its e4m3 A operand of P V wants
+        (no shuffles: scores_to_e4m3_operand_in_place). One sequence, because the permuted
+        keys take four of TMA's five dimensions; the runtime passes K with a head stride that
+        is a whole number of 64-key tiles (k_tiles)."""
+        s = mK.stride[0]
+        groups = mK.shape[1] * (mK.stride[1] // (KEYS_PER_SCALE * s))
+        keys = ((2, 4, 2), groups), ((s, 4 * s, 2 * s), KEYS_PER_SCALE * s)
+        return cute.make_tensor(
+            mK.iterator, cute.make_layout((keys[0], self.head_dim), stride=(keys[1], 1))
+        )
 
     @cute.jit
     def __call__(
@@ -98,6 +114,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.kernel(
             qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
             mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
+            mK.stride[1] // (TILE_N * mK.stride[0]),
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
         ).launch(**self.launch_config(mWork, SharedStorage, stream))
 
@@ -123,6 +140,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         mTileCnt: cute.Tensor,
         mTileLen: cute.Tensor,
         scale_log2: cutlass.Float32,
+        k_tiles_per_head: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -132,7 +150,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
     ):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
-            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
+            mWork, mO.shape[0], mO.shape[1], mVScale.shape[1], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
         )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
@@ -141,8 +159,11 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         sO = sO[None, None, wg]
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
+        # The kv head's tiles of the one-sequence K view (k_tma_view).
+        gK = cute.local_tile(mK_tma, (TILE_N, self.head_dim), (None, 0))
+        gK = cute.domain_offset((0, 0, kv_head * k_tiles_per_head), gK)
         loads = self.load_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+            tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
         self.consume_sage(
             qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
@@ -215,8 +236,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             )
             warpgroup.wait_group(0)
             k_handle.release()
-            sage_softmax_step(acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta)
-            scores_to_e4m3_operand(acc_S_mn, tOrP)
+            sage_softmax_step(
+                acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta, permuted_key
+            )
+            scores_to_e4m3_operand_in_place(acc_S_mn, tOrP)
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:
                 self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)

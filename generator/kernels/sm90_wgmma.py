@@ -136,10 +136,7 @@ class BlockSparseFwdSm90:
             mQ.iterator,
             cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
         )
-        k_view = cute.make_tensor(
-            mK.iterator,
-            cute.make_layout((mK.shape[0], d, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])),
-        )
+        k_view = self.k_tma_view(mK)
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (TILE_M, TILE_N),
@@ -176,6 +173,13 @@ class BlockSparseFwdSm90:
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
                 sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes)
+
+    def k_tma_view(self, mK):
+        """K as TMA loads it: (seq, D, heads), the K-major B operand of S = Q K^T."""
+        return cute.make_tensor(
+            mK.iterator,
+            cute.make_layout((mK.shape[0], self.head_dim, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])),
+        )
 
     def shared_operands(self, SharedStorage, sQ_layout, sK_layout, sV_layout):
         """The shared storage and its Q tile and K/V ring (K and V stages share the bytes)."""
@@ -237,8 +241,9 @@ class BlockSparseFwdSm90:
         sO = storage.sQ.get_tensor(sO_layout)[None, None, wg]
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
+        gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, self.head_dim), (None, 0))
         loads = self.load_partitions(
-            tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+            tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
         args = (
             qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
@@ -261,12 +266,12 @@ class BlockSparseFwdSm90:
         return tidx % CONSUMER_THREADS, warp, wg, bar
 
     @cute.jit
-    def load_partitions(self, tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
+    def load_partitions(self, tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
         """(atom, global source, shared destination) of this warpgroup's Q tile and of K and V
-        by tile id; Q's destination is indexed by warpgroup."""
+        by tile id (gK: the kv head's K tiles, (TILE_N, D, tile)); Q's destination is indexed
+        by warpgroup."""
         d = self.head_dim
         gQ = cute.local_tile(mQ_tma[None, None, head], (TILE_M, d), (chunk, 0))
-        gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, d), (None, 0))
         gV = cute.local_tile(mV_tma[None, None, kv_head], (d, TILE_N), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)

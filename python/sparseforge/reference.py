@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from sparseforge.planner import TILE
+
 
 def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
     """Masked softmax attention with GQA; returns (out (Hq, Sq, D), lse (Hq, Sq)).
@@ -197,14 +199,15 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
     (qf, q_amax), (kg, k_amax), k_mean = sage_scale_sets(q, k, smooth_k, k_mean)
     q8, q_scale = fp8_quantize_searched(qf, q_amax, -1, scale_search)
     k8, k_scale = fp8_quantize_searched(kg, k_amax, (2, 3), scale_search)
-    k8 = k8.view(hkv, pad, d)[:, :sk].contiguous()
+    k_buffer = torch.zeros(hkv, -(-sk // TILE) * TILE, d, dtype=torch.float8_e4m3fn, device=k.device)
+    k_buffer[:, :sk] = k8.view(hkv, pad, d)[:, :sk]
     vf = v.float()
     v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))
     vt = torch.zeros(hkv, d, pad, dtype=torch.float8_e4m3fn, device=v.device)
     vt[:, :, :sk] = v8.transpose(1, 2)
     return SageFP8Tensors(
         q=q8,
-        k=k8,
+        k=k_buffer[:, :sk],
         v=vt.transpose(1, 2)[:, :sk],
         q_scale=q_scale.view(1, hq, sq),
         k_scale=k_scale.view(1, hkv, groups),

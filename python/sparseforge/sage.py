@@ -11,7 +11,10 @@ e4m3 output and x the input:
   q        (Hq, Sq, D) e4m3, contiguous.     q8[h, s] * q_scale[0, h, s] ~= q[h, s]
   q_scale  (1, Hq, Sq) fp32 per token: (amax / 448) * (16 + c) / 16, amax = max |q[h, s, :]|,
            c the token's searched scale candidate (below; 0 without the search).
-  k        (Hkv, Sk, D) e4m3, contiguous.    k8[h, s] * k_scale[0, h, s // 16] ~= k[h, s] - m[h]
+  k        (Hkv, Sk, D) e4m3, a view k8 = buf[:, :Sk] of a buffer buf (Hkv, Sk_pad64, D),
+           Sk_pad64 = Sk rounded up to 64, zero past Sk (the sm90 kernel TMA-loads every
+           head's keys through one view, so heads must lie whole 64-key tiles apart).
+                                              k8[h, s] * k_scale[0, h, s // 16] ~= k[h, s] - m[h]
            (m = k_mean, or 0 without smoothing)
   k_scale  (1, Hkv, ceil(Sk / 16)) fp32: (amax / 448) * (16 + c) / 16 with amax = max |k - k_mean|
            over 16 tokens (the last group may be short) and all D channels, c the group's
@@ -66,6 +69,7 @@ from typing import NamedTuple
 
 import torch
 
+from sparseforge.planner import TILE
 from sparseforge.reference import KEYS_PER_SCALE, SCALE_STEPS
 
 FP8 = torch.float8_e4m3fn
@@ -107,7 +111,8 @@ def sage_fp8_quantize(
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
-    k8 = torch.empty((hkv, sk, d), dtype=FP8, device=device)
+    k8 = torch.empty((hkv, -(-sk // TILE) * TILE, d), dtype=FP8, device=device)  # padding too
+    k8[:, sk:].zero_()
     k_scale = torch.empty((1, hkv, groups), **f32)
     vt = torch.empty((hkv, d, groups * KEYS_PER_SCALE), dtype=FP8, device=device)  # padding too
     v_scale = torch.empty((hkv, d), **f32)
@@ -117,9 +122,9 @@ def sage_fp8_quantize(
     stats, quantize_kv = _launches(device.index, DTYPE_NAMES[q.dtype], d, chunk, int(smooth_k), steps)
     with torch.cuda.device(device):
         stats((q, k, v, q8, q_scale[0], partial))
-        quantize_kv((k, v, partial, k8, k_scale[0], vt, v_scale, k_mean))
+        quantize_kv((k, v, partial, k8[:, :sk], k_scale[0], vt, v_scale, k_mean))
     return SageFP8Tensors(
-        q8, k8, vt.transpose(1, 2)[:, :sk], q_scale, k_scale, v_scale, k_mean if smooth_k else None
+        q8, k8[:, :sk], vt.transpose(1, 2)[:, :sk], q_scale, k_scale, v_scale, k_mean if smooth_k else None
     )
 
 
@@ -136,14 +141,14 @@ def chunk_tokens(seq_k: int, num_kv_heads: int, num_sms: int) -> int:
 
 def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     """Bytes both launches read and write: q once, k twice with smoothing (else once), v
-    twice; the codes (v with its padding), scales and mean; the chunk partials once each
+    twice; the codes (k and v with their padding), scales and mean; the chunk partials once each
     way (launch-2 CTAs re-read them from L2, not counted)."""
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
     groups = -(-sk // KEYS_PER_SCALE)
     chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
     reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
-    codes = q.numel() + k.numel() + hkv * d * groups * KEYS_PER_SCALE
+    codes = q.numel() + hkv * d * (-(-sk // TILE) * TILE + groups * KEYS_PER_SCALE)
     scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
     partials = 2 * 4 * hkv * chunks * 2 * d
     return reads + codes + scales + partials

@@ -161,6 +161,26 @@ def _keys_contiguous(v):
     return buf[:, :, :sk].permute(2, 0, 1)
 
 
+def _heads_in_whole_tiles(k):
+    """Sage K (Sk, Hkv, D) as sm90_sage_fp8 loads it: one TMA view over every head's keys
+    (k_tma_view in generator/kernels/sm90_sage_fp8.py), so each head must start a whole number
+    of 64-key tiles after the one before, and the padding after the last head's keys up to
+    that must lie in k's storage (read, never used).
+
+    sparseforge.sage_fp8_quantize returns k so (a view of a buffer padded to 64 keys), which
+    is used as is; any other k is copied here into such a buffer (one extra pass over K)."""
+    sk, hkv, d = k.shape
+    row, head = k.stride(0), k.stride(1)
+    span = k.storage_offset() + hkv * head  # elements from the storage's start
+    if row >= d and head > 0 and head % (planner.TILE * row) == 0 and span * k.element_size() <= k.untyped_storage().nbytes():
+        return k
+    keys = -(-sk // planner.TILE) * planner.TILE
+    buf = torch.empty((hkv, keys, d), dtype=k.dtype, device=k.device)
+    buf[:, sk:].zero_()
+    buf[:, :sk].copy_(k.transpose(0, 1))
+    return buf[:, :sk].transpose(0, 1)
+
+
 class _BlockSparseBase:
     def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto"):
         if backend not in BACKENDS:
@@ -282,6 +302,8 @@ class _BlockSparseBase:
             if hnd:
                 q, k, out, lse = q.transpose(0, 1), k.transpose(0, 1), out.transpose(0, 1), lse.t()
             hnd = False
+            if self._plan["path"] == "sm90_sage_fp8":
+                k = _heads_in_whole_tiles(k)
         if torch.compiler.is_compiling():
             torch.ops.sparseforge.block_sparse_fwd(
                 q, k, v, out, lse, list(launch.static_tensors), self._plan["launch_id"], hnd
