@@ -29,6 +29,7 @@ from generator.kernels.attention_common import RESCALE_THRESHOLD, mask_columns, 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 KEYS_PER_SCALE = 16  # k_scale granularity
 NEG_INF = -cutlass.Float32.inf
+FINITE_FLOOR = -1e30  # below any finite score in log2 units
 
 
 @cute.jit
@@ -88,13 +89,10 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
         new_max = row_max[r]
         if tile_max > row_max[r] + RESCALE_THRESHOLD:
             new_max = tile_max
-        # A row with no valid key so far keeps -inf; exponent bases of 0 keep NaN out.
-        tile_base = tile_max
-        if tile_max == NEG_INF:
-            tile_base = cutlass.Float32(0.0)
-        new_base = new_max
-        if new_max == NEG_INF:
-            new_base = cutlass.Float32(0.0)
+        # A row with no valid key so far keeps -inf; finite exponent bases keep NaN out
+        # (exp2 of -inf minus a finite base is 0). One FMNMX each, not a compare and select.
+        tile_base = cute.arch.fmax(tile_max, FINITE_FLOOR)
+        new_base = cute.arch.fmax(new_max, FINITE_FLOOR)
         offset = P_EXP2_OFFSET - tile_base
         for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
             acc_s_mn[r, j] = cute.math.exp2(acc_s_mn[r, j] * scale[r, j // per_group] + offset, fastmath=True)
@@ -112,6 +110,18 @@ def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
     for r in cutlass.range_constexpr(cute.size(alpha)):
         rescale_rows(acc_o_mn, r, alpha[r])
     add_partial(acc_o_mn, partial_mn, beta, 0)
+
+
+@cute.jit
+def rescale_output(acc_o_mn, alpha):
+    """O rows times alpha; one branch for all of a thread's rows, taken only when a running
+    max moved (rarely: RESCALE_THRESHOLD)."""
+    moved = alpha[0] != 1.0
+    for r in cutlass.range_constexpr(1, cute.size(alpha)):
+        moved = moved | (alpha[r] != 1.0)
+    if moved:
+        for r in cutlass.range_constexpr(cute.size(alpha)):
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * alpha[r]
 
 
 @cute.jit

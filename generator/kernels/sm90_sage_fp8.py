@@ -28,7 +28,6 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from generator.kernels.attention_common import (
     acc_mn_view,
     new_softmax_state,
-    rescale_rows,
     unit_of_cta,
     with_narrow_strides,
 )
@@ -38,6 +37,7 @@ from generator.kernels.sage_common import (
     load_key_scales,
     load_row_scales,
     permuted_key,
+    rescale_output,
     sage_softmax_step,
     scores_to_e4m3_operand_in_place,
 )
@@ -214,26 +214,21 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
-        # Each tile's length and key scales are loaded one tile ahead: two dependent global
-        # loads (tile id, then its data) would otherwise stall the softmax.
-        next_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
-        next_len = cutlass.Int32(0)
+        # A tile's id is read while its predecessor's S is computed, its length and key scales
+        # once that predecessor's softmax is done with theirs (same registers, no copies).
+        tile_len = cutlass.Int32(0)
+        next_tile = cutlass.Int32(0)
         head_scales = mKScale[None, kv_head]
         if num_tiles > 0:
-            next_len = self.load_tile_data(tile_ids, mTileLen, head_scales, 0, next_scale)
+            tile_len = self.load_tile_data(tile_ids[0], mTileLen, head_scales, key_scale)
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
-            tile_len = next_len
-            key_scale.store(next_scale.load())
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            # While the tensor core computes S: warp 0's loads, and the next tile's data (whose
-            # load the compiler waits for at once, to keep it in uniform registers).
+            # While the tensor core computes S: warp 0's loads, and the next tile's id.
             kv_producer = self.refill_ring(kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids)
-            next_len = self.load_tile_data(
-                tile_ids, mTileLen, head_scales, cutlass.min(j + 1, num_tiles - 1), next_scale
-            )
+            next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
             warpgroup.wait_group(0)
             k_handle.release()
             sage_softmax_step(
@@ -243,8 +238,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             v_handle = kv_consumer.wait_and_advance()
             if tile_len < TILE_N:
                 self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
-            for r in cutlass.range_constexpr(rows):
-                rescale_rows(acc_O_mn, r, alpha[r])
+            tile_len = self.load_tile_data(next_tile, mTileLen, head_scales, key_scale)
+            rescale_output(acc_O_mn, alpha)
             for s in cutlass.range_constexpr(d // self.pv_slice):
                 slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
                 slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
@@ -268,9 +263,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx, bar)
 
     @cute.jit
-    def load_tile_data(self, tile_ids, mTileLen, head_scales, j, key_scale):
-        """Valid length of the unit's j-th listed tile; its key scales into key_scale."""
-        tile = tile_ids[j]
+    def load_tile_data(self, tile, mTileLen, head_scales, key_scale):
+        """Valid length of a tile; its key scales into key_scale."""
         load_key_scales(head_scales, tile, key_scale)
         return mTileLen[tile]
 
