@@ -261,7 +261,7 @@ _TEMPLATES = {
 # (the sharing used before; TFLOPS, H200): W3 587 (4) / 544 (2 x 2) / 520 (cluster), W5 545
 # (2) / 518 (cluster), F3 Sage 602 (2) / 578 (4) / 575 (cluster):
 # bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
-WARPGROUPS = {"sm90_wgmma": (1, 2, 4), "sm90_sage_fp8": (1, 2)}
+WARPGROUPS = {"sm90_wgmma": (1, 2, 4), "sm90_sage_fp8": (1, 2, 4)}
 
 _CONFIGS = {
     "warp_mma": [dict(dtype=dtype, head_dim=hd) for dtype in DTYPES for hd in (64, 128)],

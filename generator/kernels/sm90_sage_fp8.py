@@ -13,10 +13,12 @@ is latency-bound (ncu: issue slots ~55% busy at three warpgroups per SM), so it 
 CTAs per SM: 128 registers each and a 40 KB ring (five stages at head_dim 128). Against
 three CTAs with a producer warp and an 8-stage ring: F1 574/575 vs 569/569, F3 587/582 vs
 578/578 TFLOPS (bench/results/2026-11-30_5e9155c+4cta_h200_sage_four_ctas_ab.md).
-Two warpgroups whose units list the same tiles (GQA heads, 64-row units of a 128-row block)
-may share a CTA and its ring (two CTAs per SM, the same bytes and registers per warpgroup):
-F3 602 TFLOPS against 575 for 2-CTA clusters sharing tiles by multicast; four per CTA: 578
-(bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md).
+Two or four warpgroups whose units list the same tiles (GQA heads, 64-row units of a 128- or
+256-row block) may share a CTA and its ring (the same bytes and registers per warpgroup):
+F3 602 TFLOPS against 575 for 2-CTA clusters sharing tiles by multicast
+(bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md); after the
+instruction diet of 5c61fd7 four per CTA beat two, median 645 vs 628
+(bench/results/2026-11-30_sage_w4_h200_F3_ab.md).
 """
 
 import cuda.bindings.driver as cuda
