@@ -24,7 +24,7 @@ keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lan
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.attention_common import RESCALE_THRESHOLD, mask_columns, quad_max, rescale_rows
+from generator.kernels.attention_common import RESCALE_THRESHOLD, mask_columns, quad_max
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 KEYS_PER_SCALE = 16  # k_scale granularity
@@ -105,14 +105,6 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
 
 
 @cute.jit
-def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
-    """O = O * alpha + partial * beta, row by row (the second level of the accumulation)."""
-    for r in cutlass.range_constexpr(cute.size(alpha)):
-        rescale_rows(acc_o_mn, r, alpha[r])
-    add_partial(acc_o_mn, partial_mn, beta, 0)
-
-
-@cute.jit
 def rescale_output(acc_o_mn, alpha):
     """O rows times alpha; one branch for all of a thread's rows, taken only when a running
     max moved (rarely: RESCALE_THRESHOLD)."""
@@ -122,6 +114,13 @@ def rescale_output(acc_o_mn, alpha):
     if moved:
         for r in cutlass.range_constexpr(cute.size(alpha)):
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * alpha[r]
+
+
+@cute.jit
+def accumulate_tile(acc_o_mn, partial_mn, alpha, beta):
+    """O = O * alpha + partial * beta (the second level of the accumulation)."""
+    rescale_output(acc_o_mn, alpha)
+    add_partial(acc_o_mn, partial_mn, beta, 0)
 
 
 @cute.jit

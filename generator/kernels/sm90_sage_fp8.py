@@ -9,8 +9,9 @@ issues the TMA loads, K/V ring) with e4m3 operands and the Sage scales
     O       = O * alpha + partial * beta        fp32 (two-level accumulation)
     out     = bf16(O / l * v_scale[channel])
 P V runs in slices of at most 64 channels into one fp32 partial (32 registers). The kernel
-is latency-bound (ncu: issue slots ~55% busy at three warpgroups per SM), so it runs four
-CTAs per SM: 128 registers each and a 40 KB ring (five stages at head_dim 128). Against
+is bound by instruction issue (its speed follows its instructions per tile: CONTRIBUTING.md,
+Sage FP8) with few eligible warps, so it runs four warpgroups per SM (one per CTA: 128
+registers each and a 40 KB ring, five stages at head_dim 128). Against
 three CTAs with a producer warp and an 8-stage ring: F1 574/575 vs 569/569, F3 587/582 vs
 578/578 TFLOPS (bench/results/2026-11-30_5e9155c+4cta_h200_sage_four_ctas_ab.md).
 Two or four warpgroups whose units list the same tiles (GQA heads, 64-row units of a 128- or
@@ -71,7 +72,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         holds keys 4 i .. 4 i + 3 of every 16, the bytes its e4m3 A operand of P V wants
         (no shuffles: scores_to_e4m3_operand_in_place). One sequence, because the permuted
         keys take four of TMA's five dimensions; the runtime passes K with a head stride that
-        is a whole number of 64-key tiles (k_tiles)."""
+        is a whole number of 64-key tiles (sparseforge.sparse._heads_in_whole_tiles)."""
         s = mK.stride[0]
         groups = mK.shape[1] * (mK.stride[1] // (KEYS_PER_SCALE * s))
         keys = ((2, 4, 2), groups), ((s, 4 * s, 2 * s), KEYS_PER_SCALE * s)
@@ -151,6 +152,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
+        # (The kv head count from v_scale: the one-sequence K view has no head mode.)
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
             mWork, mO.shape[0], mO.shape[1], mVScale.shape[1], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
         )
@@ -219,7 +221,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         # A tile's id is read while its predecessor's S is computed, its length and key scales
         # once that predecessor's softmax is done with theirs (same registers, no copies).
         tile_len = cutlass.Int32(0)
-        next_tile = cutlass.Int32(0)
         head_scales = mKScale[None, kv_head]
         if num_tiles > 0:
             tile_len = self.load_tile_data(tile_ids[0], mTileLen, head_scales, key_scale)
