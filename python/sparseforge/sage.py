@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import torch
 
-from sparseforge.planner import TILE
+from sparseforge.planner import TILE, num_tiles
 from sparseforge.reference import KEYS_PER_SCALE, SCALE_STEPS
 
 FP8 = torch.float8_e4m3fn
@@ -111,7 +111,7 @@ def sage_fp8_quantize(
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
-    k8 = torch.empty((hkv, -(-sk // TILE) * TILE, d), dtype=FP8, device=device)  # padding too
+    k8 = torch.empty((hkv, num_tiles(sk) * TILE, d), dtype=FP8, device=device)  # padding too
     k8[:, sk:].zero_()
     k_scale = torch.empty((1, hkv, groups), **f32)
     vt = torch.empty((hkv, d, groups * KEYS_PER_SCALE), dtype=FP8, device=device)  # padding too
@@ -148,7 +148,7 @@ def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     groups = -(-sk // KEYS_PER_SCALE)
     chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
     reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
-    codes = q.numel() + hkv * d * (-(-sk // TILE) * TILE + groups * KEYS_PER_SCALE)
+    codes = q.numel() + hkv * d * (num_tiles(sk) * TILE + groups * KEYS_PER_SCALE)
     scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
     partials = 2 * 4 * hkv * chunks * 2 * d
     return reads + codes + scales + partials

@@ -174,7 +174,7 @@ def _heads_in_whole_tiles(k):
     span = k.storage_offset() + hkv * head  # elements from the storage's start
     if row >= d and head > 0 and head % (planner.TILE * row) == 0 and span * k.element_size() <= k.untyped_storage().nbytes():
         return k
-    keys = -(-sk // planner.TILE) * planner.TILE
+    keys = planner.num_tiles(sk) * planner.TILE
     buf = torch.empty((hkv, keys, d), dtype=k.dtype, device=k.device)
     buf[:, sk:].zero_()
     buf[:, :sk].copy_(k.transpose(0, 1))
