@@ -40,6 +40,15 @@ def num_tiles(tokens: int) -> int:
     return -(-tokens // TILE)
 
 
+def tile_padded_keys(num_heads: int, seq_k: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """A (num_heads, seq_k rounded up to 64, head_dim) buffer, zero past seq_k: Sage K as
+    sm90_sage_fp8 reads it (every head's whole 64-key tiles through one view). Callers
+    fill [:, :seq_k] and pass that view."""
+    buf = torch.empty((num_heads, num_tiles(seq_k) * TILE, head_dim), dtype=dtype, device=device)
+    buf[:, seq_k:].zero_()
+    return buf
+
+
 def tile_key_scales(k_scale: torch.Tensor, keys_per_scale: int) -> torch.Tensor:
     """(Hkv, G) per-group key scales as (Hkv, TILE / keys_per_scale * NT), NT = the 64-key
     tiles they cover: each tile's scales side by side (one 16-byte load in the kernels),

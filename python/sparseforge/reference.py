@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from sparseforge.planner import TILE, num_tiles
+from sparseforge.planner import tile_padded_keys
 
 
 def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
@@ -199,7 +199,7 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
     (qf, q_amax), (kg, k_amax), k_mean = sage_scale_sets(q, k, smooth_k, k_mean)
     q8, q_scale = fp8_quantize_searched(qf, q_amax, -1, scale_search)
     k8, k_scale = fp8_quantize_searched(kg, k_amax, (2, 3), scale_search)
-    k_buffer = torch.zeros(hkv, num_tiles(sk) * TILE, d, dtype=torch.float8_e4m3fn, device=k.device)
+    k_buffer = tile_padded_keys(hkv, sk, d, torch.float8_e4m3fn, k.device)
     k_buffer[:, :sk] = k8.view(hkv, pad, d)[:, :sk]
     vf = v.float()
     v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))

@@ -69,7 +69,7 @@ from typing import NamedTuple
 
 import torch
 
-from sparseforge.planner import TILE, num_tiles
+from sparseforge.planner import TILE, num_tiles, tile_padded_keys
 from sparseforge.reference import KEYS_PER_SCALE, SCALE_STEPS
 
 FP8 = torch.float8_e4m3fn
@@ -111,8 +111,7 @@ def sage_fp8_quantize(
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
-    k8 = torch.empty((hkv, num_tiles(sk) * TILE, d), dtype=FP8, device=device)  # padding too
-    k8[:, sk:].zero_()
+    k8 = tile_padded_keys(hkv, sk, d, FP8, device)
     k_scale = torch.empty((1, hkv, groups), **f32)
     vt = torch.empty((hkv, d, groups * KEYS_PER_SCALE), dtype=FP8, device=device)  # padding too
     v_scale = torch.empty((hkv, d), **f32)

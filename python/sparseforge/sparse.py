@@ -174,9 +174,7 @@ def _heads_in_whole_tiles(k):
     span = k.storage_offset() + hkv * head  # elements from the storage's start
     if row >= d and head > 0 and head % (planner.TILE * row) == 0 and span * k.element_size() <= k.untyped_storage().nbytes():
         return k
-    keys = planner.num_tiles(sk) * planner.TILE
-    buf = torch.empty((hkv, keys, d), dtype=k.dtype, device=k.device)
-    buf[:, sk:].zero_()
+    buf = planner.tile_padded_keys(hkv, sk, d, k.dtype, k.device)
     buf[:, :sk].copy_(k.transpose(0, 1))
     return buf[:, :sk].transpose(0, 1)
 
