@@ -4,9 +4,11 @@
 
 cuobjdump does not see the cubins that export_to_c embeds, so the file is scanned for CUDA
 ELF images (64-bit ELF, e_machine 190 = EM_CUDA, SM number in bits 8-15 of e_flags). Each
-image is attributed to a template by the kernel class name in its symbols. Prints one row per
-template with the number of cubins per SM; exits 1 unless every family in the manifest has
-code for sm_90, sm_100 and sm_120, or if ptxas serialized the wgmma of a Hopper kernel.
+image is attributed to a template by its kernel class (manifest.json), whose name is in the
+image's kernel symbol. Prints one row per template with the number of cubins per SM; exits 1
+unless the cubins match the manifest and every family has code for each arch it requires
+(manifest.json, from its spec in generator/families/), or if ptxas serialized the wgmma of a
+Hopper kernel.
 
 Serialized wgmma (ptxas advisory C7512, e.g. when a change needs more registers than the
 CTAs-per-SM bound leaves) still computes the right answer but waits for every MMA before
@@ -28,16 +30,6 @@ from collections import Counter
 from pathlib import Path
 
 EM_CUDA = 190
-REQUIRED_SMS = (90, 100, 120)
-# Kernel class of each template, as it appears in its cubin's symbol names.
-TEMPLATE_KERNEL = {
-    "warp_mma": b"BlockSparseFwdWarpMma",
-    "warp_mma_fp8": b"SageFp8FwdWarpMma",
-    "sm90_wgmma": b"BlockSparseFwdSm90",
-    "sm90_sage_fp8": b"SageFp8FwdSm90",
-    "sage_quantize": b"SageQuantize",
-    "tile_compact": b"TileCompact",
-}
 ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}
 
 
@@ -67,18 +59,30 @@ def elf_size(data: bytes, pos: int) -> int:
     return end
 
 
-def matrix(library: Path) -> Counter:
+def kernel_classes(manifest: dict) -> dict[bytes, str]:
+    """{kernel class name: template} of the manifest's variants."""
+    return {v["kernel_class"].encode(): v["template"] for v in manifest["variants"]}
+
+
+def template_of(image: bytes, classes: dict[bytes, str]) -> str | None:
+    found = {template for name, template in classes.items() if name in image}
+    return found.pop() if len(found) == 1 else None
+
+
+def matrix(library: Path, manifest: dict) -> Counter:
     """Counter of (template, SM) over the library's cubins; template None if unrecognised."""
-    found = Counter()
-    for sm, image in cuda_elf_images(library.read_bytes()):
-        names = [t for t, symbol in TEMPLATE_KERNEL.items() if symbol in image]
-        found[(names[0] if len(names) == 1 else None, sm)] += 1
-    return found
+    classes = kernel_classes(manifest)
+    return Counter(
+        (template_of(image, classes), sm) for sm, image in cuda_elf_images(library.read_bytes())
+    )
 
 
 def nvdisasm() -> str | None:
     """nvdisasm from PATH, the CUDA toolkit or the nvidia-cuda-nvdisasm wheel, if any."""
-    candidates = [shutil.which("nvdisasm"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")]
+    candidates = [
+        shutil.which("nvdisasm"),
+        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"),
+    ]
     try:
         import nvidia
 
@@ -88,20 +92,22 @@ def nvdisasm() -> str | None:
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
-def serialized_wgmma(library: Path, tool: str) -> list[str]:
+def serialized_wgmma(library: Path, manifest: dict, tool: str) -> list[str]:
     """Templates of the sm_90 images whose every wgmma carries gsb0 (serialized by ptxas)."""
     bad = []
-    hopper = [TEMPLATE_KERNEL["sm90_wgmma"], TEMPLATE_KERNEL["sm90_sage_fp8"]]
+    classes = kernel_classes(manifest)
     for sm, image in cuda_elf_images(library.read_bytes()):
-        if sm != 90 or not any(symbol in image for symbol in hopper):
+        if sm != 90:
             continue
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(image)
             f.flush()
-            sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run(
+                [tool, "-c", f.name], capture_output=True, text=True, check=True
+            ).stdout
         mmas = re.findall(r"[HQ]GMMA\.[^;]*;", sass)
         if mmas and all("gsb0" in m for m in mmas):
-            bad.append(next((t for t, symbol in TEMPLATE_KERNEL.items() if symbol in image), "unknown"))
+            bad.append(template_of(image, classes) or "unknown")
     return bad
 
 
@@ -118,27 +124,32 @@ def main(argv=None) -> int:
 
         library = Path(sparseforge.__file__).parent / "libsparseforge_kernels.so"
     manifest = json.loads((library.parent / "manifest.json").read_text())
-    found = matrix(library)
+    found = matrix(library, manifest)
     sms = sorted({sm for _, sm in found})
     print("template".ljust(14) + "".join(f"sm_{sm}".rjust(9) for sm in sms))
     for template in sorted({t for t, _ in found}, key=str):
         print(str(template).ljust(14) + "".join(str(found[(template, sm)]).rjust(9) for sm in sms))
     ok = found == expected(manifest)
-    families = {v["family"] for v in manifest["variants"]}
-    for family in sorted(families):
+    for family, spec in sorted(manifest["families"].items()):
         templates = {v["template"] for v in manifest["variants"] if v["family"] == family}
         have = {sm for (t, sm), n in found.items() if t in templates and n}
-        missing = [sm for sm in REQUIRED_SMS if sm not in have]
+        required = [ARCH_SM[a] for a in spec["required_archs"] if a in manifest["archs"]]
+        missing = [sm for sm in required if sm not in have]
         if missing:
             print(f"{family}: no code for {', '.join(f'sm_{m}' for m in missing)}")
             ok = False
     print("compile matrix OK" if ok else "compile matrix MISMATCH (see manifest.json)")
     tool = nvdisasm()
-    serialized = serialized_wgmma(library, tool) if tool else []
+    serialized = serialized_wgmma(library, manifest, tool) if tool else []
     if not tool:
-        print("sm_90 wgmma NOT checked: no nvdisasm here (CUDA toolkit or pip nvidia-cuda-nvdisasm)")
+        print(
+            "sm_90 wgmma NOT checked: no nvdisasm here (CUDA toolkit or pip nvidia-cuda-nvdisasm)"
+        )
     elif serialized:
-        print(f"wgmma serialized by ptxas in {len(serialized)} sm_90 kernels: {sorted(set(serialized))}")
+        print(
+            f"wgmma serialized by ptxas in {len(serialized)} sm_90 kernels: "
+            f"{sorted(set(serialized))}"
+        )
         ok = False
     else:
         print("sm_90 wgmma pipelined (no kernel serialized by ptxas)")

@@ -39,13 +39,23 @@ def main(path: str, rows: int = 25, units: int = 0) -> None:
             by_reason[c] += number(r[col[c]])
         opcode = re.sub(r"^@!?U?P\w+\s+", "", r[col["Source"]].strip()).split(" ")[0].split(".")[0]
         by_opcode[opcode] += number(r[col["Instructions Executed"]])
-    print("stall totals (%):", [(c, round(v / samples * 100, 1)) for c, v in by_reason.most_common(10)])
-    print("executed by opcode (%):", [(o, round(v / executed * 100, 1)) for o, v in by_opcode.most_common(25)])
-    for r in sorted(data, key=lambda r: -number(r[col["Warp Stall Sampling (All Samples)"]]))[:rows]:
+    print(
+        "stall totals (%):",
+        [(c, round(v / samples * 100, 1)) for c, v in by_reason.most_common(10)],
+    )
+    print(
+        "executed by opcode (%):",
+        [(o, round(v / executed * 100, 1)) for o, v in by_opcode.most_common(25)],
+    )
+    for r in sorted(data, key=lambda r: -number(r[col["Warp Stall Sampling (All Samples)"]]))[
+        :rows
+    ]:
         s = number(r[col["Warp Stall Sampling (All Samples)"]])
         reasons = sorted(((number(r[col[c]]), c[6:]) for c in stalls), reverse=True)[:3]
-        print(f"{s / samples * 100:5.1f}% exec={number(r[col['Instructions Executed']]):.0f} "
-              f"{r[col['Source']][:70]:70s} {[(n, round(v / s * 100)) for v, n in reasons if v]}")
+        print(
+            f"{s / samples * 100:5.1f}% exec={number(r[col['Instructions Executed']]):.0f} "
+            f"{r[col['Source']][:70]:70s} {[(n, round(v / s * 100)) for v, n in reasons if v]}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from test_gpu_block_sparse import random_inputs, ragged_mask, reference_for, rel_l2, run_variable  # noqa: E402
-
 from sparseforge import reference  # noqa: E402
+from test_gpu_block_sparse import ragged_mask, random_inputs, reference_for, rel_l2, run_variable  # noqa: E402
 
 
 def main(backend: str) -> None:

@@ -1,27 +1,36 @@
 """Emit the C registry (one uniform launcher per variant) and manifest.json.
 
-    python -m generator.registry --archs "sm_90a;sm_100a" --objs DIR --out DIR
+    python -m generator.registry --archs "sm_90a;sm_100a" --out DIR
+    python -m generator.registry --archs ... --list          # variant names, for CMake
 
 Every launcher has the signature `int launch(const int64_t *words, cudaStream_t)`: the
-runtime packs each argument of the family ABI into 64-bit words (a tensor is its data
-pointer, then its run-time extents, then its run-time strides; a scalar is one word) and
-the launcher unpacks them into the typed structs of the exported header.
+runtime packs each argument of the family ABI into 64-bit words (generator/abi.py) and the
+launcher unpacks them into the typed structs of the exported header.
+
+manifest.json carries everything the runtime needs to choose, bind and launch: per family
+its dtypes, templates per arch in preference order, required archs and constants; per
+variant its parameters, constraints, ABI and kernel class (the compile matrix finds its
+cubin by that name).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
+from generator.abi import ScalarArg, TensorArg
 from generator.aot import c_prefix
-from generator.catalog import ALL_ARCHS, ScalarArg, TensorArg, Variant, catalog
+from generator.catalog import catalog, families
+from generator.family import ALL_ARCHS, Variant
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 
 
 def abi_json(variant: Variant) -> list[dict]:
+    dtype = variant.params.get("dtype")
     out = []
     for arg in variant.abi:
         if isinstance(arg, ScalarArg):
@@ -31,28 +40,48 @@ def abi_json(variant: Variant) -> list[dict]:
                 {
                     "kind": "tensor",
                     "name": arg.name,
-                    "dtype": variant.dtype if arg.dtype == "input" else arg.dtype,
+                    "dtype": arg.element(dtype),
                     "shape": list(arg.shape),
                     "stride": list(arg.stride),
                     "narrow_strides": arg.narrow_strides,
-                    # byte alignment the kernel assumes for the data pointer
-                    "align": 16 if arg.divisibility > 1 else 4 if arg.dtype in ("f32", "i32") else 1,
+                    "output": arg.output,
+                    "align": arg.align_bytes(dtype),
                 }
             )
     return out
 
 
+def kernel_class(variant: Variant) -> str:
+    """The class of the variant's kernel: its name is in the cubin's kernel symbol."""
+    return type(importlib.import_module(variant.template.module).make_kernel(variant)).__name__
+
+
 def manifest(variants: list[Variant], archs) -> dict:
+    """Every family's spec (also of families with no variant in this build: a development
+    build of a few variants still knows every family's constants) and the variants."""
     return {
         "schema": MANIFEST_SCHEMA,
         "archs": list(archs),
+        "families": {
+            family.name: {
+                "doc": family.doc,
+                "dtypes": list(family.dtypes),
+                "required_archs": list(family.required_archs),
+                "templates": {arch: [t.name for t in family.templates_for(arch)] for arch in archs},
+                "portable_templates": [t.name for t in family.templates if t.portable],
+                "constants": dict(family.constants),
+            }
+            for family in families().values()
+        },
         "variants": [
             {
                 "name": v.name,
-                "family": v.family,
-                "template": v.template,
+                "family": v.family.name,
+                "template": v.template.name,
                 "arch": v.arch,
-                "params": v.params(),
+                "params": v.params,
+                "constraints": v.constraints,
+                "kernel_class": kernel_class(v),
                 "entry": index,
                 "abi": abi_json(v),
             }
@@ -115,14 +144,27 @@ def registry_c(variants: list[Variant]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def select(archs, names=None) -> list[Variant]:
+    """The variants of a build: every one for `archs`, or only those called `names`."""
+    variants = catalog(archs)
+    if names:
+        unknown = set(names) - {v.name for v in variants}
+        if unknown:
+            raise SystemExit(f"no variant(s) {sorted(unknown)} for archs {list(archs)}")
+        variants = [v for v in variants if v.name in names]
+    return variants
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=";".join(ALL_ARCHS))
+    parser.add_argument("--variants", default="", help="only these variants (names, ';' or ',')")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--list", action="store_true", help="print variant names and exit")
     args = parser.parse_args(argv)
     archs = [a for a in args.archs.replace(",", ";").split(";") if a]
-    variants = catalog(archs)
+    names = [n for n in args.variants.replace(",", ";").split(";") if n]
+    variants = select(archs, names)
     if args.list:
         print(";".join(v.name for v in variants))
         return 0
@@ -130,10 +172,13 @@ def main(argv=None) -> int:
         parser.error("--out is required unless --list is given")
     (args.out / "params").mkdir(parents=True, exist_ok=True)
     for v in variants:
-        # One stamp per variant: its object is rebuilt only when its own row changes.
-        _write_if_changed(args.out / "params" / f"{v.name}.json", json.dumps(abi_json(v)) + json.dumps(v.params()) + "\n")
+        # One stamp per variant: its object is rebuilt when its own row or ABI changes.
+        stamp = json.dumps(abi_json(v)) + json.dumps(v.params) + json.dumps(v.constraints) + "\n"
+        _write_if_changed(args.out / "params" / f"{v.name}.json", stamp)
     _write_if_changed(args.out / "registry.c", registry_c(variants))
-    _write_if_changed(args.out / "manifest.json", json.dumps(manifest(variants, archs), indent=1) + "\n")
+    _write_if_changed(
+        args.out / "manifest.json", json.dumps(manifest(variants, archs), indent=1) + "\n"
+    )
     return 0
 
 

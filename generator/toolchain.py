@@ -1,7 +1,7 @@
 """Facts about the build toolchain that CMake asks for.
 
-    python -m generator.toolchain dsl-runtime    # path of the DSL's static runtime library
-    python -m generator.toolchain dsl-version
+python -m generator.toolchain dsl-runtime    # path of the DSL's static runtime library
+python -m generator.toolchain dsl-version
 """
 
 import sys
@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     elif what == "dsl-version":
         version = dsl_version()
         if version != PINNED_DSL_VERSION:
-            print(f"nvidia-cutlass-dsl {version} found, {PINNED_DSL_VERSION} pinned", file=sys.stderr)
+            print(
+                f"nvidia-cutlass-dsl {version} found, {PINNED_DSL_VERSION} pinned", file=sys.stderr
+            )
             return 1
         print(version)
     else:

@@ -1,26 +1,15 @@
 import pytest
 import torch
 
-
-def _gpu_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from sparseforge.arch import arch_for_device
-
-        arch_for_device(0)
-        return True
-    except Exception:
-        return False
-
-
-GPU = _gpu_available()
+# GPU tests run wherever torch sees a GPU: a build that cannot serve it (a missing arch, a
+# broken library) then fails them loudly instead of skipping them.
+GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def pytest_collection_modifyitems(config, items):
     if GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU this build supports")
+    skip = pytest.mark.skip(reason="no CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,14 +1,19 @@
 """Compute capability -> arch, and the error texts a user sees."""
 
 import pytest
-
 from sparseforge import arch
 from sparseforge.errors import NoGPUError, UnsupportedArchError
 
 
 @pytest.mark.parametrize(
     "capability, expected",
-    [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_100a"), ((12, 0), "sm_120a"), ((12, 1), "sm_120a")],
+    [
+        ((9, 0), "sm_90a"),
+        ((10, 0), "sm_100a"),
+        ((10, 3), "sm_100a"),
+        ((12, 0), "sm_120a"),
+        ((12, 1), "sm_120a"),
+    ],
 )
 def test_arch_for_capability(capability, expected):
     assert arch.arch_for_capability(*capability) == expected

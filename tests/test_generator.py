@@ -1,11 +1,13 @@
-"""The generator: catalog as data, deterministic exports, header/ABI agreement, registry."""
+"""The generator: family specs as data, deterministic exports, header/ABI agreement, the
+registry, and each variant's build dependencies."""
 
 import json
 
 import pytest
 
-from generator import catalog, registry
-from generator.catalog import ALL_ARCHS
+from generator import aot, catalog, registry
+from generator.abi import TensorArg, words
+from generator.family import ALL_ARCHS
 
 
 def test_catalog_names_unique_and_stable():
@@ -15,14 +17,23 @@ def test_catalog_names_unique_and_stable():
     assert names == [v.name for v in catalog.catalog()]
     for v in variants:
         assert catalog.by_name(v.name) == v
-        assert v.name.split("__")[1] == v.template and v.name.endswith(v.arch)
+        assert v.name.split("__")[1] == v.template.name and v.name.endswith(v.arch)
 
 
-def test_every_family_covers_every_arch():
+def test_every_family_covers_the_archs_it_requires():
     variants = catalog.catalog()
-    for family in catalog.FAMILY_ABI:
-        archs = {v.arch for v in variants if v.family == family}
-        assert archs == set(ALL_ARCHS), family
+    for family in catalog.families().values():
+        archs = {v.arch for v in variants if v.family is family}
+        assert set(family.required_archs) <= archs, family.name
+        assert all(
+            v.params.get("dtype") in (None, *family.dtypes) for v in variants if v.family is family
+        )
+
+
+def test_each_arch_prefers_its_native_template():
+    family = catalog.families()["block_sparse_fwd"]
+    assert [t.name for t in family.templates_for("sm_90a")] == ["sm90_wgmma", "warp_mma"]
+    assert [t.name for t in family.templates_for("sm_120a")] == ["warp_mma"]
 
 
 def test_catalog_arch_selection():
@@ -40,33 +51,80 @@ def test_registry_and_manifest_deterministic():
     assert [v["entry"] for v in m["variants"]] == list(range(len(variants)))
 
 
+def test_manifest_carries_each_family_spec():
+    m = registry.manifest(catalog.catalog(), ALL_ARCHS)
+    sage = m["families"]["sage_fp8_fwd"]
+    assert sage["templates"]["sm_90a"] == ["sm90_sage_fp8", "warp_mma_fp8"]
+    assert sage["constants"] == {"unit_rows": 64, "tile_keys": 64, "keys_per_scale": 16}
+    v = next(
+        v for v in m["variants"] if v["name"] == "sage_fp8_fwd__sm90_sage_fp8__e4m3_d128_w4__sm_90a"
+    )
+    assert v["constraints"] == {"units_per_cta": 4, "layouts": {"mK": "heads_in_whole_tiles"}}
+    assert v["kernel_class"] == "SageFp8FwdSm90"
+    assert [a["name"] for a in v["abi"] if a.get("output")] == ["mO", "mLSE"]
+
+
+def test_variant_filter_for_development_builds():
+    names = [
+        "tile_compact__tile_compact__any__sm_90a",
+        "block_sparse_fwd__warp_mma__bf16_d64__sm_90a",
+    ]
+    assert sorted(v.name for v in registry.select(["sm_90a"], names)) == sorted(names)
+    with pytest.raises(SystemExit, match="no variant"):
+        registry.select(["sm_90a"], ["no_such_variant"])
+
+
 def test_registry_launcher_unpacks_every_abi_word():
     v = catalog.catalog(["sm_90a"])[0]
     code = registry.registry_c([v])
-    words = sum(
-        1 + len(a.dynamic_shape_modes) + len(a.dynamic_stride_modes) if isinstance(a, catalog.TensorArg) else 1
-        for a in v.abi
-    )
-    assert f"w[{words - 1}]" in code and f"w[{words}]" not in code
+    n = words(v.abi)
+    assert f"w[{n - 1}]" in code and f"w[{n}]" not in code
     assert f'{{"{v.name}",' in code
 
 
 def test_header_abi_check_detects_mismatch():
-    from generator import aot
-
     v = catalog.catalog(["sm_90a"])[0]
     prefix = aot.c_prefix(v)
-    header = f"typedef struct {{\n    void *data;\n    int32_t dynamic_shapes[1];\n}} {prefix}_Tensor_mQ_t;\n"
+    header = (
+        f"typedef struct {{\n    void *data;\n    int32_t dynamic_shapes[1];\n}} "
+        f"{prefix}_Tensor_mQ_t;\n"
+    )
     with pytest.raises(RuntimeError, match="exported tensor 'mQ'"):
         aot.check_header_matches_abi(v, header)
+
+
+def test_dependencies_follow_the_template_import_closure():
+    """A variant's object depends on its template's modules, not on other templates'."""
+
+    def deps(name):
+        return {
+            str(p.relative_to(aot.GENERATOR_ROOT)) for p in aot.dependencies(catalog.by_name(name))
+        }
+
+    sage_sm90 = deps("sage_fp8_fwd__sm90_sage_fp8__e4m3_d128__sm_90a")
+    assert {
+        "kernels/sm90/sage_fp8_fwd.py",
+        "kernels/sm90/block_sparse_fwd.py",
+        "kernels/common/sage_math.py",
+        "families/sage_quantize.py",
+        "aot.py",
+    } <= sage_sm90
+    assert "kernels/portable/block_sparse_fwd.py" not in sage_sm90
+    compact = deps("tile_compact__tile_compact__any__sm_120a")
+    assert "kernels/portable/tile_compact.py" in compact
+    assert not {p for p in compact if "sm90" in p or "softmax" in p}
+
+
+def test_abi_words_and_alignment():
+    arg = TensorArg("mQ", "input", shape=(None, None, 128), stride=(None, None, 1), divisibility=8)
+    assert arg.words == 5 and arg.align_bytes("bf16") == 16
+    assert TensorArg("mLSE", "f32", (None,), (1,)).align_bytes(None) == 4
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_export_is_deterministic(tmp_path, arch):
     pytest.importorskip("cutlass")
-    from generator import aot
-
-    v = next(v for v in catalog.catalog([arch]) if v.template == "warp_mma")
+    v = next(v for v in catalog.catalog([arch]) if v.template.name == "warp_mma")
     aot.compile_variant(v, tmp_path / "a")
     aot.compile_variant(v, tmp_path / "b")
     for suffix in (".h", ".o"):

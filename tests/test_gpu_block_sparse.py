@@ -11,8 +11,12 @@ import zlib
 
 import pytest
 import torch
-
-from sparseforge import VariableBlockSparseAttentionWrapper, BlockSparseAttentionWrapper, planner, reference
+from sparseforge import (
+    BlockSparseAttentionWrapper,
+    VariableBlockSparseAttentionWrapper,
+    planner,
+    reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -80,8 +84,16 @@ def ragged_mask(hkv, mb, nb, seed):
 def run_variable(mask, row_sz, col_sz, q, k, v, backend, sm_scale=None):
     hq, hkv, d = q.shape[0], k.shape[0], q.shape[-1]
     wrapper = VariableBlockSparseAttentionWrapper(workspace(), backend=backend)
-    wrapper.plan(mask.to(DEV), row_sz.to(DEV, torch.int32), col_sz.to(DEV, torch.int32), hq, hkv, d,
-                 q_data_type=q.dtype, sm_scale=sm_scale)
+    wrapper.plan(
+        mask.to(DEV),
+        row_sz.to(DEV, torch.int32),
+        col_sz.to(DEV, torch.int32),
+        hq,
+        hkv,
+        d,
+        q_data_type=q.dtype,
+        sm_scale=sm_scale,
+    )
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
@@ -157,8 +169,19 @@ def test_bsr_forms_agree_with_each_other_and_the_variable_wrapper(backend, block
 
     def bsr_run(**form):
         w = BlockSparseAttentionWrapper(workspace(), backend=backend)
-        w.plan(form.pop("indptr", None), form.pop("indices", None), seq, seq, block, block, hq, hkv, d,
-               q_data_type=torch.bfloat16, **form)
+        w.plan(
+            form.pop("indptr", None),
+            form.pop("indices", None),
+            seq,
+            seq,
+            block,
+            block,
+            hq,
+            hkv,
+            d,
+            q_data_type=torch.bfloat16,
+            **form,
+        )
         out, lse = w.run(q_nhd, k_nhd, v_nhd, return_lse=True)
         return out.transpose(0, 1), lse.transpose(0, 1)
 
@@ -173,7 +196,10 @@ def test_bsr_forms_agree_with_each_other_and_the_variable_wrapper(backend, block
     outs = [
         bsr_run(indptr=indptr, indices=indices),
         bsr_run(block_mask=shared.expand(hq, -1, -1).to(DEV)),
-        bsr_run(q2k_indices=sel.to(DEV), q2k_num=counts.to(torch.int32).expand(hq, -1).contiguous().to(DEV)),
+        bsr_run(
+            q2k_indices=sel.to(DEV),
+            q2k_num=counts.to(torch.int32).expand(hq, -1).contiguous().to(DEV),
+        ),
     ]
     sizes = torch.full((hkv, mb), block)
     _, out_var, lse_var = run_variable(shared.expand(hkv, -1, -1), sizes, sizes, q, k, v, backend)
@@ -197,7 +223,19 @@ def test_kv_block_lens(backend):
     w = BlockSparseAttentionWrapper(workspace(), backend=backend)
     indptr = torch.arange(0, 17, 4, dtype=torch.int32, device=DEV)
     indices = torch.arange(4, dtype=torch.int32, device=DEV).repeat(4)
-    w.plan(indptr, indices, seq, seq, block, block, hq, hkv, d, q_data_type=torch.bfloat16, kv_block_lens=lens.to(DEV))
+    w.plan(
+        indptr,
+        indices,
+        seq,
+        seq,
+        block,
+        block,
+        hq,
+        hkv,
+        d,
+        q_data_type=torch.bfloat16,
+        kv_block_lens=lens.to(DEV),
+    )
     out, lse = w.run(*(t.transpose(0, 1).contiguous() for t in (q, k, v)), return_lse=True)
     check(out.transpose(0, 1), lse.transpose(0, 1), *want)
 
@@ -225,7 +263,9 @@ def test_spec_example_on_gpu():
     v = torch.randn(3, 8, 128, dtype=torch.float16, device=DEV)
     o = wrapper.run(q, k, v)
     mask = torch.tensor([[0, 0, 1], [1, 0, 1], [0, 1, 1]], dtype=torch.bool, device=DEV)
-    want, _ = reference.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask[None].expand(8, -1, -1))
+    want, _ = reference.attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask[None].expand(8, -1, -1)
+    )
     assert torch.allclose(o.float(), want.transpose(0, 1), atol=2e-3)
 
 
@@ -275,12 +315,14 @@ def test_units_sharing_a_ring_match_single_ctas(monkeypatch, dtype, head_dim, gr
     mask = ragged_mask(hkv, mb, mb, seed=seq)
     sizes = reference.uniform_sizes(seq, block).expand(hkv, -1)
     q, k, v = random_inputs(hkv * group, hkv, seq, seq, head_dim, dtype)
-    name = f"block_sparse_fwd__sm90_wgmma__{'bf16' if dtype == torch.bfloat16 else 'fp16'}_d{head_dim}"
+    name = (
+        f"block_sparse_fwd__sm90_wgmma__{'bf16' if dtype == torch.bfloat16 else 'fp16'}_d{head_dim}"
+    )
     monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}__sm_90a")
     out1, lse1 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
     check(out1, lse1, *reference_for(mask, sizes, sizes, q, k, v))
     for units in (2, 4):
-        if group % units and not planner.rows_fit_units(sizes, units):
+        if group % units and not planner.rows_fit_units(sizes, units, 64):
             continue  # no groups of `units` units with one tile list (the variant refuses)
         monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}_w{units}__sm_90a")
         out2, lse2 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
@@ -293,5 +335,10 @@ def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
     monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_w2__sm_90a")
     sizes = torch.full((3, 4), 64)
     with pytest.raises(ValueError, match="groups of 2"):
-        run_variable(torch.ones(3, 4, 4, dtype=torch.bool), sizes, sizes,
-                     *random_inputs(3, 3, 256, 256, 128, torch.bfloat16), "sparseforge")
+        run_variable(
+            torch.ones(3, 4, 4, dtype=torch.bool),
+            sizes,
+            sizes,
+            *random_inputs(3, 3, 256, 256, 128, torch.bfloat16),
+            "sparseforge",
+        )

@@ -1,9 +1,8 @@
 """Planning on the GPU without host synchronisation, deferred validation, CUDA graphs and
-torch.compile (issue: plan() as often as run() for per-step dynamic sparsity)."""
+torch.compile (plan() as often as run(), for per-step dynamic sparsity)."""
 
 import pytest
 import torch
-
 from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, reference
 from sparseforge.bench import random_selection
 
@@ -20,7 +19,9 @@ def workspace():
 
 def inputs(layout="nhd"):
     gen = torch.Generator(device=DEV).manual_seed(3)
-    shape_q, shape_kv = ((SEQ, HQ, D), (SEQ, HKV, D)) if layout == "nhd" else ((HQ, SEQ, D), (HKV, SEQ, D))
+    shape_q, shape_kv = (
+        ((SEQ, HQ, D), (SEQ, HKV, D)) if layout == "nhd" else ((HQ, SEQ, D), (HKV, SEQ, D))
+    )
     q = torch.randn(shape_q, device=DEV, dtype=torch.bfloat16, generator=gen)
     k = torch.randn(shape_kv, device=DEV, dtype=torch.bfloat16, generator=gen)
     v = torch.randn(shape_kv, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -30,15 +31,25 @@ def inputs(layout="nhd"):
 def selections(seed, topk=8):
     """q2k form (HQ, MB, topk) int32 with ragged counts, the same per GQA group."""
     mask = random_selection(HKV, MB, MB, topk, seed=seed)
-    idx = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :topk].to(torch.int32)
-    num = torch.randint(0, topk + 1, (HKV, MB), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    idx = (
+        mask.to(torch.int8)
+        .argsort(dim=-1, descending=True, stable=True)[..., :topk]
+        .to(torch.int32)
+    )
+    num = torch.randint(0, topk + 1, (HKV, MB), generator=torch.Generator().manual_seed(seed)).to(
+        torch.int32
+    )
     group = HQ // HKV
-    return idx.repeat_interleave(group, 0).contiguous().to(DEV), num.repeat_interleave(group, 0).contiguous().to(DEV)
+    return idx.repeat_interleave(group, 0).contiguous().to(DEV), num.repeat_interleave(
+        group, 0
+    ).contiguous().to(DEV)
 
 
 def bsr_plan_args():
     mask = random_selection(1, MB, MB, 6, seed=1)[0]
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(-1).cumsum(0)]).to(DEV, torch.int32)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(-1).cumsum(0)]).to(
+        DEV, torch.int32
+    )
     indices = mask.nonzero()[:, 1].to(DEV, torch.int32)
     return indptr, indices
 
@@ -52,9 +63,21 @@ def plan_forms():
     sizes = torch.full((HKV, MB), BLOCK, dtype=torch.int32, device=DEV)
     return {
         "bsr": (BlockSparseAttentionWrapper, (indptr, indices, *common), {}),
-        "block_mask": (BlockSparseAttentionWrapper, (None, None, *common), dict(block_mask=block_mask)),
-        "q2k": (BlockSparseAttentionWrapper, (None, None, *common), dict(q2k_indices=sel, q2k_num=num)),
-        "variable": (VariableBlockSparseAttentionWrapper, (block_mask, sizes, sizes.clone(), HQ, HKV, D), {}),
+        "block_mask": (
+            BlockSparseAttentionWrapper,
+            (None, None, *common),
+            dict(block_mask=block_mask),
+        ),
+        "q2k": (
+            BlockSparseAttentionWrapper,
+            (None, None, *common),
+            dict(q2k_indices=sel, q2k_num=num),
+        ),
+        "variable": (
+            VariableBlockSparseAttentionWrapper,
+            (block_mask, sizes, sizes.clone(), HQ, HKV, D),
+            {},
+        ),
     }
 
 
@@ -81,8 +104,12 @@ def test_gpu_validation_raises_at_check_and_at_run():
     bad = indices.clone()
     bad[3] = MB + 7
     wrapper = BlockSparseAttentionWrapper(workspace())
-    wrapper.plan(indptr, bad, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16)  # no raise here
-    with pytest.raises(ValueError, match=r"invalid indptr / indices: a block index is out of range \[0, 32\)"):
+    wrapper.plan(
+        indptr, bad, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16
+    )  # no raise here
+    with pytest.raises(
+        ValueError, match=r"invalid indptr / indices: a block index is out of range \[0, 32\)"
+    ):
         wrapper.check_plan()
     q, k, v = inputs()
     torch.cuda.synchronize()
@@ -91,12 +118,37 @@ def test_gpu_validation_raises_at_check_and_at_run():
     sel, num = selections(4)
     sel[0, 0, 0] = -1
     num[0, 1] = 99  # head 0 selects for its GQA group
-    wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    wrapper.plan(
+        None,
+        None,
+        SEQ,
+        SEQ,
+        BLOCK,
+        BLOCK,
+        HQ,
+        HKV,
+        D,
+        q_data_type=torch.bfloat16,
+        q2k_indices=sel,
+        q2k_num=num,
+    )
     with pytest.raises(ValueError, match="q2k_num values must lie in"):
         wrapper.check_plan()
     per_head = random_selection(HKV, MB, MB, 5, seed=3).repeat_interleave(HQ // HKV, 0).to(DEV)
     per_head[HQ - 1, 0] = ~per_head[HQ - 1, 0]  # the last query head leaves its group's selection
-    wrapper.plan(None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16, block_mask=per_head)
+    wrapper.plan(
+        None,
+        None,
+        SEQ,
+        SEQ,
+        BLOCK,
+        BLOCK,
+        HQ,
+        HKV,
+        D,
+        q_data_type=torch.bfloat16,
+        block_mask=per_head,
+    )
     with pytest.raises(ValueError, match="the query heads of a GQA group select different blocks"):
         wrapper.check_plan()
     wrapper.plan(indptr, indices, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D, q_data_type=torch.bfloat16)
@@ -168,16 +220,21 @@ def test_torch_compile_fullgraph_runs_the_kernel():
 
 def test_tile_compact_kernel_matches_the_torch_compaction():
     from sparseforge import planner
+    from sparseforge.families import tile_compact
 
     for shape, density in (((3, 40, 517), 0.3), ((2, 7, 64), 0.9), ((1, 5, 31), 0.0)):
         listed = torch.rand(shape, generator=torch.Generator().manual_seed(5)) < density
         want_idx, want_cnt = planner.compact_rows(listed)
-        got_idx, got_cnt = planner.compact_rows(listed.to(DEV))
+        got_idx, got_cnt = tile_compact.compact(listed.to(DEV))
         assert torch.equal(got_cnt.cpu(), want_cnt)
         for h in range(shape[0]):
             for r in range(shape[1]):
                 n = int(want_cnt[h, r])
                 assert torch.equal(got_idx[h, r, :n].cpu(), want_idx[h, r, :n])
-    expanded = (torch.rand(1, 6, 70, generator=torch.Generator().manual_seed(6)) < 0.5).expand(4, -1, -1)
-    got_idx, got_cnt = planner.compact_rows(expanded.to(DEV))  # stride-0 head mode, as BSR plans pass
+    expanded = (torch.rand(1, 6, 70, generator=torch.Generator().manual_seed(6)) < 0.5).expand(
+        4, -1, -1
+    )
+    got_idx, got_cnt = tile_compact.compact(
+        expanded.to(DEV)
+    )  # stride-0 head mode, as BSR plans pass
     assert torch.equal(got_cnt.cpu(), expanded.sum(-1, dtype=torch.int32))

@@ -4,8 +4,9 @@ cuobjdump does not see the cubins that export_to_c embeds, so the library file i
 for CUDA ELF images (e_machine 190; SM number in bits 8-15 of e_flags).
 """
 
-import pytest
+import json
 
+import pytest
 from sparseforge import _library
 from sparseforge.arch import ARCH_FOR_CAPABILITY
 
@@ -19,12 +20,33 @@ def test_manifest_schema():
     m = _library.manifest()
     assert m["schema"] == _library.MANIFEST_SCHEMA
     assert m["archs"] and set(m["archs"]) <= set(ARCH_SM)
+    for name, family in m["families"].items():
+        assert set(family) == {
+            "doc",
+            "dtypes",
+            "required_archs",
+            "templates",
+            "portable_templates",
+            "constants",
+        }
+        assert set(family["templates"]) == set(m["archs"]), name
     for index, v in enumerate(m["variants"]):
-        assert set(v) == {"name", "family", "template", "arch", "params", "entry", "abi"}
+        assert set(v) == {
+            "name",
+            "family",
+            "template",
+            "arch",
+            "params",
+            "constraints",
+            "kernel_class",
+            "entry",
+            "abi",
+        }
         assert v["entry"] == index and v["arch"] in m["archs"]
+        assert v["template"] in m["families"][v["family"]]["templates"][v["arch"]]
         p = v["params"]
-        config = f"{p['dtype']}_d{p['head_dim']}" if p["dtype"] else "any"
-        config += f"_w{p['warpgroups']}" if p["warpgroups"] > 1 else ""
+        config = f"{p['dtype']}_d{p['head_dim']}" if p.get("dtype") else "any"
+        config += f"_w{p['warpgroups']}" if p.get("warpgroups", 1) > 1 else ""
         assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"
         for arg in v["abi"]:
             assert arg["kind"] in ("tensor", "scalar")
@@ -38,13 +60,23 @@ def test_narrow_stride_tensors_past_2_31_elements_raise():
     bound; one element short of 2^31 binds."""
     import torch
 
-    spec = {"name": "mTileIdx", "shape": [None, None, None], "stride": [None, None, 1], "narrow_strides": True}
+    spec = {
+        "name": "mTileIdx",
+        "shape": [None, None, None],
+        "stride": [None, None, 1],
+        "narrow_strides": True,
+    }
     fits = torch.empty_strided((2, 1, 2), (2**31 - 2, 1, 1), device="meta", dtype=torch.int32)
     too_far = torch.empty_strided((2, 1, 2), (2**31 - 1, 1, 1), device="meta", dtype=torch.int32)
     with pytest.raises(ValueError, match="2\\^31"):
         _library._tensor_words(spec, too_far)
     assert _library._tensor_words(spec, fits) == [0, 2, 1, 2, 2**31 - 2, 1]  # meta: pointer 0
-    assert any(a.get("narrow_strides") for v in _library.manifest()["variants"] for a in v["abi"] if a["kind"] == "tensor")
+    assert any(
+        a.get("narrow_strides")
+        for v in _library.manifest()["variants"]
+        for a in v["abi"]
+        if a["kind"] == "tensor"
+    )
 
 
 def test_default_build_has_every_arch():
@@ -56,12 +88,34 @@ def test_library_holds_code_for_every_family_and_arch():
     library = _library.PACKAGE_DIR / _library.LIBRARY_NAME
     images = compile_matrix.cuda_elf_images(library.read_bytes())
     assert len(images) == len(m["variants"]), "one cubin per variant"
-    found = compile_matrix.matrix(library)
+    found = compile_matrix.matrix(library, m)
     assert found == compile_matrix.expected(m)
-    for family in {v["family"] for v in m["variants"]}:
+    for family, spec in m["families"].items():
         templates = {v["template"] for v in m["variants"] if v["family"] == family}
         sms = {sm for (t, sm) in found if t in templates}
-        assert sms == {90, 100, 120}, family
+        assert sms >= {ARCH_SM[a] for a in spec["required_archs"]}, family
+
+
+def test_runtime_finds_every_constant_and_constraint_it_reads():
+    """Each runtime family module's CONSTANTS / CONSTRAINTS are in the manifest, and every
+    layout rule a template names is one the runtime knows."""
+    from sparseforge import families
+
+    m = _library.manifest()
+    assert families.missing_requirements(m) == []
+    broken = json.loads(json.dumps(m))
+    del broken["families"]["sage_fp8_fwd"]["constants"]["keys_per_scale"]
+    del next(v for v in broken["variants"] if v["family"] == "block_sparse_fwd")["constraints"][
+        "units_per_cta"
+    ]
+    missing = families.missing_requirements(broken)
+    assert "sage_fp8_fwd: constant keys_per_scale" in missing
+    assert any(item.endswith("constraint units_per_cta") for item in missing)
+    renamed = json.loads(json.dumps(m))
+    next(v for v in renamed["variants"] if v["constraints"]["layouts"])["constraints"]["layouts"][
+        "mK"
+    ] = "new_rule"
+    assert any("layout rule new_rule" in item for item in families.missing_requirements(renamed))
 
 
 def test_compile_matrix_script_passes():
@@ -73,12 +127,22 @@ def test_library_exports_only_the_c_api():
 
     path = _library.PACKAGE_DIR / _library.LIBRARY_NAME
     try:
-        out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("nm not available")
     names = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert names == sorted(
-        ["sf_abi_version", "sf_variant_count", "sf_variant_name", "sf_prepare", "sf_launch", "sf_error_name", "sf_error_string"]
+        [
+            "sf_abi_version",
+            "sf_variant_count",
+            "sf_variant_name",
+            "sf_prepare",
+            "sf_launch",
+            "sf_error_name",
+            "sf_error_string",
+        ]
     )
 
 
@@ -87,7 +151,9 @@ def test_library_needs_only_libc():
 
     path = _library.PACKAGE_DIR / _library.LIBRARY_NAME
     try:
-        out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["readelf", "-d", str(path)], capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("readelf not available")
     needed = [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
@@ -99,13 +165,35 @@ def test_library_loads_and_matches_manifest():
     assert lib.sf_variant_count() == len(_library.manifest()["variants"])
 
 
-def test_variant_not_built_error():
+def test_variant_choice_and_not_built_errors(monkeypatch):
+    from sparseforge import families
     from sparseforge.errors import VariantNotBuiltError
 
-    with pytest.raises(VariantNotBuiltError, match="head_dim 96 is not built for block_sparse_fwd on sm_90a; built head_dims: 64, 128"):
-        _library.find_kernel("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=96)
-    with pytest.raises(VariantNotBuiltError, match="not built for sm_90a"):
-        _library.find_kernel("block_sparse_fwd", "sm_90a", template="no_such_template", dtype="bf16", head_dim=128)
+    with pytest.raises(
+        VariantNotBuiltError,
+        match="head_dim 96 is not built for block_sparse_fwd on sm_90a; built head_dims: 64, 128",
+    ):
+        families.choose("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=96)
+    assert families.choose("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=128).name == (
+        "block_sparse_fwd__sm90_wgmma__bf16_d128_w4__sm_90a"
+    )
+    one = families.choose(
+        "block_sparse_fwd", "sm_90a", fits=lambda units: units == 1, dtype="bf16", head_dim=128
+    )
+    assert one.name == "block_sparse_fwd__sm90_wgmma__bf16_d128__sm_90a"
+    portable = families.choose("sage_fp8_fwd", "sm_90a", portable=True, dtype="e4m3", head_dim=64)
+    assert portable.template == "warp_mma_fp8"
+    assert (
+        families.choose("sage_fp8_fwd", "sm_120a", dtype="e4m3", head_dim=64).template
+        == "warp_mma_fp8"
+    )
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__warp_mma__fp16_d64__sm_90a")
+    assert (
+        families.choose("block_sparse_fwd", "sm_90a", dtype="fp16", head_dim=64).template
+        == "warp_mma"
+    )
+    with pytest.raises(VariantNotBuiltError, match="does not fit"):
+        families.choose("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=64)
 
 
 def test_bound_launch_packs_the_abi_words(monkeypatch):
@@ -124,11 +212,15 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
 
     monkeypatch.setattr(_library, "library", lambda: FakeLibrary())
     monkeypatch.setattr(_library, "_current_stream", lambda index: 7)
-    v = next(v for v in _library.manifest()["variants"] if v["params"]["head_dim"] == 128)
+    v = next(v for v in _library.manifest()["variants"] if v["params"].get("head_dim") == 128)
     assert [a["align"] for a in v["abi"][:5]] == [16, 16, 16, 16, 4]
-    kernel = _library.Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
-    plan = [torch.zeros(3, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
-            torch.zeros(2, 3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)]
+    kernel = _library.Kernel.from_manifest(v)
+    plan = [
+        torch.zeros(3, dtype=torch.int32),
+        torch.zeros(2, 3, 4, dtype=torch.int32)[..., :3],
+        torch.zeros(2, 3, dtype=torch.int32),
+        torch.zeros(5, dtype=torch.int32),
+    ]
     with pytest.raises(ValueError, match="mTileCnt: shape"):
         kernel.bind(plan[0], plan[1], torch.zeros(2, 3, 4, dtype=torch.int32)[..., 0], plan[3], 0.5)
     bound = kernel.bind(*plan, 0.5)
@@ -137,7 +229,13 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     bound((q, q, q, q, lse), swap01=True)
     entry, words = calls[-1]
     assert entry == v["entry"]
-    qw = [q.data_ptr(), 96, 4, 128, 96 * 128]  # (S, H, D) view: extents (96, 4), strides (128, 12288)
+    qw = [
+        q.data_ptr(),
+        96,
+        4,
+        128,
+        96 * 128,
+    ]  # (S, H, D) view: extents (96, 4), strides (128, 12288)
     assert words[:20] == qw * 4
     assert words[20:25] == [lse.data_ptr(), 96, 4, 1, 96]
     assert words[25:27] == [plan[0].data_ptr(), 3]

@@ -3,7 +3,6 @@
 import math
 
 import torch
-
 from sparseforge import reference
 
 
@@ -40,5 +39,7 @@ def test_attention_matches_naive_with_gqa_and_empty_rows():
 
 def test_token_mask_from_blocks():
     blocks = torch.tensor([[[True, False], [False, True]]])
-    mask = reference.block_mask_to_token_mask(blocks, torch.tensor([2, 1]), torch.tensor([1, 3]), torch.tensor([1, 2]))
+    mask = reference.block_mask_to_token_mask(
+        blocks, torch.tensor([2, 1]), torch.tensor([1, 3]), torch.tensor([1, 2])
+    )
     assert mask[0].int().tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0]]

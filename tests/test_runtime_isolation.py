@@ -26,7 +26,10 @@ def test_import_without_dsl():
 
 def test_info_without_gpu():
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this checks the no-GPU message everywhere.
-    result = run(BLOCK_DSL + "from sparseforge.__main__ import main; sys.exit(main(['info']))", {"CUDA_VISIBLE_DEVICES": ""})
+    result = run(
+        BLOCK_DSL + "from sparseforge.__main__ import main; sys.exit(main(['info']))",
+        {"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "build archs:" in out and "block_sparse_fwd / sm_90a" in out
@@ -34,7 +37,10 @@ def test_info_without_gpu():
 
 
 def test_demo_without_gpu():
-    result = run(BLOCK_DSL + "from sparseforge.__main__ import main; sys.exit(main(['demo']))", {"CUDA_VISIBLE_DEVICES": ""})
+    result = run(
+        BLOCK_DSL + "from sparseforge.__main__ import main; sys.exit(main(['demo']))",
+        {"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert result.returncode == 0, result.stderr
     assert "no GPU run: no CUDA GPU" in result.stdout
     assert "running the PyTorch reference on the CPU" in result.stdout

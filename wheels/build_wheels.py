@@ -29,7 +29,9 @@ def build(archs: list[str], out: Path) -> Path:
     env = dict(os.environ, SPARSEFORGE_ARCHS=";".join(archs))
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", tmp, str(ROOT)], check=True, env=env
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", tmp, str(ROOT)],
+            check=True,
+            env=env,
         )
         (wheel,) = Path(tmp).glob("sparseforge-*.whl")
         out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,9 @@ def add_local_label(wheel: Path, label: str, out: Path) -> Path:
                 continue
             data = src.read(item)
             if path == new_info + "METADATA":
-                data = data.replace(f"\nVersion: {version}\n".encode(), f"\nVersion: {labelled}\n".encode(), 1)
+                data = data.replace(
+                    f"\nVersion: {version}\n".encode(), f"\nVersion: {labelled}\n".encode(), 1
+                )
             dst.writestr(zipfile.ZipInfo(path, item.date_time), data, zipfile.ZIP_DEFLATED)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             records.append(f"{path},sha256={digest},{len(data)}")

@@ -1,4 +1,4 @@
-"""The prebuilt kernel library: manifest, ctypes loading, variant lookup, argument packing.
+"""The prebuilt kernel library: manifest, ctypes loading, argument packing and launch.
 
 Nothing here imports the CuTe DSL: the library was compiled ahead of time. The shared
 library is loaded only when a kernel is first needed, so `import sparseforge` and
@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
+import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from sparseforge.errors import KernelLaunchError, NotBuiltError, VariantNotBuiltError
+from sparseforge.errors import KernelLaunchError, NotBuiltError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+# The kernel library and its manifest: installed beside this module, or (a development build
+# of a few variants, CONTRIBUTING.md) in the directory SPARSEFORGE_LIBRARY_DIR names.
+PACKAGE_DIR = Path(os.environ.get("SPARSEFORGE_LIBRARY_DIR") or Path(__file__).resolve().parent)
 LIBRARY_NAME = "libsparseforge_kernels.so"
 ABI_VERSION = 1
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 
 
 @functools.cache
@@ -76,19 +81,37 @@ def _error_text(code: int) -> str:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One prebuilt variant: packs arguments per its ABI and launches."""
+    """One prebuilt variant (a manifest entry): packs arguments per its ABI and launches."""
 
     name: str
+    family: str
     template: str
     entry: int
     params: dict
+    constraints: dict
     abi: tuple
+
+    @classmethod
+    def from_manifest(cls, v: dict) -> Kernel:
+        return cls(
+            v["name"],
+            v["family"],
+            v["template"],
+            v["entry"],
+            v["params"],
+            v["constraints"],
+            tuple(v["abi"]),
+        )
 
     @property
     def units_per_cta(self) -> int:
         """Units a CTA runs on one tile list (its warpgroups): consecutive entries of the
         plan's work list, which must share their tiles."""
-        return self.params.get("warpgroups", 1)
+        return self.constraints["units_per_cta"]
+
+    def layout(self, argument: str) -> str | None:
+        """The operand layout rule this template needs for `argument` beyond its ABI."""
+        return self.constraints["layouts"].get(argument)
 
     def prepare(self) -> None:
         """Load the module (outside graph capture; launch() would otherwise do it)."""
@@ -96,15 +119,24 @@ class Kernel:
         if code:
             raise KernelLaunchError(f"loading {self.name} failed: {_error_text(code)}")
 
-    def bind(self, *static_args) -> "BoundLaunch":
+    def bind(self, *static_args) -> BoundLaunch:
         """Fix the trailing arguments (plan tensors, scalars) once; see BoundLaunch."""
         return BoundLaunch(self, static_args)
+
+
+def kernels(family: str, arch: str) -> list[Kernel]:
+    """The built variants of `family` for `arch`, in manifest order."""
+    return [
+        Kernel.from_manifest(v)
+        for v in manifest()["variants"]
+        if v["family"] == family and v["arch"] == arch
+    ]
 
 
 def _tensor_words(spec: dict, tensor) -> list[int]:
     """Pointer, run-time extents, run-time strides; compile-time ones must match the ABI."""
     shape, stride = tensor.shape, tensor.stride()
-    for i, (want_extent, want_stride) in enumerate(zip(spec["shape"], spec["stride"])):
+    for i, (want_extent, want_stride) in enumerate(zip(spec["shape"], spec["stride"], strict=True)):
         if (want_extent is not None and shape[i] != want_extent) or (
             want_stride is not None and stride[i] != want_stride
         ):
@@ -112,9 +144,11 @@ def _tensor_words(spec: dict, tensor) -> list[int]:
                 f"{spec['name']}: shape {tuple(shape)} / strides {stride} do not fit the kernel's "
                 f"{spec['shape']} / {spec['stride']}"
             )
-    if spec.get("narrow_strides") and sum((n - 1) * s for n, s in zip(shape, stride) if n) >= 2**31:
+    span = sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n)
+    if spec.get("narrow_strides") and span >= 2**31:
         raise ValueError(
-            f"{spec['name']}: shape {tuple(shape)} / strides {stride} reach past 2^31 elements; the "
+            f"{spec['name']}: shape {tuple(shape)} / strides {stride} reach past 2^31 elements; "
+            "the "
             "kernel indexes it with 32-bit offsets (a plan this large is not supported)"
         )
     return (
@@ -130,16 +164,30 @@ def _scalar_word(spec: dict, value) -> int:
     return int(value)
 
 
+_bound_launches: weakref.WeakValueDictionary[int, BoundLaunch] = weakref.WeakValueDictionary()
+_launch_ids = itertools.count()
+
+
+def bound_launch(launch_id: int) -> BoundLaunch | None:
+    """The live BoundLaunch with this id (torch.compile's op finds its launch by id)."""
+    return _bound_launches.get(launch_id)
+
+
 class BoundLaunch:
     """A kernel with its trailing arguments packed at plan time.
 
-    run() then packs only the leading tensors (q, k, v, out, lse) into a preallocated word
-    buffer and makes one C call: no allocation, no host synchronisation.
+    A call then packs only the leading tensors (q, k, v, out, lse for attention) into a
+    preallocated word buffer and makes one C call: no allocation, no host synchronisation.
     """
 
     def __init__(self, kernel: Kernel, static_args: tuple):
         self.kernel = kernel
+        self.launch_id = next(_launch_ids)
+        _bound_launches[self.launch_id] = self
         self.num_dynamic = len(kernel.abi) - len(static_args)
+        self.output_positions = [
+            i for i, spec in enumerate(kernel.abi[: self.num_dynamic]) if spec.get("output")
+        ]
         # Per leading tensor: the modes whose extents and strides are run-time words, as read
         # from the tensor itself ([False]) or from its (1, 0)-transposed view ([True]).
         swap = lambda modes: [{0: 1, 1: 0}.get(i, i) for i in modes]  # noqa: E731
@@ -148,25 +196,45 @@ class BoundLaunch:
             shape = [i for i, s in enumerate(spec["shape"]) if s is None]
             stride = [i for i, s in enumerate(spec["stride"]) if s is None]
             self.dynamic_modes[False].append((shape, stride, spec["name"], spec["align"]))
-            self.dynamic_modes[True].append((swap(shape), swap(stride), spec["name"], spec["align"]))
+            self.dynamic_modes[True].append(
+                (swap(shape), swap(stride), spec["name"], spec["align"])
+            )
         static_words = []
         for spec, value in zip(kernel.abi[self.num_dynamic :], static_args, strict=True):
             if spec["kind"] == "scalar":
                 static_words.append(_scalar_word(spec, value))
             else:
                 static_words.extend(_tensor_words(spec, value))
-        self.dynamic_len = sum(1 + len(shape) + len(stride) for shape, stride, _, _ in self.dynamic_modes[False])
+        self.dynamic_len = sum(
+            1 + len(shape) + len(stride) for shape, stride, _, _ in self.dynamic_modes[False]
+        )
         self.pack_dynamic = struct.Struct(f"<{self.dynamic_len}q").pack_into  # one C call per run
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
         self.static_tensors = tuple(a for a in static_args if hasattr(a, "data_ptr"))
 
+    def split(self, tensors) -> tuple[list, list]:
+        """The leading tensors as (inputs, outputs) by the ABI's output flags."""
+        outputs = [tensors[i] for i in self.output_positions]
+        inputs = [t for i, t in enumerate(tensors) if i not in self.output_positions]
+        return inputs, outputs
+
+    def join(self, inputs, outputs) -> list:
+        """split()'s inverse: the leading tensors in ABI order."""
+        inputs, outputs = iter(inputs), iter(outputs)
+        return [
+            next(outputs) if i in self.output_positions else next(inputs)
+            for i in range(self.num_dynamic)
+        ]
+
     def __call__(self, tensors, swap01: bool = False) -> None:
         """Launch on the current stream with `tensors` as the leading arguments; swap01 passes
         each as its (1, 0)-transposed view."""
         words = []
-        for (shape_modes, stride_modes, name, align), tensor in zip(self.dynamic_modes[swap01], tensors):
+        for (shape_modes, stride_modes, name, align), tensor in zip(
+            self.dynamic_modes[swap01], tensors, strict=True
+        ):
             pointer = tensor.data_ptr()
             if pointer % align:
                 raise ValueError(f"{name} must be {align}-byte aligned, got address {pointer:#x}")
@@ -177,7 +245,9 @@ class BoundLaunch:
             for i in stride_modes:
                 words.append(stride[i])
         self.pack_dynamic(self.words, 0, *words)
-        code = library().sf_launch(self.kernel.entry, self.words, _current_stream(tensors[0].device.index))
+        code = library().sf_launch(
+            self.kernel.entry, self.words, _current_stream(tensors[0].device.index)
+        )
         if code:
             raise KernelLaunchError(f"launching {self.kernel.name} failed: {_error_text(code)}")
 
@@ -188,54 +258,3 @@ def _current_stream(device_index: int) -> int:
     if raw is not None:
         return raw(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
-
-
-def built_values(key: str, family: str, arch: str, template: str, **params) -> list:
-    """The values of parameter `key` among the built variants of `template` that match
-    `params`, largest first (the catalog builds only the configurations worth choosing)."""
-    values = {
-        v["params"].get(key)
-        for v in manifest()["variants"]
-        if v["family"] == family and v["arch"] == arch and v["template"] == template
-        and all(v["params"].get(k) == want for k, want in params.items())
-    }
-    return sorted(values, reverse=True)
-
-
-def find_kernel_by_name(name: str, family: str, arch: str, **params) -> Kernel:
-    """The variant called `name`, checked against what the caller needs."""
-    for v in manifest()["variants"]:
-        if v["name"] == name:
-            wrong = {k: v["params"].get(k) for k, want in params.items() if v["params"].get(k) != want}
-            if v["family"] != family or v["arch"] != arch or wrong:
-                raise VariantNotBuiltError(
-                    f"variant {name} does not fit: needs {family} on {arch} with {params}, has {wrong}"
-                )
-            return Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
-    raise VariantNotBuiltError(f"no variant named {name} in this build")
-
-
-def find_kernel(family: str, arch: str, template: str | None = None, **params) -> Kernel:
-    """The built variant of `family` for `arch` whose parameters match, or a clear error."""
-    candidates = [
-        v
-        for v in manifest()["variants"]
-        if v["family"] == family and v["arch"] == arch and template in (None, v["template"])
-    ]
-    for v in candidates:
-        if all(v["params"].get(k) == want for k, want in params.items()):
-            return Kernel(v["name"], v["template"], v["entry"], v["params"], tuple(v["abi"]))
-    what = f"{family}" + (f" ({template})" if template else "")
-    if not candidates:
-        built = sorted({v["template"] for v in manifest()["variants"] if v["family"] == family and v["arch"] == arch})
-        raise VariantNotBuiltError(
-            f"{what} is not built for {arch}; templates built for it: {built or 'none'}"
-        )
-    for key, want in params.items():
-        values = sorted({v["params"][key] for v in candidates}, key=lambda x: (str(type(x)), x))
-        if want not in values:
-            raise VariantNotBuiltError(
-                f"{key} {want} is not built for {what} on {arch}; built {key}s: "
-                + ", ".join(map(str, values))
-            )
-    raise VariantNotBuiltError(f"no built {what} variant on {arch} has {params}")

@@ -19,7 +19,9 @@ ARCH_FOR_CAPABILITY = {
     (12, 1): "sm_120a",
 }
 
-SUPPORTED_TEXT = "Hopper (9.0), Blackwell B200/B300 (10.0, 10.3) and Blackwell RTX / DGX Spark (12.0, 12.1)"
+SUPPORTED_TEXT = (
+    "Hopper (9.0), Blackwell B200/B300 (10.0, 10.3) and Blackwell RTX / DGX Spark (12.0, 12.1)"
+)
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -74,8 +76,14 @@ def device_capability(device_index: int) -> tuple[int, int]:
         raise NoGPUError(f"no CUDA GPU with index {device_index}; the driver reports {count}")
     dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
     attr = driver.CUdevice_attribute
-    major = _check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
-    minor = _check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute")
+    major = _check(
+        driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+        "cuDeviceGetAttribute",
+    )
+    minor = _check(
+        driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+        "cuDeviceGetAttribute",
+    )
     return int(major), int(minor)
 
 

@@ -88,10 +88,14 @@ def cudnn_dense_ms(q, k, v, iters: int = 30) -> float:
     group = q.shape[0] // k.shape[0]
     qd, kd, vd = q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd), iters=iters)
+        return cuda_time_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd), iters=iters
+        )
 
 
-def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int = 1024) -> tuple[float, float]:
+def relative_error(
+    out, q, k, v, block_mask, block: int, heads=(0,), rows: int = 1024
+) -> tuple[float, float]:
     """(‖out - ref‖ / ‖ref‖, cosine similarity of out and ref) over a slice of heads and the
     first `rows` query rows."""
     group = q.shape[0] // k.shape[0]
@@ -105,7 +109,9 @@ def relative_error(out, q, k, v, block_mask, block: int, heads=(0,), rows: int =
             torch.full((row_blocks,), block),
             reference.uniform_sizes(seq_k, block),
         )[:, :rows].to(q.device)
-        ref, _ = reference.attention(q[h : h + 1, :rows], k[hk : hk + 1], v[hk : hk + 1], mask, compute_dtype=torch.float32)
+        ref, _ = reference.attention(
+            q[h : h + 1, :rows], k[hk : hk + 1], v[hk : hk + 1], mask, compute_dtype=torch.float32
+        )
         got = out[h : h + 1, :rows].float()
         num += float((got - ref).pow(2).sum())
         den += float(ref.pow(2).sum())
@@ -129,31 +135,64 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     mb = nb = w.seq // w.block
     mask = random_selection(w.heads_kv, mb, nb, w.topk).to(device)
     gen = torch.Generator(device=device).manual_seed(1)
-    q = torch.randn(w.heads_q, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(
+        w.heads_q, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen
+    )
+    k = torch.randn(
+        w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen
+    )
+    v = torch.randn(
+        w.heads_kv, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen
+    )
     sizes = torch.full((w.heads_kv, mb), w.block, dtype=torch.int32, device=device)
     workspace = torch.empty(1, dtype=torch.uint8, device=device)
     wrapper = VariableBlockSparseAttentionWrapper(workspace, backend=backend)
     quant_ms = quant_gbps = None
     amax_scales = ""
     if w.sage:
+
         def plan_sage(quantized):
-            wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim,
-                         q_data_type=torch.float8_e4m3fn, q_scale=quantized.q_scale,
-                         k_scale=quantized.k_scale, v_scale=quantized.v_scale)
+            wrapper.plan(
+                mask,
+                sizes,
+                sizes.clone(),
+                w.heads_q,
+                w.heads_kv,
+                w.head_dim,
+                q_data_type=torch.float8_e4m3fn,
+                q_scale=quantized.q_scale,
+                k_scale=quantized.k_scale,
+                v_scale=quantized.v_scale,
+            )
             return (quantized.q, quantized.k, quantized.v)
 
         # The same inputs without the scale search (q and k at amax / 448): error and time.
         quantized, amax_ms, amax_gbps = sage_inputs(q, k, v, scale_search=False)
-        err, cos = relative_error(wrapper_out(wrapper, plan_sage(quantized), q), q, k, v,
-                                  mask.cpu(), w.block, heads=(0, w.heads_q - 1))
-        amax_scales = (f"{w.name} without the scale search (scale_search=False): rel. L2 error "
-                       f"{err:.3e}, cosine {cos:.5f}, quantizer {amax_ms:.3f} ms ({amax_gbps:.0f} GB/s)")
+        err, cos = relative_error(
+            wrapper_out(wrapper, plan_sage(quantized), q),
+            q,
+            k,
+            v,
+            mask.cpu(),
+            w.block,
+            heads=(0, w.heads_q - 1),
+        )
+        amax_scales = (
+            f"{w.name} without the scale search (scale_search=False): rel. L2 error "
+            f"{err:.3e}, cosine {cos:.5f}, quantizer {amax_ms:.3f} ms ({amax_gbps:.0f} GB/s)"
+        )
         quantized, quant_ms, quant_gbps = sage_inputs(q, k, v)
         operands = plan_sage(quantized)
     else:
-        wrapper.plan(mask, sizes, sizes.clone(), w.heads_q, w.heads_kv, w.head_dim, q_data_type=torch.bfloat16)
+        wrapper.plan(
+            mask,
+            sizes,
+            sizes.clone(),
+            w.heads_q,
+            w.heads_kv,
+            w.head_dim,
+            q_data_type=torch.bfloat16,
+        )
         operands = (q, k, v)
     out = torch.full_like(q, float("nan"))
     ms = cuda_time_ms(lambda: wrapper.run(*operands, out=out), iters=iters)
@@ -166,9 +205,17 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     ceiling = FP8_MATMUL_CEILING_TFLOPS if w.sage else MATMUL_CEILING_TFLOPS
     floor_ms = max(flops / (ceiling * 1e9), hbm_bytes / (HBM_TBPS * 1e9))
     return dict(
-        workload=w.name, path=wrapper.backend_in_use, ms=ms, tflops=flops / (ms * 1e9),
-        dense_tflops=dense_flops / (dense_ms * 1e9), err=err, cos=cos, floor_ms=floor_ms,
-        quant_ms=quant_ms, quant_gbps=quant_gbps, amax_scales=amax_scales,
+        workload=w.name,
+        path=wrapper.backend_in_use,
+        ms=ms,
+        tflops=flops / (ms * 1e9),
+        dense_tflops=dense_flops / (dense_ms * 1e9),
+        err=err,
+        cos=cos,
+        floor_ms=floor_ms,
+        quant_ms=quant_ms,
+        quant_gbps=quant_gbps,
+        amax_scales=amax_scales,
     )
 
 
@@ -198,8 +245,18 @@ def sage_offset_accuracy(heads: int = 4, seq: int = 8192, offset: float = 8.0) -
     for smooth in (False, True):
         quantized, _, _ = sage_inputs(q, k, v, smooth_k=smooth)
         wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device))
-        wrapper.plan(mask, sizes, sizes, heads, heads, 128, q_data_type=torch.float8_e4m3fn,
-                     q_scale=quantized.q_scale, k_scale=quantized.k_scale, v_scale=quantized.v_scale)
+        wrapper.plan(
+            mask,
+            sizes,
+            sizes,
+            heads,
+            heads,
+            128,
+            q_data_type=torch.float8_e4m3fn,
+            q_scale=quantized.q_scale,
+            k_scale=quantized.k_scale,
+            v_scale=quantized.v_scale,
+        )
         out = wrapper.run(quantized.q, quantized.k, quantized.v)
         err, cos = relative_error(out, q, k, v, mask.cpu(), block, heads=(0, heads - 1))
         lines.append(
@@ -211,17 +268,26 @@ def sage_offset_accuracy(heads: int = 4, seq: int = 8192, offset: float = 8.0) -
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| workload | kernel | ms | effective TFLOPS | cuDNN dense TFLOPS | ratio | rel. L2 error | cosine "
-        "| floor ms | time / floor | quantizer ms (GB/s) |"
+        "| workload | kernel | ms | effective TFLOPS | cuDNN dense TFLOPS | ratio | rel. L2 error "
+        "| cosine | floor ms | time / floor | quantizer ms (GB/s) |"
     )
     lines = [head, "|" + " --- |" * 11]
     for r in rows:
         quant = "-" if r["quant_ms"] is None else f"{r['quant_ms']:.3f} ({r['quant_gbps']:.0f})"
-        lines.append(
-            f"| {r['workload']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} "
-            f"| {r['tflops'] / r['dense_tflops']:.2f} | {r['err']:.2e} | {r['cos']:.5f} | {r['floor_ms']:.3f} "
-            f"| {r['ms'] / r['floor_ms']:.2f} | {quant} |"
+        cells = (
+            r["workload"],
+            r["path"],
+            f"{r['ms']:.3f}",
+            f"{r['tflops']:.0f}",
+            f"{r['dense_tflops']:.0f}",
+            f"{r['tflops'] / r['dense_tflops']:.2f}",
+            f"{r['err']:.2e}",
+            f"{r['cos']:.5f}",
+            f"{r['floor_ms']:.3f}",
+            f"{r['ms'] / r['floor_ms']:.2f}",
+            quant,
         )
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -303,12 +369,14 @@ def describe_run() -> str:
     commit = os.environ.get("SPARSEFORGE_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             commit = ""
     return (
-        f"date {datetime.date.today()}, commit {commit or 'unknown'}, GPU {torch.cuda.get_device_name()}, "
-        f"torch {torch.__version__}"
+        f"date {datetime.date.today()}, commit {commit or 'unknown'}, "
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
 
 
@@ -343,7 +411,10 @@ def main(argv=None) -> int:
         sage_lines += sage_offset_accuracy()
     overhead = run_host_overhead(args.backend)
     plan_rows = []
-    for form, what in (("mask", "block_mask_map, variable wrapper"), ("q2k", "q2k_indices, BSR wrapper")):
+    for form, what in (
+        ("mask", "block_mask_map, variable wrapper"),
+        ("q2k", "q2k_indices, BSR wrapper"),
+    ):
         gpu_us, wall_us = plan_time_us(WORKLOADS["W1"], form)
         plan_rows.append(
             f"plan() of the W1 selections ({what}, on the GPU): {gpu_us:.1f} us GPU time "

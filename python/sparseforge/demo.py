@@ -15,7 +15,9 @@ from sparseforge.info import build_summary
 
 def cpu_demo(reason: str) -> int:
     print(f"no GPU run: {reason}")
-    print("running the PyTorch reference on the CPU instead (2 heads, 256 tokens, 64-token blocks):")
+    print(
+        "running the PyTorch reference on the CPU instead (2 heads, 256 tokens, 64-token blocks):"
+    )
     from sparseforge.bench import random_selection
 
     torch.manual_seed(0)
@@ -23,7 +25,10 @@ def cpu_demo(reason: str) -> int:
     blocks = random_selection(2, 4, 4, topk=2)
     mask = reference.block_mask_to_token_mask(blocks, torch.full((4,), 64), torch.full((4,), 64))
     out, lse = reference.attention(q, k, v, mask)
-    print(f"  out {tuple(out.shape)} mean |out| {out.abs().mean():.4f}, lse range [{lse.min():.2f}, {lse.max():.2f}]")
+    print(
+        f"  out {tuple(out.shape)} mean |out| {out.abs().mean():.4f}, "
+        f"lse range [{lse.min():.2f}, {lse.max():.2f}]"
+    )
     for line in build_summary():
         print(line)
     return 0
@@ -33,7 +38,10 @@ def gpu_demo() -> int:
     from sparseforge.bench import Workload, run_workload, table
 
     w = Workload("demo", heads_q=16, heads_kv=16, seq=8192, block=64, topk=16)
-    print(f"block-sparse attention: H={w.heads_q}, S={w.seq}, 64-token blocks, {w.topk} per query block, bf16")
+    print(
+        f"block-sparse attention: H={w.heads_q}, S={w.seq}, 64-token blocks, "
+        f"{w.topk} per query block, bf16"
+    )
     print(table([run_workload(w)]))
     return 0
 

@@ -11,21 +11,28 @@ from sparseforge.errors import SparseforgeError
 
 def build_summary() -> list[str]:
     m = _library.manifest()
-    lines = [f"build archs: {', '.join(m['archs'])}", "variants (family / arch: template x count, params):"]
+    lines = [
+        f"build archs: {', '.join(m['archs'])}",
+        "variants (family / arch: template x count, params):",
+    ]
     groups = defaultdict(list)
     for v in m["variants"]:
         groups[(v["family"], v["arch"], v["template"])].append(v["params"])
     for (family, arch_name, template), params in sorted(groups.items()):
         keys = sorted({k for p in params for k in p})
         values = "; ".join(
-            f"{k} {'/'.join(str(x) for x in sorted({p[k] for p in params}, key=lambda x: (str(type(x)), x)))}"
-            for k in keys
+            f"{k} {'/'.join(map(str, _distinct(p.get(k) for p in params)))}" for k in keys
         )
         lines.append(f"  {family} / {arch_name}: {template} x{len(params)} ({values})")
     lib = _library.PACKAGE_DIR / _library.LIBRARY_NAME
     size = f"{lib.stat().st_size / 1e6:.1f} MB" if lib.exists() else "MISSING"
     lines.append(f"kernel library: {lib} ({size})")
     return lines
+
+
+def _distinct(values) -> list:
+    """The distinct values, sorted (of mixed types: by type name first)."""
+    return sorted(set(values), key=lambda x: (str(type(x)), x))
 
 
 def gpu_summary() -> str:

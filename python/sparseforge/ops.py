@@ -1,47 +1,46 @@
-"""torch.library custom ops around the kernel launches, for torch.compile.
+"""Launches as a torch.library custom op, for torch.compile.
 
-Eager run() calls the bound launch directly (fewer microseconds per call); under
-torch.compile it calls `torch.ops.sparseforge.block_sparse_fwd`, whose fake implementation
-lets the compiler trace it. The op mutates `out` and `lse` and returns nothing. The plan's
-tensors (tile lists, Sage scales) are passed too, so the compiler sees every buffer the kernel
-reads.
+Eager calls launch a BoundLaunch directly (fewer microseconds per call). Under
+torch.compile `launch()` calls `torch.ops.sparseforge.launch`, whose fake implementation lets
+the compiler trace it: the op writes the ABI's output tensors (`outputs`), returns nothing,
+and is also given the bound plan tensors, so the compiler sees every buffer the kernel reads.
+Any family's BoundLaunch goes through the same op.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
-_launches: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_ids = itertools.count()
+from sparseforge import _library
 
 
-def register(launch) -> int:
-    """An id under which the op finds `launch` (a BoundLaunch) while its plan lives."""
-    launch_id = next(_ids)
-    _launches[launch_id] = launch
-    return launch_id
+def launch(bound: _library.BoundLaunch, tensors, swap01: bool = False) -> None:
+    """Launch `bound` with its leading tensors, eagerly or through the custom op."""
+    if torch.compiler.is_compiling():
+        inputs, outputs = bound.split(tensors)
+        torch.ops.sparseforge.launch(
+            inputs, outputs, list(bound.static_tensors), bound.launch_id, swap01
+        )
+    else:
+        bound(tensors, swap01)
 
 
-@torch.library.custom_op("sparseforge::block_sparse_fwd", mutates_args=("out", "lse"))
-def block_sparse_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+@torch.library.custom_op("sparseforge::launch", mutates_args=("outputs",))
+def _launch_op(
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
     plan_tensors: list[torch.Tensor],
     launch_id: int,
-    hnd: bool,
+    swap01: bool,
 ) -> None:
-    launch = _launches.get(launch_id)
-    if launch is None:
-        raise RuntimeError("the plan this compiled call was traced with no longer exists; call plan() again")
-    launch((q, k, v, out, lse), hnd)
+    bound = _library.bound_launch(launch_id)
+    if bound is None:
+        raise RuntimeError(
+            "the plan this compiled call was traced with no longer exists; call plan() again"
+        )
+    bound(bound.join(inputs, outputs), swap01)
 
 
-@block_sparse_fwd.register_fake
-def _(q, k, v, out, lse, plan_tensors, launch_id, hnd) -> None:
+@_launch_op.register_fake
+def _(inputs, outputs, plan_tensors, launch_id, swap01) -> None:
     return None

@@ -11,7 +11,9 @@ import math
 
 import torch
 
+from sparseforge.families import sage_fp8_fwd, sage_quantize
 from sparseforge.planner import tile_padded_keys
+from sparseforge.sage import SageFP8Tensors
 
 
 def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
@@ -95,22 +97,21 @@ def uniform_sizes(total: int, block: int):
     return sizes
 
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-FP8_AMAX_MIN = 2.0**-100  # amax floor of the Sage quantizer: all-zero sets get a finite scale
-KEYS_PER_SCALE = 16  # k_scale granularity
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def sage_dequantize(q8, k8, v8, q_scale, k_scale, v_scale, dtype=torch.float32):
     """fp32 q, k, v (HND) of Sage FP8 tensors: q8 (Hq, Sq, D) * q_scale (1, Hq, Sq) per token,
-    k8 (Hkv, Sk, D) * k_scale (1, Hkv, ceil(Sk / 16)) per KEYS_PER_SCALE keys, v8 * v_scale (Hkv, D) per channel."""
+    k8 (Hkv, Sk, D) * k_scale (1, Hkv, ceil(Sk / 16)) per 16 keys, v8 * v_scale (Hkv, D) per
+    channel."""
     sk = k8.shape[1]
+    per_scale = sage_quantize.constant("keys_per_scale")
     q = q8.to(dtype) * q_scale[0].to(dtype).unsqueeze(-1)
-    k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(KEYS_PER_SCALE, dim=-1)[:, :sk].unsqueeze(-1)
+    k = k8.to(dtype) * k_scale[0].to(dtype).repeat_interleave(per_scale, dim=-1)[:, :sk].unsqueeze(
+        -1
+    )
     v = v8.to(dtype) * v_scale.to(dtype).unsqueeze(1)
     return q, k, v
-
-
-SCALE_STEPS = 16  # scale search: candidates (amax / 448) * (16 + c) / 16, c < SCALE_STEPS
 
 
 def scale_step_factors(step, device=None):
@@ -122,7 +123,7 @@ def scale_step_factors(step, device=None):
 
 def fp8_quantize(x, amax, step=0):
     """(float8_e4m3fn codes, fp32 scale) of fp32 x for its amax (broadcastable to x) and scale
-    candidate `step` (an int, or an int tensor broadcastable to amax): a = max(amax, 2^-100),
+    candidate `step` (an int, or an int tensor broadcastable to amax): a = max(amax, amax_min),
     scale = (a / 448) * grow, codes = e4m3((x * ((448 / a) * shrink))) saturated to +-448,
     (grow, shrink) = scale_step_factors(step). Step 0 has grow = shrink = 1: the amax scale.
 
@@ -131,7 +132,7 @@ def fp8_quantize(x, amax, step=0):
     tensor, not a Python number: torch's CUDA division by a host scalar multiplies by its
     reciprocal instead, which rounds differently.
     """
-    a = amax.float().clamp_min(FP8_AMAX_MIN)
+    a = amax.float().clamp_min(sage_quantize.constant("amax_min"))
     fp8_max = torch.tensor(FP8_MAX, device=x.device)
     grow, shrink = scale_step_factors(step, x.device)
     codes = (x * ((fp8_max / a) * shrink)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -139,13 +140,15 @@ def fp8_quantize(x, amax, step=0):
 
 
 def scale_step_errors(x, amax, dims):
-    """(..., SCALE_STEPS) fp64: per set (the elements of x along `dims`), the search criterion
+    """(..., scale_steps) fp64: per set (the elements of x along `dims`), the search criterion
     of every candidate: sum over the set of (y - e4m3(y))^2 * grow^2 with y = x * inverse
     scale, i.e. the squared rounding error in units of (amax / 448)^2 (the kernels sum it
     in fp32, in their own order)."""
-    inverse = torch.tensor(FP8_MAX, device=x.device) / amax.float().clamp_min(FP8_AMAX_MIN)
+    inverse = torch.tensor(FP8_MAX, device=x.device) / amax.float().clamp_min(
+        sage_quantize.constant("amax_min")
+    )
     errors = []
-    for c in range(SCALE_STEPS):
+    for c in range(sage_quantize.constant("scale_steps")):
         grow, shrink = scale_step_factors(c, x.device)
         y = x * (inverse * shrink)
         rounded = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
@@ -167,7 +170,8 @@ def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
     zero past Sk; and the k_mean used (None without smoothing). k_mean as in
     sage_fp8_quantize."""
     hkv, sk, d = k.shape
-    groups = -(-sk // KEYS_PER_SCALE)
+    per_scale = sage_quantize.constant("keys_per_scale")
+    groups = -(-sk // per_scale)
     qf, kf = q.float(), k.float()
     if smooth_k:
         if k_mean is None:
@@ -176,9 +180,13 @@ def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
     else:
         k_mean = None
     # Zeros pad the last group: they raise no max, add no rounding error and are cut off.
-    kg = torch.nn.functional.pad(kf, (0, 0, 0, groups * KEYS_PER_SCALE - sk))
-    kg = kg.view(hkv, groups, KEYS_PER_SCALE, d)
-    return (qf, qf.abs().amax(-1, keepdim=True)), (kg, kg.abs().amax(dim=(2, 3), keepdim=True)), k_mean
+    kg = torch.nn.functional.pad(kf, (0, 0, 0, groups * per_scale - sk))
+    kg = kg.view(hkv, groups, per_scale, d)
+    return (
+        (qf, qf.abs().amax(-1, keepdim=True)),
+        (kg, kg.abs().amax(dim=(2, 3), keepdim=True)),
+        k_mean,
+    )
 
 
 def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
@@ -190,16 +198,17 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
     makes every code and scale equal to the kernel's (without scale_search; with it, up to
     the near-ties of the search's fp32 sums: tests/test_sage_quantize.py).
     """
-    from sparseforge.sage import SageFP8Tensors
-
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
-    groups = -(-sk // KEYS_PER_SCALE)
-    pad = groups * KEYS_PER_SCALE
+    per_scale = sage_quantize.constant("keys_per_scale")
+    groups = -(-sk // per_scale)
+    pad = groups * per_scale
     (qf, q_amax), (kg, k_amax), k_mean = sage_scale_sets(q, k, smooth_k, k_mean)
     q8, q_scale = fp8_quantize_searched(qf, q_amax, -1, scale_search)
     k8, k_scale = fp8_quantize_searched(kg, k_amax, (2, 3), scale_search)
-    k_buffer = tile_padded_keys(hkv, sk, d, torch.float8_e4m3fn, k.device)
+    k_buffer = tile_padded_keys(
+        hkv, sk, d, torch.float8_e4m3fn, k.device, sage_fp8_fwd.constant("tile_keys")
+    )
     k_buffer[:, :sk] = k8.view(hkv, pad, d)[:, :sk]
     vf = v.float()
     v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))

@@ -1,4 +1,4 @@
-"""Sage FP8 quantization of attention inputs (issue 5): q, k and v to float8_e4m3fn codes with
+"""Sage FP8 quantization of attention inputs: q, k and v to float8_e4m3fn codes with
 fp32 scales, in the layouts the Sage FP8 attention kernels read (the wrappers' plan() with
 q_data_type=torch.float8_e4m3fn and the three scales).
 
@@ -69,15 +69,11 @@ from typing import NamedTuple
 
 import torch
 
-from sparseforge.planner import TILE, num_tiles, tile_padded_keys
-from sparseforge.reference import KEYS_PER_SCALE, SCALE_STEPS
+from sparseforge.dtypes import BY_NAME, NAME_OF
+from sparseforge.families import sage_fp8_fwd, sage_quantize
+from sparseforge.planner import num_tiles, tile_padded_keys
 
 FP8 = torch.float8_e4m3fn
-HEAD_DIMS = (64, 128)
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# Tokens per chunk are a multiple of this: whole launch-2 tiles (128 tokens at D = 128, 256
-# at D = 64; generator/kernels/sage_quantize.py).
-CHUNK_MULTIPLE = 256
 # Preferred tokens per chunk: chosen from an H200 sweep of 256 .. 8192 tokens made while the
 # quantizer was written (2048 best or within 5% on the F1/F3 shapes; that table was not kept:
 # re-measure with quantize_bandwidth before changing it).
@@ -101,41 +97,54 @@ def sage_fp8_quantize(
 ) -> SageFP8Tensors:
     """Quantize bf16/fp16 HND q, k, v for the Sage FP8 attention kernels (module docstring)."""
     if not isinstance(scale_search, bool) or not isinstance(smooth_k, bool):
-        raise TypeError(f"smooth_k and scale_search must be bool, got {smooth_k!r}, {scale_search!r}")
+        raise TypeError(
+            f"smooth_k and scale_search must be bool, got {smooth_k!r}, {scale_search!r}"
+        )
     _check_inputs(q, k, v)
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
     device = q.device
-    groups = -(-sk // KEYS_PER_SCALE)
+    per_scale = sage_quantize.constant("keys_per_scale")
+    groups = -(-sk // per_scale)
     chunk = chunk_tokens(sk, hkv, _sm_count(device.index))
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
-    k8 = tile_padded_keys(hkv, sk, d, FP8, device)
+    k8 = tile_padded_keys(hkv, sk, d, FP8, device, sage_fp8_fwd.constant("tile_keys"))
     k_scale = torch.empty((1, hkv, groups), **f32)
-    vt = torch.empty((hkv, d, groups * KEYS_PER_SCALE), dtype=FP8, device=device)  # padding too
+    vt = torch.empty((hkv, d, groups * per_scale), dtype=FP8, device=device)  # padding too
     v_scale = torch.empty((hkv, d), **f32)
     k_mean = torch.empty((hkv, d), **f32)  # written (zeros) even without smoothing
     partial = torch.empty((hkv, -(-sk // chunk), 2, d), **f32)
-    steps = SCALE_STEPS if scale_search else 1
-    stats, quantize_kv = _launches(device.index, DTYPE_NAMES[q.dtype], d, chunk, int(smooth_k), steps)
+    steps = sage_quantize.constant("scale_steps") if scale_search else 1
+    stats, quantize_kv = sage_quantize.launches(
+        device.index, NAME_OF[q.dtype], d, chunk, int(smooth_k), steps
+    )
     with torch.cuda.device(device):
         stats((q, k, v, q8, q_scale[0], partial))
         quantize_kv((k, v, partial, k8[:, :sk], k_scale[0], vt, v_scale, k_mean))
     return SageFP8Tensors(
-        q8, k8[:, :sk], vt.transpose(1, 2)[:, :sk], q_scale, k_scale, v_scale, k_mean if smooth_k else None
+        q8,
+        k8[:, :sk],
+        vt.transpose(1, 2)[:, :sk],
+        q_scale,
+        k_scale,
+        v_scale,
+        k_mean if smooth_k else None,
     )
 
 
 def chunk_tokens(seq_k: int, num_kv_heads: int, num_sms: int) -> int:
-    """Tokens per chunk, a multiple of 256: PREFERRED_CHUNK, or 4 sqrt(Sk) if more (each
-    launch-2 CTA reads its head's P partials, 4 P D bytes against 3 chunk D bytes of its own
-    traffic: (4/3) Sk / chunk^2 <= 1/12 of it), halved down to 256 while launch 2 would have
-    fewer CTAs (two per chunk and kv head) than the GPU has SMs."""
+    """Tokens per chunk, a multiple of the quantizer's chunk_multiple (256: whole launch-2
+    tiles): PREFERRED_CHUNK, or 4 sqrt(Sk) if more (each launch-2 CTA reads its head's P
+    partials, 4 P D bytes against 3 chunk D bytes of its own traffic: (4/3) Sk / chunk^2 <=
+    1/12 of it), halved down to the multiple while launch 2 would have fewer CTAs (two per
+    chunk and kv head) than the GPU has SMs."""
+    multiple = sage_quantize.constant("chunk_multiple")
     chunk = max(PREFERRED_CHUNK, 4 * math.isqrt(seq_k))
-    while chunk > CHUNK_MULTIPLE and 2 * num_kv_heads * -(-seq_k // chunk) < num_sms:
+    while chunk > multiple and 2 * num_kv_heads * -(-seq_k // chunk) < num_sms:
         chunk //= 2
-    return -(-chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+    return -(-chunk // multiple) * multiple
 
 
 def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
@@ -144,10 +153,11 @@ def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     way (launch-2 CTAs re-read them from L2, not counted)."""
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
-    groups = -(-sk // KEYS_PER_SCALE)
+    per_scale, tile = sage_quantize.constant("keys_per_scale"), sage_fp8_fwd.constant("tile_keys")
+    groups = -(-sk // per_scale)
     chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
     reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
-    codes = q.numel() + hkv * d * (num_tiles(sk) * TILE + groups * KEYS_PER_SCALE)
+    codes = q.numel() + hkv * d * (num_tiles(sk, tile) * tile + groups * per_scale)
     scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
     partials = 2 * 4 * hkv * chunks * 2 * d
     return reads + codes + scales + partials
@@ -175,6 +185,7 @@ def quantize_bandwidth(
 
 def _check_inputs(q, k, v) -> None:
     """Everything the kernels assume, checked before any launch (no GPU needed)."""
+    dtypes = [BY_NAME[name] for name in sage_quantize.spec().dtypes]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -182,8 +193,10 @@ def _check_inputs(q, k, v) -> None:
             raise ValueError(
                 f"{name} must be (heads, tokens, head_dim) (HND), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in DTYPE_NAMES:
-            raise ValueError(f"{name} has dtype {t.dtype}; it must be bfloat16 or float16")
+        if t.dtype not in dtypes:
+            raise ValueError(
+                f"{name} has dtype {t.dtype}; it must be one of {', '.join(map(str, dtypes))}"
+            )
         if 0 in t.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}: no dimension may be empty")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -194,8 +207,9 @@ def _check_inputs(q, k, v) -> None:
     hkv = k.shape[0]
     if k.shape[2] != d:
         raise ValueError(f"q has head_dim {d}, k and v {k.shape[2]}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported; sage_fp8_quantize supports {HEAD_DIMS}")
+    head_dims = sage_quantize.head_dims()
+    if d not in head_dims:
+        raise ValueError(f"head_dim {d} is not supported; sage_fp8_quantize supports {head_dims}")
     if hq % hkv:
         raise ValueError(f"num_qo_heads {hq} is not a multiple of num_kv_heads {hkv}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -217,19 +231,3 @@ def _check_inputs(q, k, v) -> None:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=64)
-def _launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k: int, steps: int):
-    """The two launches (statistics + q, then k and v) with chunk_tokens, smooth_k and
-    scale_steps bound."""
-    from sparseforge._library import find_kernel
-    from sparseforge.arch import arch_for_device
-
-    arch = arch_for_device(device_index)
-    launches = []
-    for family in ("sage_quantize_stats", "sage_quantize_kv"):
-        kernel = find_kernel(family, arch, dtype=dtype, head_dim=head_dim)
-        kernel.prepare()
-        launches.append(kernel.bind(chunk, smooth_k, steps))
-    return tuple(launches)

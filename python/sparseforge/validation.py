@@ -1,7 +1,7 @@
 """Checks of plan() inputs that need their values, without stalling the host.
 
-Inputs on the host are checked on the host: plan() raises at once. For inputs on the GPU the
-planner computes error bits with torch ops (planner.ERR_*) next to the tile lists, and
+Inputs on the host are checked on the host: plan() raises at once. For inputs on the GPU
+sparsity.py computes error bits with torch ops (sparsity.ERR_*) next to the block mask, and
 ignores whatever is invalid, so no kernel ever reads out of bounds. The bits travel to pinned
 host memory asynchronously; they are raised
   - by `check_plan()`, which waits for them (one synchronisation), and
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from sparseforge import planner
+from sparseforge import sparsity
 
 _MESSAGES = {
-    planner.ERR_INDEX_RANGE: "a block index is out of range [0, {num_col_blocks})",
-    planner.ERR_DUPLICATE: "a row lists the same block more than once",
-    planner.ERR_INDPTR: "indptr must start at 0, be non-decreasing and end at len(indices)",
-    planner.ERR_KV_BLOCK_LENS: "kv_block_lens values must lie in [1, C]",
-    planner.ERR_Q2K_NUM: "q2k_num values must lie in [0, topk]",
-    planner.ERR_GROUP_SELECTIONS: (
+    sparsity.ERR_INDEX_RANGE: "a block index is out of range [0, {num_col_blocks})",
+    sparsity.ERR_DUPLICATE: "a row lists the same block more than once",
+    sparsity.ERR_INDPTR: "indptr must start at 0, be non-decreasing and end at len(indices)",
+    sparsity.ERR_KV_BLOCK_LENS: "kv_block_lens values must lie in [1, C]",
+    sparsity.ERR_Q2K_NUM: "q2k_num values must lie in [0, topk]",
+    sparsity.ERR_GROUP_SELECTIONS: (
         "the query heads of a GQA group select different blocks (selections are per kv head: "
         "give the same rows for every query head of a group, or a mask per kv head)"
     ),
@@ -30,7 +30,9 @@ _MESSAGES = {
 
 
 def error_text(bits: int, source: str, num_col_blocks: int) -> str:
-    problems = [m.format(num_col_blocks=num_col_blocks) for bit, m in _MESSAGES.items() if bits & bit]
+    problems = [
+        m.format(num_col_blocks=num_col_blocks) for bit, m in _MESSAGES.items() if bits & bit
+    ]
     return f"invalid {source}: " + "; ".join(problems)
 
 

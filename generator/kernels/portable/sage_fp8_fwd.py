@@ -4,7 +4,7 @@ mma.sync m16n8k32 e4m3 -> fp32 is native on sm_120a (SASS QMMA). sm_90a and sm_1
 the same PTX and emulate it with fp16 HMMA (correct, slow): the sm_90a build is there so the
 code shipped for SM120 runs and is checked on the H200.
 
-Same units, tiles and math as sm90_sage_fp8 (generator/kernels/sage_common.py):
+Same units, tiles and math as the sm90 template (generator/kernels/common/sage_math.py):
     S       = Q8 K8^T (e4m3 mma.sync, fp32)     * q_scale[row] * k_scale[key // 16] * sm_scale
     P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
     partial = P8 V8 (e4m3 mma.sync, fresh fp32) V8 is V transposed (K-major, as e4m3 needs)
@@ -12,7 +12,7 @@ Same units, tiles and math as sm90_sage_fp8 (generator/kernels/sage_common.py):
     out     = bf16(O / l * v_scale[channel])
 
 CTA = 4 warps (128 threads), 16 query rows per warp; one CTA owns one unit (64 query rows
-of one head) and walks its list of 64-key tiles exactly as warp_mma does:
+of one head) and walks its list of 64-key tiles as the 16-bit portable template does:
     cp.async Q, K[t0]
     for each listed tile t_j:
         wait K[t_j]; barrier; cp.async V^T[t_j]     S = Q K^T (ldmatrix, one k-block ahead)
@@ -33,21 +33,26 @@ the end of the sequence) is read. Scores of keys >= tile_len are masked to -inf;
 Sq are not written; a unit with no tiles writes O = 0 and LSE = -inf.
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.kernels.attention_common import acc_mn_view, new_softmax_state, unit_of_cta, with_narrow_strides
-from generator.kernels.sage_common import (
-    KEYS_PER_SCALE,
+from generator.families.sage_fp8_fwd import KEYS_PER_SCALE
+from generator.kernels.common.sage_math import (
     accumulate_tile,
     load_key_scales,
     load_row_scales,
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.warp_mma import NUM_THREADS, TILE_M, TILE_N, BlockSparseFwdWarpMma
+from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
+from generator.kernels.common.tile_list import unit_of_cta
+from generator.kernels.portable.block_sparse_fwd import (
+    NUM_THREADS,
+    TILE_M,
+    TILE_N,
+    BlockSparseFwdWarpMma,
+)
 
 COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
 
@@ -58,23 +63,8 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         self.out_dtype = cutlass.BFloat16
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mVt: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mQScale: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch(self, args, stream):
+        """Host side: shared-memory layouts, copies and the MMA, then the launch."""
         d = self.head_dim
         # 8 rows x 64 bytes; Swizzle<2,4,3> spreads the 16-byte units of 8 consecutive rows
         # over all 8 units of a 128-byte line: conflict-free ldmatrix and cp.async.
@@ -83,7 +73,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         )
         sQK_layout = cute.tile_to_shape(smem_atom, (TILE_M, d), (0, 1))
         sVt_layout = cute.tile_to_shape(smem_atom, (d, TILE_N), (0, 1))
-        # bf16 output staging: 8 x 64 swizzled rows (as warp_mma), over sQ and sK.
+        # bf16 output staging: 8 x 64 swizzled rows (as the 16-bit template), over sQ and sK.
         sO_layout = cute.tile_to_shape(
             cute.make_composed_layout(
                 cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
@@ -112,13 +102,17 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             (NUM_THREADS // 32, 1, 1),
             permutation_mnk=(TILE_M, 16, 32),  # 16 columns of B: one ldmatrix.x4 per k-block
         )
-        mTileIdx = with_narrow_strides(mTileIdx)
-        mKScale = with_narrow_strides(mKScale, divisibility=TILE_N // KEYS_PER_SCALE)
         self.kernel(
-            mQ, mK, mVt, mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt,
-            mTileLen, scale_log2, sQK_layout, sVt_layout, sO_layout, load_qk, load_vt, store_o,
-            tiled_mma, SharedStorage,
-        ).launch(grid=[mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+            args,
+            sQK_layout,
+            sVt_layout,
+            sO_layout,
+            load_qk,
+            load_vt,
+            store_o,
+            tiled_mma,
+            SharedStorage,
+        ).launch(grid=[args.mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
 
     @staticmethod
     def tiled_copy_16b(op, dtype, row_elems: int):
@@ -134,19 +128,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mVt: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mQScale: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        args,
         sQK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
@@ -159,11 +141,10 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
-            mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileIdx, mTileCnt, TILE_M
+            args, args.mQ, args.mK.shape[1], TILE_M
         )
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = cute.make_tensor(storage.sQK.data_ptr(), sQK_layout)
         sK = cute.make_tensor(storage.sQK.data_ptr() + cute.cosize(sQK_layout), sQK_layout)
         sVt = storage.sVt.get_tensor(sVt_layout)
@@ -172,32 +153,112 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             cute.recast_ptr(storage.sQK.data_ptr(), dtype=self.out_dtype), sO_layout
         )
 
-        gQ = cute.local_tile(mQ[None, head, None], (TILE_M, d), (chunk, 0))
-        gO = cute.local_tile(mO[None, head, None], (TILE_M, d), (chunk, 0))
-        gK = cute.local_tile(mK[None, kv_head, None], (TILE_N, d), (None, 0))
-        gVt = cute.local_tile(mVt[None, None, kv_head], (d, TILE_N), (0, None))
+        gQ = cute.local_tile(args.mQ[None, head, None], (TILE_M, d), (chunk, 0))
+        gO = cute.local_tile(args.mO[None, head, None], (TILE_M, d), (chunk, 0))
+        gK = cute.local_tile(args.mK[None, kv_head, None], (TILE_N, d), (None, 0))
+        gVt = cute.local_tile(args.mVt[None, None, kv_head], (d, TILE_N), (0, None))
         # Byte views of V^T for the tile_len cut (see load_vt_tile).
         gVt_bytes = cute.local_tile(
-            cute.recast_tensor(mVt, cutlass.Uint8)[None, None, kv_head], (d, TILE_N), (0, None)
+            cute.recast_tensor(args.mVt, cutlass.Uint8)[None, None, kv_head], (d, TILE_N), (0, None)
         )
         sVt_bytes = cute.make_tensor(
             cute.recast_ptr(storage.sVt.data_ptr(), dtype=cutlass.Uint8), sVt_layout
         )
-
         thr_qk = load_qk.get_slice(tidx)
-        tQgQ = thr_qk.partition_S(gQ)
-        tQsQ = thr_qk.partition_D(sQ)
-        tQcQ = thr_qk.partition_S(cute.make_identity_tensor((TILE_M, d)))
-        tKgK = thr_qk.partition_S(gK)
-        tKsK = thr_qk.partition_D(sK)
         thr_vt = load_vt.get_slice(tidx)
-        tVgV = thr_vt.partition_S(gVt)
-        tVsV = thr_vt.partition_D(sVt)
-        tVcV = thr_vt.partition_S(cute.make_identity_tensor((d, TILE_N)))
+        q_load = (
+            thr_qk.partition_S(gQ),
+            thr_qk.partition_D(sQ),
+            thr_qk.partition_S(cute.make_identity_tensor((TILE_M, d))),
+        )
+        k_load = (thr_qk.partition_S(gK), thr_qk.partition_D(sK))
+        vt_load = (
+            thr_vt.partition_S(gVt),
+            thr_vt.partition_D(sVt),
+            thr_vt.partition_S(cute.make_identity_tensor((d, TILE_N))),
+            gVt_bytes,
+            sVt_bytes,
+        )
+        q_rows_left = args.mQ.shape[0] - chunk * TILE_M
 
+        acc_O, row_max, row_sum = self.attend_sage(
+            args,
+            load_qk,
+            load_vt,
+            tiled_mma,
+            tidx,
+            q_load,
+            k_load,
+            vt_load,
+            sQ,
+            sK,
+            sVt,
+            head,
+            kv_head,
+            chunk,
+            tile_ids,
+            num_tiles,
+            q_rows_left,
+        )
+
+        # A unit with no tiles never waited for its Q copy: wait before sO (over sQ) is written.
+        cute.arch.cp_async_wait_group(0)
+        # V was quantized per channel: scale the output columns back.
+        acc_O_mn = acc_mn_view(acc_O)
+        tOcO_mn = acc_mn_view(
+            tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
+        )
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            channel_scale = args.mVScale[tOcO_mn[0, c][1], kv_head]
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        # Scores are already in log2 units (scale_log2 is inside row_scale).
+        tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
+        self.store_output(
+            tiled_mma,
+            store_o,
+            acc_O,
+            row_max,
+            row_sum,
+            cutlass.Float32(1.0),
+            sO,
+            gO,
+            tOcO,
+            q_rows_left,
+            args.mLSE,
+            chunk,
+            head,
+            tidx,
+        )
+
+    @cute.jit
+    def attend_sage(
+        self,
+        args,
+        load_qk,
+        load_vt,
+        tiled_mma,
+        tidx,
+        q_load,
+        k_load,
+        vt_load,
+        sQ,
+        sK,
+        sVt,
+        head,
+        kv_head,
+        chunk,
+        tile_ids,
+        num_tiles,
+        q_rows_left,
+    ):
+        """The unit's main loop (module docstring). Returns (O, row max, row sum), O neither
+        normalised nor scaled by v_scale."""
+        d = self.head_dim
+        tQgQ, tQsQ, tQcQ = q_load
+        tKgK, tKsK = k_load
+        tVgV, tVsV, tVcV, gVt_bytes, sVt_bytes = vt_load
         thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
         # P8 as the A operand of P V: a compact ((4, 2, 2), 1, TILE_N / 32) e4m3 fragment, the
         # layout scores_to_e4m3_operand fills.
         tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((TILE_M, TILE_N)), self.dtype)
@@ -213,15 +274,15 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         )
         s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
         s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
-        thr_s2r_A = s2r_A.get_slice(tidx)
-        thr_s2r_B = s2r_B.get_slice(tidx)
-        tSsQ = thr_s2r_A.partition_S(sQ)
-        tSrQ_view = thr_s2r_A.retile(tSrQ)
-        tSsK = thr_s2r_B.partition_S(sK)
-        tSrK_view = thr_s2r_B.retile(tSrK)
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        tOsVt = thr_s2r_B.partition_S(sVt)
-        tOrVt_view = thr_s2r_B.retile(tOrVt)
+        q_operand = self.smem_operand(
+            s2r_A, tidx, sQ, thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        )
+        k_operand = self.smem_operand(
+            s2r_B, tidx, sK, thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        )
+        vt_operand = self.smem_operand(
+            s2r_B, tidx, sVt, thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        )
 
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
@@ -233,36 +294,38 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
 
         # Prologue: Q (rows past the sequence are zero) and the first K tile.
-        q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(load_qk, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
-            self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, mTileLen, 0)
+            self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, args.mTileLen, 0)
         cute.arch.cp_async_commit_group()
-        load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
+        load_row_scales(args.mQScale, head, chunk * TILE_M, tScS_mn, args.scale_log2, row_scale)
 
         for j in cutlass.range(num_tiles, unroll=1):
             tile = tile_ids[j]
-            tile_len = mTileLen[tile]
-            load_key_scales(mKScale[None, kv_head], tile, key_scale)
+            tile_len = args.mTileLen[tile]
+            load_key_scales(args.mKScale[None, kv_head], tile, key_scale)
             # K[t_j] (and Q) landed; every warp is done reading V^T[t_j-1].
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             self.load_vt_tile(
-                load_vt, tVgV[None, None, None, tile], tVsV, tVcV,
-                gVt_bytes[None, None, tile], sVt_bytes, tile_len,
+                load_vt,
+                tVgV[None, None, None, tile],
+                tVsV,
+                tVcV,
+                gVt_bytes[None, None, tile],
+                sVt_bytes,
+                tile_len,
             )
             cute.arch.cp_async_commit_group()
 
             acc_S.fill(0.0)
-            self.gemm_smem(
-                tiled_mma, acc_S, s2r_A, tSsQ, tSrQ_view, tSrQ, s2r_B, tSsK, tSrK_view, tSrK
-            )
+            self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
 
             # V^T[t_j] landed; every warp is done reading K[t_j].
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if j + 1 < num_tiles:
-                self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, mTileLen, j + 1)
+                self.load_listed_k(load_qk, tKgK, tKsK, tQcQ, tile_ids, args.mTileLen, j + 1)
                 cute.arch.cp_async_commit_group()
 
             sage_softmax_step(
@@ -270,24 +333,9 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             )
             scores_to_e4m3_operand(acc_S_mn, tOrP)
             acc_PV.fill(0.0)
-            self.gemm_rA(tiled_mma, acc_PV, tOrP, s2r_B, tOsVt, tOrVt_view, tOrVt)
+            self.gemm_rA(tiled_mma, acc_PV, tOrP, vt_operand)
             accumulate_tile(acc_mn_view(acc_O), acc_mn_view(acc_PV), alpha, beta)
-
-        # A unit with no tiles never waited for its Q copy: wait before sO (over sQ) is written.
-        cute.arch.cp_async_wait_group(0)
-        # V was quantized per channel: scale the output columns back.
-        acc_O_mn = acc_mn_view(acc_O)
-        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, d))))
-        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-            channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
-            for r in cutlass.range_constexpr(rows):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
-        # Scores are already in log2 units (scale_log2 is inside row_scale).
-        tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
-        self.store_output(
-            tiled_mma, store_o, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, gO, tOcO,
-            q_rows_left, mLSE, chunk, head, tidx,
-        )
+        return acc_O, row_max, row_sum
 
     @cute.jit
     def load_vt_tile(self, load_vt, src, dst, coord, src_bytes, dst_bytes, tile_len):
@@ -313,8 +361,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
 
 
 def make_kernel(variant):
-    if variant.dtype != "e4m3" or not SageFp8FwdWarpMma.can_implement(variant.head_dim):
-        raise ValueError(
-            f"warp_mma_fp8: {variant.dtype} head_dim {variant.head_dim} not supported"
-        )
-    return SageFp8FwdWarpMma(variant.head_dim)
+    p = variant.params
+    if p["dtype"] != "e4m3" or not SageFp8FwdWarpMma.can_implement(p["head_dim"]):
+        raise ValueError(f"{variant.name}: {p['dtype']} head_dim {p['head_dim']} not supported")
+    return SageFp8FwdWarpMma(p["head_dim"])

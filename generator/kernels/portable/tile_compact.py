@@ -7,26 +7,25 @@ sum of the ballots' popcounts. Replaces a prefix sum plus a search over every (k
 tile) in torch (see CONTRIBUTING.md, plan() timings).
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-
-from generator.kernels.attention_common import with_narrow_strides
 
 WARPS_PER_CTA = 4
 
 
 class TileCompact:
     @cute.jit
-    def __call__(self, mListed: cute.Tensor, mTileIdx: cute.Tensor, mTileCnt: cute.Tensor, stream: cuda.CUstream):
-        rows = mListed.shape[0] * mListed.shape[1]
-        mTileIdx = with_narrow_strides(mTileIdx)
-        self.kernel(mListed, mTileIdx, mTileCnt).launch(
-            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream
+    def launch(self, args, stream):
+        rows = args.mListed.shape[0] * args.mListed.shape[1]
+        self.kernel(args).launch(
+            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
+            block=[32 * WARPS_PER_CTA, 1, 1],
+            stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mListed: cute.Tensor, mTileIdx: cute.Tensor, mTileCnt: cute.Tensor):
+    def kernel(self, args):
+        mListed, mTileIdx, mTileCnt = args.mListed, args.mTileIdx, args.mTileCnt
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()

@@ -1,4 +1,4 @@
-"""Pieces shared by every attention template: accumulator views and the online softmax.
+"""The online softmax and the accumulator views every attention template uses.
 
 Both mma.sync (m16n8k16) and wgmma (m64nNk16) accumulators spread each row over the four
 threads of a quad (lanes 4i..4i+3), so one softmax serves both; only the mode order of the
@@ -12,34 +12,6 @@ import cutlass.cute as cute
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-
-
-def element_type(name: str):
-    """The cutlass numeric type of a catalog dtype name."""
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}[name]
-
-
-def unit_of_cta(mWork, num_rows, num_qo_heads, num_kv_heads, mTileIdx, mTileCnt, tile_m: int, units_per_cta=1, index=0):
-    """(head, tile_m-row chunk, kv head, tile list, its length) of a unit of this CTA: CTA b
-    runs the units mWork[b * units_per_cta + index] = head * chunks + chunk (the block-sparse
-    ABI). The tile list is the unit's row of mTileIdx, sliced once: indexing mTileIdx by
-    (kv_head, chunk, j) in a loop recomputed the row's 64-bit address every tile."""
-    bidx, _, _ = cute.arch.block_idx()
-    num_chunks = cute.ceil_div(num_rows, tile_m)
-    unit = mWork[bidx * units_per_cta + index]
-    head = unit // num_chunks
-    chunk = unit - head * num_chunks
-    kv_head = head // (num_qo_heads // num_kv_heads)
-    return head, chunk, kv_head, mTileIdx[kv_head, chunk, None], mTileCnt[kv_head, chunk]
-
-
-def with_narrow_strides(t: cute.Tensor, divisibility: int = 1) -> cute.Tensor:
-    """t with 32-bit run-time strides (the ABI passes 64-bit ones): for the plan tensors
-    whose TensorArg says narrow_strides, indexed in the loops (sparseforge._library checks
-    they span fewer than 2^31 elements). `divisibility`: the ABI's, which the narrowed
-    strides would otherwise lose (it lets the Sage kernels load k_scale 16 bytes at once)."""
-    strides = tuple(s if isinstance(s, int) else cute.assume(cutlass.Int32(s), divby=divisibility) for s in t.stride)
-    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -146,7 +118,7 @@ def softmax_finalize(row_max, row_sum, scale_log2, acc_o_mn: cute.Tensor, lse: c
 @cute.jit
 def mask_columns(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, limit, key_of_column=None):
     """Set scores whose key column (coordinate mode 1) is >= limit to -inf; key_of_column
-    maps a column to its key where the kernel loads keys permuted (sm90_sage_fp8)."""
+    maps a column to its key where the kernel loads keys permuted (sm90/sage_fp8_fwd.py)."""
     for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
         key = coord_mn[0, c][1]
         if cutlass.const_expr(key_of_column is not None):

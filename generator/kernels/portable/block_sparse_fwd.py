@@ -5,7 +5,7 @@ It is the SM100/SM120 path until their native kernels land, and it is built for 
 too so that the code we ship for Blackwell is run and checked on the H200.
 
 One CTA (4 warps, 16 query rows each) owns one unit: 64 query rows of one query head.
-It walks the unit's list of 64-key tiles (the family ABI in generator/catalog.py):
+It walks the unit's list of 64-key tiles (generator/families/block_sparse_fwd.py):
     load Q, K[t0]
     for each listed tile t_j:
         wait K[t_j]; start V[t_j]        S = Q K^T
@@ -16,25 +16,24 @@ Keys of a tile past its valid length are zero-filled in shared memory and masked
 A unit with no tiles writes O = 0 and LSE = -inf.
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.kernels.attention_common import (
-    element_type,
+from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
     new_softmax_state,
     softmax_finalize,
     softmax_update,
-    unit_of_cta,
-    with_narrow_strides,
 )
+from generator.kernels.common.tile_list import unit_of_cta
 
-TILE_M = 64
-TILE_N = 64
+TILE_M = UNIT_ROWS
+TILE_N = TILE_KEYS
 NUM_THREADS = 128
 
 
@@ -49,20 +48,8 @@ class BlockSparseFwdWarpMma:
         return head_dim in (64, 128)
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch(self, args, stream):
+        """Host side: shared-memory layouts, copies and the MMA, then the launch."""
         # 8 x 64 swizzled atoms: conflict-free ldmatrix and 16-byte cp.async.
         smem_atom = cute.make_composed_layout(
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
@@ -101,25 +88,20 @@ class BlockSparseFwdWarpMma:
             (NUM_THREADS // 32, 1, 1),
             permutation_mnk=(TILE_M, 16, 16),
         )
-        mTileIdx = with_narrow_strides(mTileIdx)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-            sQ_layout, sKV_layout, gmem_load, gmem_store, tiled_mma, SharedStorage,
-        ).launch(grid=[mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+            args,
+            sQ_layout,
+            sKV_layout,
+            gmem_load,
+            gmem_store,
+            tiled_mma,
+            SharedStorage,
+        ).launch(grid=[args.mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        args,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         gmem_load: cute.TiledCopy,
@@ -129,63 +111,120 @@ class BlockSparseFwdWarpMma:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
-            mWork, mQ.shape[0], mQ.shape[1], mK.shape[1], mTileIdx, mTileCnt, TILE_M
+            args, args.mQ, args.mK.shape[1], TILE_M
         )
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        d = self.head_dim
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
-        sVt = cute.composition(
-            sV, cute.make_layout((self.head_dim, TILE_N), stride=(TILE_N, 1))
-        )
+        sVt = cute.composition(sV, cute.make_layout((d, TILE_N), stride=(TILE_N, 1)))
 
         # Global tiles: Q/O of this unit; all 64-key tiles of this kv head.
-        gQ = cute.local_tile(mQ[None, head, None], (TILE_M, self.head_dim), (chunk, 0))
-        gO = cute.local_tile(mO[None, head, None], (TILE_M, self.head_dim), (chunk, 0))
-        gK = cute.local_tile(mK[None, kv_head, None], (TILE_N, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, kv_head, None], (TILE_N, self.head_dim), (None, 0))
-        cQ = cute.make_identity_tensor((TILE_M, self.head_dim))  # row within the unit
-
+        gQ = cute.local_tile(args.mQ[None, head, None], (TILE_M, d), (chunk, 0))
+        gO = cute.local_tile(args.mO[None, head, None], (TILE_M, d), (chunk, 0))
+        gK = cute.local_tile(args.mK[None, kv_head, None], (TILE_N, d), (None, 0))
+        gV = cute.local_tile(args.mV[None, kv_head, None], (TILE_N, d), (None, 0))
         thr_load = gmem_load.get_slice(tidx)
-        tQgQ = thr_load.partition_S(gQ)
-        tQsQ = thr_load.partition_D(sQ)
-        tQcQ = thr_load.partition_S(cQ)
-        tKgK = thr_load.partition_S(gK)
-        tKsK = thr_load.partition_D(sK)
-        tVgV = thr_load.partition_S(gV)
-        tVsV = thr_load.partition_D(sV)
+        tQcQ = thr_load.partition_S(cute.make_identity_tensor((TILE_M, d)))  # row within the unit
+        q_rows_left = args.mQ.shape[0] - chunk * TILE_M
 
+        acc_O, row_max, row_sum = self.attend(
+            gmem_load,
+            tiled_mma,
+            tidx,
+            thr_load.partition_S(gQ),
+            thr_load.partition_D(sQ),
+            tQcQ,
+            thr_load.partition_S(gK),
+            thr_load.partition_D(sK),
+            thr_load.partition_S(gV),
+            thr_load.partition_D(sV),
+            sQ,
+            sK,
+            sVt,
+            tile_ids,
+            num_tiles,
+            args.mTileLen,
+            q_rows_left,
+            args.scale_log2,
+        )
+
+        # Epilogue: O through shared memory (reusing sQ) to 16-byte stores. A unit with no
+        # tiles never waited for its Q copy: wait before sQ is overwritten.
+        cute.arch.cp_async_wait_group(0)
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        self.store_output(
+            tiled_mma,
+            gmem_store,
+            acc_O,
+            row_max,
+            row_sum,
+            args.scale_log2,
+            sO,
+            gO,
+            tQcQ,
+            q_rows_left,
+            args.mLSE,
+            chunk,
+            head,
+            tidx,
+        )
+
+    @cute.jit
+    def attend(
+        self,
+        gmem_load,
+        tiled_mma,
+        tidx,
+        tQgQ,
+        tQsQ,
+        tQcQ,
+        tKgK,
+        tKsK,
+        tVgV,
+        tVsV,
+        sQ,
+        sK,
+        sVt,
+        tile_ids,
+        num_tiles,
+        mTileLen,
+        q_rows_left,
+        scale_log2,
+    ):
+        """The unit's main loop: Q and the first K, then per listed tile S = Q K^T, the online
+        softmax and O += P V, with the next K or V loading under each. Returns (O, row max,
+        row sum), O not yet normalised."""
         thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32
         )
         acc_O.fill(0.0)
-
         ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
         ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-        s2r_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
-        s2r_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
-        s2r_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma)
-        thr_s2r_Q = s2r_Q.get_slice(tidx)
-        thr_s2r_K = s2r_K.get_slice(tidx)
-        thr_s2r_V = s2r_V.get_slice(tidx)
-        tSsQ = thr_s2r_Q.partition_S(sQ)
-        tSrQ_view = thr_s2r_Q.retile(tSrQ)
-        tSsK = thr_s2r_K.partition_S(sK)
-        tSrK_view = thr_s2r_K.retile(tSrK)
-        tOsVt = thr_s2r_V.partition_S(sVt)
-        tOrVt_view = thr_s2r_V.retile(tOrVt)
-
+        q_operand = self.smem_operand(
+            cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
+            tidx,
+            sQ,
+            thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
+        )
+        k_operand = self.smem_operand(
+            cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
+            tidx,
+            sK,
+            thr_mma.make_fragment_B(thr_mma.partition_B(sK)),
+        )
+        v_operand = self.smem_operand(
+            cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma),
+            tidx,
+            sVt,
+            thr_mma.make_fragment_B(thr_mma.partition_B(sVt)),
+        )
         # Coordinates of this thread's score elements: (query row, key column) in the tile.
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
 
         # Prologue: Q (rows past the sequence are zero) and the first K tile.
-        q_rows_left = mQ.shape[0] - chunk * TILE_M
         self.load_rows(gmem_load, tQgQ, tQsQ, tQcQ, q_rows_left)
         if num_tiles > 0:
             self.load_listed_k(gmem_load, tKgK, tKsK, tQcQ, tile_ids, mTileLen, 0)
@@ -204,7 +243,7 @@ class BlockSparseFwdWarpMma:
                 thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
             )
             acc_S.fill(0.0)
-            self.gemm_smem(tiled_mma, acc_S, s2r_Q, tSsQ, tSrQ_view, tSrQ, s2r_K, tSsK, tSrK_view, tSrK)
+            self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
 
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
@@ -219,22 +258,33 @@ class BlockSparseFwdWarpMma:
 
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
-            tOrP = self.c_frag_as_a_frag(rP)
-            self.gemm_rA(tiled_mma, acc_O, tOrP, s2r_V, tOsVt, tOrVt_view, tOrVt)
+            self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
+        return acc_O, row_max, row_sum
 
-        # Epilogue: normalise, LSE, O through shared memory (reusing sQ) to 16-byte stores.
-        # A unit with no tiles never waited for its Q copy: wait before sQ is overwritten.
-        cute.arch.cp_async_wait_group(0)
-        sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        self.store_output(
-            tiled_mma, gmem_store, acc_O, row_max, row_sum, scale_log2, sO, gO, tQcQ,
-            q_rows_left, mLSE, chunk, head, tidx,
-        )
+    @staticmethod
+    def smem_operand(s2r, tidx, smem, fragment):
+        """An MMA operand read from shared memory: (copy, its source partition, the fragment
+        as the copy's destination, the fragment)."""
+        thr_s2r = s2r.get_slice(tidx)
+        return s2r, thr_s2r.partition_S(smem), thr_s2r.retile(fragment), fragment
 
     @cute.jit
     def store_output(
-        self, tiled_mma, gmem_store, acc_O, row_max, row_sum, scale_log2, sO, gO, tOcO,
-        rows_left, mLSE, chunk, head, tidx,
+        self,
+        tiled_mma,
+        gmem_store,
+        acc_O,
+        row_max,
+        row_sum,
+        scale_log2,
+        sO,
+        gO,
+        tOcO,
+        rows_left,
+        mLSE,
+        chunk,
+        head,
+        tidx,
     ):
         """Normalise O, write LSE, and O (mO's dtype) through `sO` with 16-byte stores.
 
@@ -289,8 +339,11 @@ class BlockSparseFwdWarpMma:
                 dst[None, m, None].fill(0)
 
     @cute.jit
-    def gemm_smem(self, tiled_mma, acc, s2r_A, tAsA, tArA_view, tArA, s2r_B, tBsB, tBrB_view, tBrB):
-        """acc += A B with both operands read from shared memory one k-block ahead."""
+    def gemm_smem(self, tiled_mma, acc, a_operand, b_operand):
+        """acc += A B with both operands (smem_operand) read from shared memory one k-block
+        ahead."""
+        s2r_A, tAsA, tArA_view, tArA = a_operand
+        s2r_B, tBsB, tBrB_view, tBrB = b_operand
         num_k = cute.size(tAsA, mode=[2])
         cute.copy(s2r_A, tAsA[None, None, 0], tArA_view[None, None, 0])
         cute.copy(s2r_B, tBsB[None, None, 0], tBrB_view[None, None, 0])
@@ -301,8 +354,9 @@ class BlockSparseFwdWarpMma:
             cute.gemm(tiled_mma, acc, tArA[None, None, k], tBrB[None, None, k], acc)
 
     @cute.jit
-    def gemm_rA(self, tiled_mma, acc, tArA, s2r_B, tBsB, tBrB_view, tBrB):
-        """acc += A B with A already in registers and B read from shared memory."""
+    def gemm_rA(self, tiled_mma, acc, tArA, b_operand):
+        """acc += A B with A already in registers and B (smem_operand) read from shared memory."""
+        s2r_B, tBsB, tBrB_view, tBrB = b_operand
         num_k = cute.size(tArA, mode=[2])
         cute.copy(s2r_B, tBsB[None, None, 0], tBrB_view[None, None, 0])
         for k in cutlass.range_constexpr(num_k):
@@ -325,7 +379,7 @@ class BlockSparseFwdWarpMma:
 
 
 def make_kernel(variant):
-    dtype = element_type(variant.dtype)
-    if not BlockSparseFwdWarpMma.can_implement(variant.head_dim):
-        raise ValueError(f"warp_mma: head_dim {variant.head_dim} not supported")
-    return BlockSparseFwdWarpMma(dtype, variant.head_dim)
+    p = variant.params
+    if not BlockSparseFwdWarpMma.can_implement(p["head_dim"]):
+        raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
+    return BlockSparseFwdWarpMma(element_type(p["dtype"]), p["head_dim"])

@@ -1,7 +1,7 @@
 """Block-sparse attention forward for Hopper (sm_90a): TMA loads, wgmma, consumer
 warpgroups of which warp 0 also issues the loads (no producer warp).
 
-Same contract as the portable template (the family ABI in generator/catalog.py): a unit is
+Same contract as the portable template (generator/families/block_sparse_fwd.py): a unit is
 64 query rows of one head, run by one warpgroup that walks the unit's list of 64-key tiles.
 A CTA has `warpgroups` consumer warpgroups, one unit each; their units list the same tiles
 (the planner groups them: GQA heads of one kv head, 64-row units of one row block), so they
@@ -30,7 +30,6 @@ to -inf before the softmax and their V rows zeroed in shared memory. A unit with
 writes O = 0 and LSE = -inf.
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -38,19 +37,19 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from generator.kernels.attention_common import (
-    element_type,
+from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
     new_softmax_state,
     softmax_finalize,
     softmax_update,
-    unit_of_cta,
-    with_narrow_strides,
 )
+from generator.kernels.common.tile_list import unit_of_cta
 
-TILE_M = 64
-TILE_N = 64
+TILE_M = UNIT_ROWS
+TILE_N = TILE_KEYS
 KV_STAGES = 3  # K, V, K in flight per CTA; 3 CTAs per SM (see the module docstring)
 CTAS_PER_SM = 3
 CONSUMER_THREADS = 128
@@ -78,26 +77,30 @@ class BlockSparseFwdSm90:
         return head_dim in (64, 128)
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch(self, args, stream):
+        """Host side: TMA atoms and layouts from the ABI's tensors, then the launch."""
+        mV = args.mV
         v_view = cute.make_tensor(
             mV.iterator,
-            cute.make_layout((self.head_dim, mV.shape[0], mV.shape[1]), stride=(1, mV.stride[0], mV.stride[1])),
+            cute.make_layout(
+                (self.head_dim, mV.shape[0], mV.shape[1]), stride=(1, mV.stride[0], mV.stride[1])
+            ),
         )
-        (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, v_view)
+        (
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_q_tensor,
+            tma_k,
+            tma_k_tensor,
+            tma_v,
+            tma_v_tensor,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tile_bytes,
+        ) = self.operands(args.mQ, args.mK, v_view)
 
         @cute.struct
         class SharedStorage:
@@ -106,12 +109,23 @@ class BlockSparseFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
-        mTileIdx = with_narrow_strides(mTileIdx)
         self.kernel(
-            qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            mO, mLSE, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
-        ).launch(**self.launch_config(mWork, SharedStorage, stream))
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_q_tensor,
+            tma_k,
+            tma_k_tensor,
+            tma_v,
+            tma_v_tensor,
+            args,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tile_bytes,
+            SharedStorage,
+        ).launch(**self.launch_config(args.mWork, SharedStorage, stream))
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
         """One CTA per `warpgroups` entries of mWork."""
@@ -138,19 +152,36 @@ class BlockSparseFwdSm90:
         )
         k_view = self.k_tma_view(mK)
         qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (TILE_M, TILE_N),
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            (TILE_M, TILE_N),
         )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, self.v_major,
-            cutlass.Float32, (1, 1, 1), (TILE_M, d), warpgroup.OperandSource.RMEM,
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            self.v_major,
+            cutlass.Float32,
+            (1, 1, 1),
+            (TILE_M, d),
+            warpgroup.OperandSource.RMEM,
         )
-        v_enum = LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
+        v_enum = (
+            LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
+        )
         sQ_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.warpgroups
         )
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout_b(
+            v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages
+        )
         # Output staging, one tile per warpgroup: plain 8x64 swizzled rows (16-bit) for
         # 16-byte global stores.
         sO_layout = cute.tile_to_shape(
@@ -171,14 +202,29 @@ class BlockSparseFwdSm90:
             tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
         )
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
-        return (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-                sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes)
+        return (
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_q_tensor,
+            tma_k,
+            tma_k_tensor,
+            tma_v,
+            tma_v_tensor,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tile_bytes,
+        )
 
     def k_tma_view(self, mK):
         """K as TMA loads it: (seq, D, heads), the K-major B operand of S = Q K^T."""
         return cute.make_tensor(
             mK.iterator,
-            cute.make_layout((mK.shape[0], self.head_dim, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])),
+            cute.make_layout(
+                (mK.shape[0], self.head_dim, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])
+            ),
         )
 
     def shared_operands(self, SharedStorage, sQ_layout, sK_layout, sV_layout):
@@ -194,14 +240,18 @@ class BlockSparseFwdSm90:
         (loaded by warp 0 of the CTA; a stage is refilled once every warp released it)."""
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(), num_stages=1,
+            barrier_storage=storage.q_barriers.data_ptr(),
+            num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warpgroups),
-            consumer_group=consumer_warps, tx_count=tile_bytes,
+            consumer_group=consumer_warps,
+            tx_count=tile_bytes,
         ).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(), num_stages=self.kv_stages,
+            barrier_storage=storage.kv_barriers.data_ptr(),
+            num_stages=self.kv_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=consumer_warps, tx_count=tile_bytes,
+            consumer_group=consumer_warps,
+            tx_count=tile_bytes,
         ).make_participants()
         return q_producer, q_consumer, kv_producer, kv_consumer
 
@@ -216,13 +266,7 @@ class BlockSparseFwdSm90:
         mK_tma: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV_tma: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        args,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -232,7 +276,7 @@ class BlockSparseFwdSm90:
     ):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
-            mWork, mO.shape[0], mO.shape[1], mK_tma.shape[2], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
+            args, args.mO, mK_tma.shape[2], TILE_M, self.warpgroups, wg
         )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
@@ -245,14 +289,36 @@ class BlockSparseFwdSm90:
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
-        args = (
-            qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-            mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        work = (
+            qk_mma,
+            pv_mma,
+            sQ,
+            sK,
+            sV,
+            sO,
+            q_producer,
+            q_consumer,
+            kv_producer,
+            kv_consumer,
+            loads,
+            args.mO,
+            args.mLSE,
+            tile_ids,
+            args.mTileLen,
+            args.scale_log2,
+            head,
+            kv_head,
+            chunk,
+            num_tiles,
+            tidx,
+            warp,
+            wg,
+            bar,
         )
         if cutlass.const_expr(self.warpgroups == 1):
-            self.consume(*args)
+            self.consume(*work)
         else:
-            self.consume_shared(*args)
+            self.consume_shared(*work)
 
     def warpgroup_of_thread(self):
         """(thread index in its warpgroup, warp index in the CTA, warpgroup, the warpgroup's
@@ -266,7 +332,9 @@ class BlockSparseFwdSm90:
         return tidx % CONSUMER_THREADS, warp, wg, bar
 
     @cute.jit
-    def load_partitions(self, tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk):
+    def load_partitions(
+        self, tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
+    ):
         """(atom, global source, shared destination) of this warpgroup's Q tile and of K and V
         by tile id (gK: the kv head's K tiles, (TILE_N, D, tile)); Q's destination is indexed
         by warpgroup."""
@@ -353,7 +421,9 @@ class BlockSparseFwdSm90:
         tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
         tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32)
+        acc_O = cute.make_rmem_tensor(
+            pv_thr.partition_shape_C((TILE_M, self.head_dim)), cutlass.Float32
+        )
         acc_O.fill(0.0)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
@@ -368,8 +438,31 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def consume(
-        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-        mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        self,
+        qk_mma,
+        pv_mma,
+        sQ,
+        sK,
+        sV,
+        sO,
+        q_producer,
+        q_consumer,
+        kv_producer,
+        kv_consumer,
+        loads,
+        mO,
+        mLSE,
+        tile_ids,
+        mTileLen,
+        scale_log2,
+        head,
+        kv_head,
+        chunk,
+        num_tiles,
+        tidx,
+        warp,
+        wg,
+        bar,
     ):
         """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
 
@@ -378,7 +471,9 @@ class BlockSparseFwdSm90:
         """
         q_load, k_load, v_load = loads
         loader = warp == 0
-        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(qk_mma, pv_mma, sQ, sK, sV, tidx)
+        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
+            qk_mma, pv_mma, sQ, sK, sV, tidx
+        )
 
         if loader:
             cpasync.prefetch_descriptor(k_load[0])
@@ -410,8 +505,19 @@ class BlockSparseFwdSm90:
             tile_len = mTileLen[tile_ids[0]]
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
-                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx, bar,
+                pv_mma,
+                acc_S,
+                acc_O,
+                tScS_mn,
+                row_max,
+                row_sum,
+                scale_log2,
+                tOrV,
+                sV,
+                kv_consumer,
+                tile_len,
+                tidx,
+                bar,
             )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
@@ -432,16 +538,53 @@ class BlockSparseFwdSm90:
                     kv_producer.advance()
         if num_tiles > 0:
             self.softmax_then_pv(
-                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx, bar, drain=True,
+                pv_mma,
+                acc_S,
+                acc_O,
+                tScS_mn,
+                row_max,
+                row_sum,
+                scale_log2,
+                tOrV,
+                sV,
+                kv_consumer,
+                tile_len,
+                tidx,
+                bar,
+                drain=True,
             )
 
-        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
+        self.finish(
+            pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
+        )
 
     @cute.jit
     def consume_shared(
-        self, qk_mma, pv_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer, loads,
-        mO, mLSE, tile_ids, mTileLen, scale_log2, head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        self,
+        qk_mma,
+        pv_mma,
+        sQ,
+        sK,
+        sV,
+        sO,
+        q_producer,
+        q_consumer,
+        kv_producer,
+        kv_consumer,
+        loads,
+        mO,
+        mLSE,
+        tile_ids,
+        mTileLen,
+        scale_log2,
+        head,
+        kv_head,
+        chunk,
+        num_tiles,
+        tidx,
+        warp,
+        wg,
+        bar,
     ):
         """One warpgroup's work when several share the ring (their units list the same tiles).
 
@@ -452,8 +595,12 @@ class BlockSparseFwdSm90:
         the next tile is not issued behind P V (ptxas would serialize the wgmmas).
         """
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        kv_producer = self.start_ring(q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids)
-        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(qk_mma, pv_mma, sQ, sK, sV, tidx)
+        kv_producer = self.start_ring(
+            q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids
+        )
+        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
+            qk_mma, pv_mma, sQ, sK, sV, tidx
+        )
         next_len = cutlass.Int32(0)
         if num_tiles > 0:
             next_len = mTileLen[tile_ids[0]]
@@ -463,20 +610,49 @@ class BlockSparseFwdSm90:
             tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            kv_producer = self.refill_ring(kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids)
+            kv_producer = self.refill_ring(
+                kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
+            )
             next_len = mTileLen[tile_ids[cutlass.min(j + 1, num_tiles - 1)]]
             warpgroup.wait_group(0)
             k_handle.release()
             self.softmax_then_pv(
-                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer,
-                tile_len, tidx, bar, drain=True,
+                pv_mma,
+                acc_S,
+                acc_O,
+                tScS_mn,
+                row_max,
+                row_sum,
+                scale_log2,
+                tOrV,
+                sV,
+                kv_consumer,
+                tile_len,
+                tidx,
+                bar,
+                drain=True,
             )
-        self.finish(pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar)
+        self.finish(
+            pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
+        )
 
     @cute.jit
     def softmax_then_pv(
-        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV, kv_consumer, tile_len,
-        tidx, bar, drain: cutlass.Constexpr = False,
+        self,
+        pv_mma,
+        acc_S,
+        acc_O,
+        tScS_mn,
+        row_max,
+        row_sum,
+        scale_log2,
+        tOrV,
+        sV,
+        kv_consumer,
+        tile_len,
+        tidx,
+        bar,
+        drain: cutlass.Constexpr = False,
     ):
         """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle, or
         with drain, waits for every MMA issued and releases V's stage."""
@@ -491,11 +667,15 @@ class BlockSparseFwdSm90:
         return v_handle
 
     @cute.jit
-    def finish(self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar):
+    def finish(
+        self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
+    ):
         """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
         d = self.head_dim
         out_dtype = mO.element_type
-        tOcO_mn = acc_mn_view(pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d))))
+        tOcO_mn = acc_mn_view(
+            pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
+        )
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
         softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
         rows_left = mO.shape[0] - chunk * TILE_M
@@ -507,7 +687,9 @@ class BlockSparseFwdSm90:
         rO = cute.make_fragment_like(acc_O, out_dtype)
         rO.store(acc_O.load().to(out_dtype))
         bar.arrive_and_wait()
-        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma
+        )
         thr_r2s = r2s.get_slice(tidx)
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
         bar.arrive_and_wait()
@@ -589,7 +771,7 @@ class BlockSparseFwdSm90:
 
 
 def make_kernel(variant):
-    dtype = element_type(variant.dtype)
-    if not BlockSparseFwdSm90.can_implement(variant.head_dim):
-        raise ValueError(f"sm90_wgmma: head_dim {variant.head_dim} not supported")
-    return BlockSparseFwdSm90(dtype, variant.head_dim, variant.warpgroups)
+    p = variant.params
+    if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
+        raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
+    return BlockSparseFwdSm90(element_type(p["dtype"]), p["head_dim"], p["warpgroups"])

@@ -1,6 +1,7 @@
 """Sage FP8 quantizer: q, k, v of an attention call to e4m3 codes with fp32 scales, for the
 sage_fp8_fwd kernels. Two launches; the public function and the output contract are in
-python/sparseforge/sage.py, the torch reference in python/sparseforge/reference.py.
+python/sparseforge/sage.py, the torch reference in python/sparseforge/reference.py, the
+family specs in generator/families/sage_quantize.py.
 
 Numerics (every arch): for a set of values x (a q row, a 16-token group of k after
 smoothing, a channel of v) with a = max(max |x|, AMAX_MIN) and scale candidate c
@@ -12,7 +13,8 @@ scale bit for bit, given c. AMAX_MIN keeps all-zero sets finite: a positive scal
 0. q rows and k groups pick c with search_scale_steps when scale_steps > 1.
 
 The k mean and the v amax run over all Sk tokens, so the tokens of each kv head are cut into
-P chunks of `chunk_tokens` tokens (a multiple of 256, so whole launch-2 tiles; chosen by the
+P chunks of `chunk_tokens` tokens (a multiple of CHUNK_MULTIPLE, so whole launch-2 tiles; chosen
+by the
 host, python/sparseforge/sage.py chunk_tokens). Each CTA has one role on one tensor: a CTA
 that quantized both the k and the v of its chunk needed 255 registers per thread.
 
@@ -50,17 +52,16 @@ H200, commit b3e2e17 (bench/results/2026-11-29_b3e2e17_h200_bench_sage.md, both 
 faster; that run was not kept.)
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.attention_common import element_type
+from generator.families.sage_quantize import AMAX_MIN, CHUNK_MULTIPLE, KEYS_PER_SCALE
+from generator.kernels.common.entry import element_type
 
 NUM_THREADS = 128
 VEC = 8  # elements per 16-byte load of bf16 / fp16
-GROUP = 16  # tokens per k scale, and tokens per thread in a v tile
+GROUP = KEYS_PER_SCALE  # tokens per k scale, and tokens per thread in a v tile
 FP8_MAX = 448.0  # largest finite e4m3 value
-AMAX_MIN = 2.0**-100  # floor of every amax: all-zero sets get a finite positive scale
 STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
 Q_ROWS_PER_CTA = 64  # token rows per q CTA
 Q_VECS = 4  # 16-byte vectors of a q row per lane (quantize_q)
@@ -204,41 +205,25 @@ class SageQuantizeStats(_Geometry):
     """Launch 1: chunk column statistics of k and v, and q quantized (module docstring)."""
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mQ8: cute.Tensor,
-        mQScale: cute.Tensor,
-        mPartial: cute.Tensor,
-        chunk_tokens: cutlass.Int32,
-        smooth_k: cutlass.Int32,
-        scale_steps: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
+    def launch(self, args, stream):
         # Stats CTAs first: they are the long ones, so they start in the first wave.
-        num_stats = 2 * mK.shape[0] * mPartial.shape[1]
-        num_q = mQ.shape[0] * cute.ceil_div(mQ.shape[1], self.q_rows)
-        self.kernel(
-            mQ, mK, mV, mQ8, mQScale, mPartial, chunk_tokens, smooth_k, scale_steps
-        ).launch(
+        num_stats = 2 * args.mK.shape[0] * args.mPartial.shape[1]
+        num_q = args.mQ.shape[0] * cute.ceil_div(args.mQ.shape[1], self.q_rows)
+        self.kernel(args).launch(
             grid=[num_stats + num_q, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mQ8: cute.Tensor,
-        mQScale: cute.Tensor,
-        mPartial: cute.Tensor,
-        chunk_tokens: cutlass.Int32,
-        smooth_k: cutlass.Int32,
-        scale_steps: cutlass.Int32,
-    ):
+    def kernel(self, args):
+        mQ, mK, mV, mQ8, mQScale, mPartial = (
+            args.mQ,
+            args.mK,
+            args.mV,
+            args.mQ8,
+            args.mQScale,
+            args.mPartial,
+        )
+        chunk_tokens, smooth_k, scale_steps = args.chunk_tokens, args.smooth_k, args.scale_steps
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_chunks = mPartial.shape[1]
@@ -302,8 +287,15 @@ class SageQuantizeStats(_Geometry):
 
     @cute.jit
     def stats_rows(
-        self, mX, acc, head, first_token, end, cg,
-        stat: cutlass.Constexpr, masked: cutlass.Constexpr,
+        self,
+        mX,
+        acc,
+        head,
+        first_token,
+        end,
+        cg,
+        stat: cutlass.Constexpr,
+        masked: cutlass.Constexpr,
     ):
         """acc (8 channels) += / max= rows first_token + i * rows_per_step, i < STATS_ROWS.
 
@@ -381,45 +373,18 @@ class SageQuantizeKV(_Geometry):
     """Launch 2: the k or the v codes and scales of one chunk of one kv head per CTA."""
 
     @cute.jit
-    def __call__(
-        self,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mPartial: cute.Tensor,
-        mK8: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVt: cute.Tensor,
-        mVScale: cute.Tensor,
-        mKMean: cute.Tensor,
-        chunk_tokens: cutlass.Int32,
-        smooth_k: cutlass.Int32,
-        scale_steps: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            mK, mV, mPartial, mK8, mKScale, mVt, mVScale, mKMean, chunk_tokens, smooth_k,
-            scale_steps,
-        ).launch(
-            grid=[(1 + K_PARTS) * mK.shape[0] * mPartial.shape[1], 1, 1],
+    def launch(self, args, stream):
+        self.kernel(args).launch(
+            grid=[(1 + K_PARTS) * args.mK.shape[0] * args.mPartial.shape[1], 1, 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mPartial: cute.Tensor,
-        mK8: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVt: cute.Tensor,
-        mVScale: cute.Tensor,
-        mKMean: cute.Tensor,
-        chunk_tokens: cutlass.Int32,
-        smooth_k: cutlass.Int32,
-        scale_steps: cutlass.Int32,
-    ):
+    def kernel(self, args):
+        mK, mV, mPartial, mK8, mKScale = args.mK, args.mV, args.mPartial, args.mK8, args.mKScale
+        mVt, mVScale, mKMean = args.mVt, args.mVScale, args.mKMean
+        chunk_tokens, smooth_k, scale_steps = args.chunk_tokens, args.smooth_k, args.scale_steps
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_chunks = mPartial.shape[1]
@@ -513,9 +478,7 @@ class SageQuantizeKV(_Geometry):
                 cute.autovec_copy(codes, cute.local_tile(channel, (GROUP,), (block,)))
 
     @cute.jit
-    def quantize_k(
-        self, mK, mK8, mKScale, k_mean, head, first_token, k_row, cg, lane, scale_steps
-    ):
+    def quantize_k(self, mK, mK8, mKScale, k_mean, head, first_token, k_row, cg, lane, scale_steps):
         """The warp's groups_per_warp groups of 16 tokens from first_token on: codes of
         k - mean with one scale per group.
 
@@ -567,7 +530,9 @@ class SageQuantizeKV(_Geometry):
 
 
 def make_kernel(variant):
-    if not _Geometry.can_implement(variant.head_dim):
-        raise ValueError(f"sage_quantize: head_dim {variant.head_dim} not supported")
+    p = variant.params
     template = {"sage_quantize_stats": SageQuantizeStats, "sage_quantize_kv": SageQuantizeKV}
-    return template[variant.family](element_type(variant.dtype), variant.head_dim)
+    kernel = template[variant.family.name](element_type(p["dtype"]), p["head_dim"])
+    if not kernel.can_implement(p["head_dim"]) or CHUNK_MULTIPLE % kernel.kv_tile:
+        raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
+    return kernel

@@ -1,8 +1,8 @@
 """Sage FP8 block-sparse attention forward for Hopper (sm_90a): e4m3 wgmma, bf16 output.
 
-The sm90_wgmma kernel's structure (one CTA = one warpgroup per 64-row unit, warp 0 also
-issues the TMA loads, K/V ring) with e4m3 operands and the Sage scales
-(generator/kernels/sage_common.py):
+The structure of the 16-bit kernel (block_sparse_fwd.py: one CTA = one warpgroup per 64-row
+unit, warp 0 also issues the TMA loads, K/V ring) with e4m3 operands and the Sage scales
+(generator/kernels/common/sage_math.py):
     S       = Q8 K8^T (e4m3 wgmma, fp32)        * q_scale[row] * k_scale[key // 16] * sm_scale
     P8      = e4m3(exp2(S - tile max + 8))      per-row scale, in registers
     partial = P8 V8 (e4m3 wgmma, fresh fp32)    V8 is V transposed (K-major, as e4m3 needs)
@@ -22,20 +22,13 @@ instruction diet of 5c61fd7 four per CTA beat two, median 645 vs 628
 (bench/results/2026-11-30_sage_w4_h200_F3_ab.md).
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from generator.kernels.attention_common import (
-    acc_mn_view,
-    new_softmax_state,
-    unit_of_cta,
-    with_narrow_strides,
-)
-from generator.kernels.sage_common import (
-    KEYS_PER_SCALE,
+from generator.families.sage_fp8_fwd import KEYS_PER_SCALE
+from generator.kernels.common.sage_math import (
     add_partial,
     load_key_scales,
     load_row_scales,
@@ -44,7 +37,9 @@ from generator.kernels.sage_common import (
     sage_softmax_step,
     scores_to_e4m3_operand_in_place,
 )
-from generator.kernels.sm90_wgmma import TILE_M, TILE_N, BlockSparseFwdSm90
+from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
+from generator.kernels.common.tile_list import unit_of_cta
+from generator.kernels.sm90.block_sparse_fwd import TILE_M, TILE_N, BlockSparseFwdSm90
 
 CTAS_PER_SM = 4
 # Four CTAs of Q (8 KB at head_dim 128) and this ring fit the SM's 228 KB; one more 8 KB
@@ -72,7 +67,8 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         holds keys 4 i .. 4 i + 3 of every 16, the bytes its e4m3 A operand of P V wants
         (no shuffles: scores_to_e4m3_operand_in_place). One sequence, because the permuted
         keys take four of TMA's five dimensions; the runtime passes K with a head stride that
-        is a whole number of 64-key tiles (sparseforge.sparse._heads_in_whole_tiles)."""
+        is a whole number of 64-key tiles (the template's "heads_in_whole_tiles" layout
+        rule, generator/families/sage_fp8_fwd.py)."""
         s = mK.stride[0]
         groups = mK.shape[1] * (mK.stride[1] // (KEYS_PER_SCALE * s))
         keys = ((2, 4, 2), groups), ((s, 4 * s, 2 * s), KEYS_PER_SCALE * s)
@@ -81,28 +77,33 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         )
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mVt: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mQScale: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
-        stream: cuda.CUstream,
-    ):
-        (qk_mma, pv_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-         sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes) = self.operands(mQ, mK, mVt)
+    def launch(self, args, stream):
+        """Host side: TMA atoms and layouts from the ABI's tensors, then the launch."""
+        mK = args.mK
+        (
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_q_tensor,
+            tma_k,
+            tma_k_tensor,
+            tma_v,
+            tma_v_tensor,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tile_bytes,
+        ) = self.operands(args.mQ, mK, args.mVt)
         pv_slice_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (TILE_M, self.pv_slice), warpgroup.OperandSource.RMEM,
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            (TILE_M, self.pv_slice),
+            warpgroup.OperandSource.RMEM,
         )
 
         @cute.struct
@@ -112,14 +113,25 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
-        mTileIdx = with_narrow_strides(mTileIdx)
-        mKScale = with_narrow_strides(mKScale, divisibility=TILE_N // KEYS_PER_SCALE)
         self.kernel(
-            qk_mma, pv_mma, pv_slice_mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, tma_v, tma_v_tensor,
-            mO, mLSE, mQScale, mKScale, mVScale, mWork, mTileIdx, mTileCnt, mTileLen, scale_log2,
+            qk_mma,
+            pv_mma,
+            pv_slice_mma,
+            tma_q,
+            tma_q_tensor,
+            tma_k,
+            tma_k_tensor,
+            tma_v,
+            tma_v_tensor,
+            args,
             mK.stride[1] // (TILE_N * mK.stride[0]),
-            sQ_layout, sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
-        ).launch(**self.launch_config(mWork, SharedStorage, stream))
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tile_bytes,
+            SharedStorage,
+        ).launch(**self.launch_config(args.mWork, SharedStorage, stream))
 
     @cute.kernel
     def kernel(
@@ -133,16 +145,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         mK_tma: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV_tma: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mQScale: cute.Tensor,
-        mKScale: cute.Tensor,
-        mVScale: cute.Tensor,
-        mWork: cute.Tensor,
-        mTileIdx: cute.Tensor,
-        mTileCnt: cute.Tensor,
-        mTileLen: cute.Tensor,
-        scale_log2: cutlass.Float32,
+        args,
         k_tiles_per_head: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -154,12 +157,14 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         tidx, warp, wg, bar = self.warpgroup_of_thread()
         # (The kv head count from v_scale: the one-sequence K view has no head mode.)
         head, chunk, kv_head, tile_ids, num_tiles = unit_of_cta(
-            mWork, mO.shape[0], mO.shape[1], mVScale.shape[1], mTileIdx, mTileCnt, TILE_M, self.warpgroups, wg
+            args, args.mO, args.mVScale.shape[1], TILE_M, self.warpgroups, wg
         )
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
         # The bf16 output tiles (twice sQ's bytes) reuse the K/V ring once every tile is used.
-        sO = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout)
+        sO = cute.make_tensor(
+            cute.recast_ptr(storage.sKV.data_ptr(), dtype=cutlass.BFloat16), sO_layout
+        )
         sO = sO[None, None, wg]
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
@@ -170,16 +175,67 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
         self.consume_sage(
-            qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-            loads, mO, mLSE, mQScale, mKScale, mVScale, tile_ids, mTileLen, scale_log2,
-            head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+            qk_mma,
+            pv_mma,
+            pv_slice_mma,
+            sQ,
+            sK,
+            sV,
+            sO,
+            q_producer,
+            q_consumer,
+            kv_producer,
+            kv_consumer,
+            loads,
+            args.mO,
+            args.mLSE,
+            args.mQScale,
+            args.mKScale,
+            args.mVScale,
+            tile_ids,
+            args.mTileLen,
+            args.scale_log2,
+            head,
+            kv_head,
+            chunk,
+            num_tiles,
+            tidx,
+            warp,
+            wg,
+            bar,
         )
 
     @cute.jit
     def consume_sage(
-        self, qk_mma, pv_mma, pv_slice_mma, sQ, sK, sV, sO, q_producer, q_consumer, kv_producer, kv_consumer,
-        loads, mO, mLSE, mQScale, mKScale, mVScale, tile_ids, mTileLen, scale_log2,
-        head, kv_head, chunk, num_tiles, tidx, warp, wg, bar,
+        self,
+        qk_mma,
+        pv_mma,
+        pv_slice_mma,
+        sQ,
+        sK,
+        sV,
+        sO,
+        q_producer,
+        q_consumer,
+        kv_producer,
+        kv_consumer,
+        loads,
+        mO,
+        mLSE,
+        mQScale,
+        mKScale,
+        mVScale,
+        tile_ids,
+        mTileLen,
+        scale_log2,
+        head,
+        kv_head,
+        chunk,
+        num_tiles,
+        tidx,
+        warp,
+        wg,
+        bar,
     ):
         """A warpgroup's work; warp 0 of the CTA also issues the loads.
 
@@ -192,7 +248,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         """
         d = self.head_dim
         next_ids = cute.make_rmem_tensor(2, cutlass.Int32)
-        kv_producer = self.start_ring(q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids)
+        kv_producer = self.start_ring(
+            q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids
+        )
         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         qk_thr = qk_mma.get_slice(tidx)
         pv_thr = pv_mma.get_slice(tidx)
@@ -204,7 +262,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         tOrP = cute.make_rmem_tensor(slice_thr.partition_shape_A((TILE_M, TILE_N)), self.dtype)
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_PV = cute.make_rmem_tensor(slice_thr.partition_shape_C((TILE_M, self.pv_slice)), cutlass.Float32)
+        acc_PV = cute.make_rmem_tensor(
+            slice_thr.partition_shape_C((TILE_M, self.pv_slice)), cutlass.Float32
+        )
         acc_O.fill(0.0)
         acc_O_mn = acc_mn_view(acc_O)
         acc_PV_mn = acc_mn_view(acc_PV)
@@ -230,12 +290,23 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             # While the tensor core computes S: warp 0's loads, and the next tile's id.
-            kv_producer = self.refill_ring(kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids)
+            kv_producer = self.refill_ring(
+                kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
+            )
             next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
             warpgroup.wait_group(0)
             k_handle.release()
             sage_softmax_step(
-                acc_S_mn, row_scale, key_scale, tScS_mn, tile_len, row_max, row_sum, alpha, beta, permuted_key
+                acc_S_mn,
+                row_scale,
+                key_scale,
+                tScS_mn,
+                tile_len,
+                row_max,
+                row_sum,
+                alpha,
+                beta,
+                permuted_key,
             )
             scores_to_e4m3_operand_in_place(acc_S_mn, tOrP)
             v_handle = kv_consumer.wait_and_advance()
@@ -247,7 +318,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 slice_v = tOrV[None, s, None, v_handle.index]  # (values, k-block)
                 slice_v = cute.make_tensor(  # as (values, MMA_N = 1, k-block) for pv()
                     slice_v.iterator,
-                    cute.make_layout((slice_v.shape[0], 1, slice_v.shape[1]), stride=(slice_v.stride[0], 0, slice_v.stride[1])),
+                    cute.make_layout(
+                        (slice_v.shape[0], 1, slice_v.shape[1]),
+                        stride=(slice_v.stride[0], 0, slice_v.stride[1]),
+                    ),
                 )
                 self.fresh_product(pv_slice_mma, acc_PV, tOrP, slice_v)
                 warpgroup.wait_group(0)
@@ -263,7 +337,20 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         if cutlass.const_expr(self.warpgroups > 1):  # the output tiles reuse the shared ring
             cute.arch.sync_threads()
         # Scores are already in log2 units (scale_log2 is inside row_scale).
-        self.finish(pv_mma, acc_O, row_max, row_sum, cutlass.Float32(1.0), sO, mO, mLSE, head, chunk, tidx, bar)
+        self.finish(
+            pv_mma,
+            acc_O,
+            row_max,
+            row_sum,
+            cutlass.Float32(1.0),
+            sO,
+            mO,
+            mLSE,
+            head,
+            chunk,
+            tidx,
+            bar,
+        )
 
     @cute.jit
     def load_tile_data(self, tile, mTileLen, head_scales, key_scale):
@@ -283,6 +370,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
 
 
 def make_kernel(variant):
-    if variant.dtype != "e4m3" or not SageFp8FwdSm90.can_implement(variant.head_dim):
-        raise ValueError(f"sm90_sage_fp8: {variant.dtype} head_dim {variant.head_dim} not supported")
-    return SageFp8FwdSm90(variant.head_dim, variant.warpgroups)
+    p = variant.params
+    if p["dtype"] != "e4m3" or not SageFp8FwdSm90.can_implement(p["head_dim"]):
+        raise ValueError(f"{variant.name}: {p['dtype']} head_dim {p['head_dim']} not supported")
+    return SageFp8FwdSm90(p["head_dim"], p["warpgroups"])

@@ -1,13 +1,13 @@
 """Pieces shared by the Sage FP8 attention templates (sage_fp8_fwd family).
 
 Scores: S = (q8 . k8) * q_scale[row] * k_scale[key // 16] * sm_scale, kept in the log2
-domain (times log2 e) as in attention_common. Each 64-key tile's probabilities are
+domain (times log2 e) as in common/softmax.py. Each 64-key tile's probabilities are
 quantized to e4m3 with a per-row scale, multiplied by V in a fresh fp32 accumulator, and
 that partial product is added to O in fp32 ("two-level accumulation"): no long chain of
 e4m3 MMAs accumulates in the tensor core, and every tile uses e4m3's full range.
 
 Per row and tile, with m the running max and t the tile's max (log2 units):
-    m_new = t if t > m_old + 8 else m_old   (attention_common.RESCALE_THRESHOLD)
+    m_new = t if t > m_old + 8 else m_old   (softmax.RESCALE_THRESHOLD)
     P8    = exp2(x - t + 8)            in (0, 256]: the tile's row max is 256
     beta  = exp2(t - m_new - 8)        <= 1, turns P8 back into exp2(x - m_new)
     alpha = exp2(m_old - m_new)        the online-softmax correction, 1 for most tiles
@@ -16,7 +16,8 @@ Per row and tile, with m the running max and t the tile's max (log2 units):
 Register layouts: the fp32 accumulator of S (wgmma m64nNk32 and mma.sync m16n8k32 alike)
 gives each thread, per 8-key chunk, keys 2i, 2i+1 (i = lane % 4); the e4m3 A operand wants
 keys 4i..4i+3 of each 16. `scores_to_e4m3_operand` moves the bytes with two shuffles and a
-byte permute per 32-bit word, so V needs no reordering (warp_mma_fp8). sm90_sage_fp8 instead
+byte permute per 32-bit word, so V needs no reordering (portable/sage_fp8_fwd.py). The sm90
+template instead
 loads each 16 keys of K permuted (`permuted_key`), so that a thread's scores already are the
 keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lanes.
 """
@@ -24,10 +25,9 @@ keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lan
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.attention_common import RESCALE_THRESHOLD, mask_columns, quad_max
+from generator.kernels.common.softmax import RESCALE_THRESHOLD, mask_columns, quad_max
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
-KEYS_PER_SCALE = 16  # k_scale granularity
 NEG_INF = -cutlass.Float32.inf
 FINITE_FLOOR = -1e30  # below any finite score in log2 units
 
@@ -51,8 +51,18 @@ def load_key_scales(head_scales, tile, out):
 
 
 @cute.jit
-def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_max, row_sum,
-                      alpha, beta, key_of_column=None):
+def sage_softmax_step(
+    acc_s_mn,
+    row_scale,
+    key_scale,
+    coord_mn,
+    tile_len,
+    row_max,
+    row_sum,
+    alpha,
+    beta,
+    key_of_column=None,
+):
     """Scale and mask one tile's scores, update (row_max, row_sum), leave P8 (as fp32, in
     (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring).
 
@@ -67,11 +77,17 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
     rows = cute.size(row_max)
     groups = cute.size(key_scale)
     per_group = cute.size(acc_s_mn, mode=[1]) // groups
-    scale = cute.make_rmem_tensor(cute.make_layout((rows, groups), stride=(groups, 1)), cutlass.Float32)
+    scale = cute.make_rmem_tensor(
+        cute.make_layout((rows, groups), stride=(groups, 1)), cutlass.Float32
+    )
     for r in cutlass.range_constexpr(rows):
         for g in cutlass.range_constexpr(groups):
             scale[r, g] = row_scale[r] * key_scale[g]
-    if tile_len < cute.size(coord_mn, mode=[1]) * 4 or row_scale[0] < 0.0 or row_scale[rows - 1] < 0.0:
+    if (
+        tile_len < cute.size(coord_mn, mode=[1]) * 4
+        or row_scale[0] < 0.0
+        or row_scale[rows - 1] < 0.0
+    ):
         for r in cutlass.range_constexpr(rows):
             for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
                 acc_s_mn[r, j] = acc_s_mn[r, j] * scale[r, j // per_group]
@@ -95,12 +111,16 @@ def sage_softmax_step(acc_s_mn, row_scale, key_scale, coord_mn, tile_len, row_ma
         new_base = cute.arch.fmax(new_max, FINITE_FLOOR)
         offset = P_EXP2_OFFSET - tile_base
         for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-            acc_s_mn[r, j] = cute.math.exp2(acc_s_mn[r, j] * scale[r, j // per_group] + offset, fastmath=True)
+            acc_s_mn[r, j] = cute.math.exp2(
+                acc_s_mn[r, j] * scale[r, j // per_group] + offset, fastmath=True
+            )
         alpha[r] = cute.math.exp2(row_max[r] - new_base, fastmath=True)
         beta[r] = cute.math.exp2(tile_max - new_base - P_EXP2_OFFSET, fastmath=True)
-        row_sum[r] = row_sum[r] * alpha[r] + acc_s_mn[r, None].load().reduce(
-            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-        ) * beta[r]
+        row_sum[r] = (
+            row_sum[r] * alpha[r]
+            + acc_s_mn[r, None].load().reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+            * beta[r]
+        )
         row_max[r] = new_max
 
 
@@ -135,7 +155,9 @@ def add_partial(acc_o_mn, partial_mn, beta, first_col: cutlass.Constexpr):
 def e4m3_words(p_mn):
     """P (rows, keys) quantized to e4m3, as (rows, keys / 4) 32-bit words of four keys."""
     rows, keys = cute.size(p_mn, mode=[0]), cute.size(p_mn, mode=[1])
-    p8 = cute.make_rmem_tensor(cute.make_layout((rows, keys), stride=(keys, 1)), cutlass.Float8E4M3FN)
+    p8 = cute.make_rmem_tensor(
+        cute.make_layout((rows, keys), stride=(keys, 1)), cutlass.Float8E4M3FN
+    )
     for r in cutlass.range_constexpr(rows):
         p8[r, None] = p_mn[r, None].load().to(cutlass.Float8E4M3FN)
     return cute.recast_tensor(p8, cutlass.Int32)
@@ -143,7 +165,7 @@ def e4m3_words(p_mn):
 
 def permuted_key(column):
     """The key in score column `column` when each 16 keys are loaded in the order
-    e + 2 i + 8 h <- key e + 4 i + 2 h (e < 2, i < 4, h < 2; sm90_sage_fp8.k_tma_view)."""
+    e + 2 i + 8 h <- key e + 4 i + 2 h (e < 2, i < 4, h < 2; sm90/sage_fp8_fwd.py k_tma_view)."""
     return (column & ~15) + ((column >> 1) & 3) * 4 + ((column >> 3) & 1) * 2 + (column & 1)
 
 

@@ -1,0 +1,1 @@
+"""One module per kernel family; each defines FAMILIES (see generator/family.py)."""

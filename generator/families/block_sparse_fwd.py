@@ -1,0 +1,89 @@
+"""Block-sparse attention forward over 64-row query units and 64-key tiles, bf16 / fp16.
+
+The kernels see only units and tiles; the planner (python/sparseforge/planner.py) maps any
+block size that is a multiple of 64 onto them and lists, per (kv head, unit), the tiles the
+unit attends to. Both wrappers' 16-bit plans run this family.
+"""
+
+from generator.abi import ScalarArg, TensorArg
+from generator.family import ALL_ARCHS, Family, Template
+
+UNIT_ROWS = 64  # query rows of a unit (mWork ids h * R + r, R = ceil(Sq / 64))
+TILE_KEYS = 64  # keys of a tile (mTileIdx ids, mTileLen entries)
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (64, 128)
+# sm90: warpgroups per CTA sharing one K/V ring. A plan runs on the most of them that are
+# built and that its groups of units allow, so only counts that pay are built. Interleaved
+# A/B against 2-CTA clusters that multicast each tile (TFLOPS, H200): W3 587 (4) / 544
+# (2 x 2) / 520 (cluster), W5 545 (2) / 518 (cluster):
+# bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
+WARPGROUPS = (1, 2, 4)
+
+
+def plan_args():
+    """The plan's tensors and scale, shared by every attention family over units and tiles:
+    mWork      (U,)          unit ids h * R + r in launch order (longest rows first)
+    mTileIdx   (Hkv, R, T)   tile ids of each (kv head, unit)
+    mTileCnt   (Hkv, R)      valid entries of each mTileIdx row
+    mTileLen   (NT,)         valid keys of each tile (0..64)
+    scale_log2               sm_scale * log2(e)
+    """
+    return (
+        TensorArg("mWork", "i32", shape=(None,), stride=(1,)),
+        TensorArg(
+            "mTileIdx", "i32", shape=(None, None, None), stride=(None, None, 1), narrow_strides=True
+        ),
+        TensorArg("mTileCnt", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mTileLen", "i32", shape=(None,), stride=(1,)),
+        ScalarArg("scale_log2", "f32"),
+    )
+
+
+def abi(head_dim: int):
+    """mQ, mO     (Sq, Hq, D)   any row and head stride (NHD or HND views), unit stride on D
+      mK, mV     (Sk, Hkv, D)
+      mLSE       (Sq, Hq)      fp32, natural log, any strides
+    then plan_args(). The leading five are per run(); the rest is bound by plan()."""
+    qkv = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
+    return (
+        TensorArg("mQ", "input", **qkv),
+        TensorArg("mK", "input", **qkv),
+        TensorArg("mV", "input", **qkv),
+        TensorArg("mO", "input", **qkv, output=True),
+        TensorArg("mLSE", "f32", shape=(None, None), stride=(None, None), output=True),
+        *plan_args(),
+    )
+
+
+FAMILIES = (
+    Family(
+        name="block_sparse_fwd",
+        doc="block-sparse attention forward, bf16 / fp16",
+        abi=abi,
+        dtypes=DTYPES,
+        constants={"unit_rows": UNIT_ROWS, "tile_keys": TILE_KEYS},
+        units_per_cta_key="warpgroups",
+        templates=(
+            Template(
+                "sm90_wgmma",
+                "generator.kernels.sm90.block_sparse_fwd",
+                archs=("sm_90a",),
+                configs=tuple(
+                    dict(dtype=t, head_dim=d, warpgroups=w)
+                    for t in DTYPES
+                    for d in HEAD_DIMS
+                    for w in WARPGROUPS
+                ),
+            ),
+            # mma.sync: the SM100 / SM120 path until their native kernels land, built for
+            # sm_90a too so that the code shipped for Blackwell runs on the H200.
+            Template(
+                "warp_mma",
+                "generator.kernels.portable.block_sparse_fwd",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=d) for t in DTYPES for d in HEAD_DIMS),
+                portable=True,
+            ),
+        ),
+    ),
+)

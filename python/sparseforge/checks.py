@@ -1,0 +1,58 @@
+"""Argument checks shared by the public functions: every error names the argument and says
+what was expected. Nothing here launches anything or reads a GPU tensor's values."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reject(name: str, value, allowed=(None,), why: str = "is not supported by sparseforge") -> None:
+    """NotImplementedError unless `value` is one of `allowed` (None only by identity)."""
+    if not any(value is a or (a is not None and value == a) for a in allowed):
+        raise NotImplementedError(f"{name}={value!r} {why}")
+
+
+def check_tensor(name: str, t, shape, dtype=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def check_index_tensor(name: str, t, shape, dtype, device) -> None:
+    """Plan inputs may live on the host (checked there) or on the wrapper's device."""
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        device = t.device
+    check_tensor(name, t, shape, dtype, device)
+
+
+def check_vector_operand(name: str, t: torch.Tensor) -> None:
+    """Unit stride on the last dimension and the others multiples of 16 bytes: the kernels
+    load such operands with 16-byte vectors (the launch checks the address)."""
+    stride = t.stride()
+    if stride[-1] != 1:
+        raise ValueError(f"{name} must have unit stride on head_dim, got strides {stride}")
+    per_16_bytes = 16 // t.element_size()
+    if any(s % per_16_bytes for s in stride[:-1]):
+        raise ValueError(
+            f"{name} must have strides that are multiples of {per_16_bytes} elements (16 bytes), "
+            f"got {stride}"
+        )
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
+    if num_qo_heads <= 0 or num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        raise ValueError(
+            f"num_qo_heads {num_qo_heads} must be a positive multiple of num_kv_heads "
+            f"{num_kv_heads}"
+        )
+
+
+def positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value

@@ -1,0 +1,167 @@
+"""From a selection to a launch: the attention family and variant, the tile lists, binding.
+
+    plan_attention(selection, ...) -> Plan      choose, build the tile lists, bind
+    run_attention(plan, q, k, v, out, lse)      operands in the family's layout, launch
+
+The family is the one whose manifest dtypes hold the plan's dtype; the variant is chosen by
+families.choose (preference order per arch, units per CTA the plan's groups allow). Tile
+lists come from the planner (pure torch), compacted on the GPU by the tile_compact kernel.
+Backends: "auto" runs our kernels where the blocks are multiples of the family's tile and
+otherwise the PyTorch reference with a warning; "torch" always the reference; "warp_mma" the
+portable templates; the kernel backends ("sparseforge" and its FlashInfer synonyms) refuse
+what no kernel covers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from sparseforge import families, ops, planner, reference
+from sparseforge.arch import arch_for_device
+from sparseforge.dtypes import NAME_OF
+from sparseforge.families import block_sparse_fwd, sage_fp8_fwd, tile_compact
+from sparseforge.plan import Plan
+from sparseforge.sparsity import Selection
+
+KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
+BACKENDS = ("auto", "torch", "warp_mma", *KERNEL_BACKENDS)
+LOG2_E = math.log2(math.e)
+ATTENTION_FAMILIES = (block_sparse_fwd, sage_fp8_fwd)
+
+
+def attention_family(dtype: torch.dtype):
+    """The runtime module of the attention family whose kernels take `dtype` operands."""
+    name = NAME_OF[dtype]
+    for module in ATTENTION_FAMILIES:
+        if name in families.spec(module.FAMILIES[0]).dtypes:
+            return module
+    raise ValueError(f"no attention family of this build takes {dtype}")
+
+
+def plan_attention(
+    selection: Selection,
+    *,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    sm_scale: float,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hnd: bool,
+    scales,
+    backend: str,
+    device: torch.device,
+    blocks: str,
+) -> Plan:
+    """The plan of one attention problem; `blocks` describes the blocks for errors."""
+    common = dict(
+        dtype=dtype,
+        out_dtype=out_dtype,
+        sm_scale=sm_scale,
+        seq_q=selection.seq_q,
+        seq_k=selection.seq_k,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hnd=hnd,
+        scales=scales,
+    )
+    if backend == "torch":
+        return Plan(path="torch", token_mask=_token_mask(selection), **common)
+    family = attention_family(dtype)
+    spec = families.spec(family.FAMILIES[0])
+    unit_rows, tile_keys = spec.constant("unit_rows"), spec.constant("tile_keys")
+    rows, cols = selection.host_row_sizes, selection.host_col_sizes
+    if not (
+        planner.sizes_tile_aligned(rows, unit_rows) and planner.sizes_tile_aligned(cols, tile_keys)
+    ):
+        why = f"{blocks} are not multiples of {tile_keys} tokens"
+        if backend != "auto":
+            raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
+        warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
+        return Plan(path="torch", token_mask=_token_mask(selection), **common)
+    if device.type != "cuda":
+        raise ValueError(
+            f"the workspace buffer is on {device}; sparseforge kernels need a CUDA device"
+        )
+    group = num_qo_heads // num_kv_heads
+
+    def fits(units: int) -> bool:
+        """A CTA of `units` units needs them to share a tile list: query heads of one kv
+        group, or consecutive units of one row block (planner.longest_first)."""
+        return group % units == 0 or planner.rows_fit_units(rows, units, unit_rows)
+
+    arch = arch_for_device(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    kernel = families.choose(
+        spec.name,
+        arch,
+        portable=backend == "warp_mma",
+        fits=fits,
+        dtype=NAME_OF[dtype],
+        head_dim=head_dim,
+    )
+    kernel.prepare()
+    tiles = planner.plan_tiles(
+        selection.mask,
+        selection.row_sizes,
+        selection.col_sizes,
+        selection.seq_q,
+        selection.seq_k,
+        num_qo_heads,
+        unit_rows=unit_rows,
+        tile_keys=tile_keys,
+        kv_block_lens=selection.kv_block_lens,
+        kv_block_size=selection.kv_block_size,
+        units_per_cta=kernel.units_per_cta,
+        blocks_are_tiles=planner.sizes_are_tiles(rows, unit_rows)
+        and planner.sizes_are_tiles(cols, tile_keys),
+        compact=tile_compact.compact,
+    )
+    return Plan(
+        path=kernel.template,
+        family=family,
+        kernel=kernel,
+        launch=family.bind(kernel, tiles, sm_scale * LOG2_E, scales),
+        lse_scratch=torch.empty(
+            (num_qo_heads, selection.seq_q) if hnd else (selection.seq_q, num_qo_heads),
+            dtype=torch.float32,
+            device=device,
+        ),
+        **common,
+    )
+
+
+def run_attention(plan: Plan, q, k, v, out, lse) -> None:
+    """Fill out and lse (in the plan's layout) on the current stream."""
+    if plan.path == "torch":
+        o_ref, lse_ref = _reference(
+            plan, *((q, k, v) if plan.hnd else (t.transpose(0, 1) for t in (q, k, v)))
+        )
+        out.copy_(o_ref if plan.hnd else o_ref.transpose(0, 1))
+        lse.copy_(lse_ref if plan.hnd else lse_ref.transpose(0, 1))
+        return
+    tensors, swap01 = plan.family.operands(plan.kernel, q, k, v, out, lse, plan.hnd)
+    ops.launch(plan.launch, tensors, swap01)
+
+
+def _reference(plan: Plan, q, k, v):
+    """The reference path on HND tensors (Sage FP8 ones dequantized with the plan's scales)."""
+    if plan.scales is not None:
+        q, k, v = reference.sage_dequantize(q, k, v, *plan.scales)
+    return reference.attention(q, k, v, plan.token_mask, plan.sm_scale)
+
+
+def _token_mask(selection: Selection) -> torch.Tensor:
+    """(Hkv, Sq, Sk) token mask for the reference path."""
+    lens = selection.kv_block_lens
+    return reference.block_mask_to_token_mask(
+        selection.mask.cpu(),
+        selection.row_sizes.cpu(),
+        selection.col_sizes.cpu(),
+        None if lens is None else lens.cpu(),
+    )

@@ -1,0 +1,164 @@
+"""The kernel families as the build describes them (manifest.json), and the choice of a
+variant.
+
+    spec(name)            a family's dtypes, templates per arch in preference order, required
+                          archs and constants (from its spec in generator/families/)
+    choose(name, arch)    the variant a call runs
+    missing_requirements  what a runtime family module needs that the manifest lacks
+
+One module per family (or per family of launches made together) beside this one binds its
+variants and prepares their operands; each names its FAMILIES and declares the constants
+and constraints it reads (CONSTANTS, CONSTRAINTS), and a CPU test checks that the manifest
+has them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pkgutil
+from dataclasses import dataclass
+
+from sparseforge import _library
+from sparseforge.errors import NotBuiltError, VariantNotBuiltError
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    doc: str
+    dtypes: tuple[str, ...]
+    required_archs: tuple[str, ...]
+    templates: dict  # arch -> template names in preference order
+    portable_templates: tuple[str, ...]
+    constants: dict
+
+    def constant(self, key: str):
+        try:
+            return self.constants[key]
+        except KeyError:
+            raise NotBuiltError(
+                f"manifest.json has no constant {key!r} for family {self.name}: the kernel library "
+                "is older than this runtime; reinstall sparseforge"
+            ) from None
+
+
+@functools.cache
+def spec(name: str) -> FamilySpec:
+    families = _library.manifest()["families"]
+    if name not in families:
+        raise VariantNotBuiltError(
+            f"family {name} is not in this build; built: {', '.join(sorted(families))}"
+        )
+    f = families[name]
+    return FamilySpec(
+        name=name,
+        doc=f["doc"],
+        dtypes=tuple(f["dtypes"]),
+        required_archs=tuple(f["required_archs"]),
+        templates={arch: tuple(names) for arch, names in f["templates"].items()},
+        portable_templates=tuple(f["portable_templates"]),
+        constants=dict(f["constants"]),
+    )
+
+
+def _matches(kernel: _library.Kernel, params: dict) -> bool:
+    return all(kernel.params.get(k) == want for k, want in params.items())
+
+
+def _not_built(family: str, arch: str, candidates: list, params: dict) -> VariantNotBuiltError:
+    """The clearest error for a choice with no match: the parameter that is not built."""
+    if not candidates:
+        return VariantNotBuiltError(f"{family} is not built for {arch}")
+    for key, want in params.items():
+        values = sorted({k.params.get(key) for k in candidates}, key=lambda x: (str(type(x)), x))
+        if want not in values:
+            return VariantNotBuiltError(
+                f"{key} {want} is not built for {family} on {arch}; "
+                f"built {key}s: {', '.join(map(str, values))}"
+            )
+    return VariantNotBuiltError(f"no built {family} variant on {arch} has {params}")
+
+
+def choose(
+    family: str, arch: str, *, portable: bool = False, fits=None, **params
+) -> _library.Kernel:
+    """The variant of `family` for `arch` with these parameters: the first template in the
+    family's preference order (only its portable ones with `portable`) that has one; of
+    its variants, the one with the most units per CTA that `fits(units)` allows.
+
+    SPARSEFORGE_VARIANT=<name> forces a variant (tuning, debugging): it must belong to this
+    family and arch, match the parameters and fit.
+    """
+    fits = fits or (lambda units: True)
+    built = _library.kernels(family, arch)
+    forced = os.environ.get("SPARSEFORGE_VARIANT")
+    if forced:
+        kernel = next((k for k in _library.manifest()["variants"] if k["name"] == forced), None)
+        if kernel is None:
+            raise VariantNotBuiltError(
+                f"SPARSEFORGE_VARIANT={forced}: no variant of that name in this build"
+            )
+        kernel = _library.Kernel.from_manifest(kernel)
+        if kernel not in built or not _matches(kernel, params):
+            raise VariantNotBuiltError(
+                f"SPARSEFORGE_VARIANT={forced} does not fit: this call needs {family} on {arch} "
+                f"with {params}"
+            )
+        if not fits(kernel.units_per_cta):
+            raise ValueError(
+                f"SPARSEFORGE_VARIANT={forced} runs units in groups of {kernel.units_per_cta} "
+                "with one tile "
+                "list; this plan has none"
+            )
+        return kernel
+    order = spec(family).templates.get(arch, ())
+    if portable:
+        order = tuple(t for t in order if t in spec(family).portable_templates)
+    for template in order:
+        candidates = [
+            k
+            for k in built
+            if k.template == template and _matches(k, params) and fits(k.units_per_cta)
+        ]
+        if candidates:
+            return max(candidates, key=lambda k: k.units_per_cta)
+    raise _not_built(family, arch, [k for k in built if k.template in order], params)
+
+
+def runtime_modules() -> dict:
+    """{family name: its runtime module} for every module in this package."""
+    modules = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        modules.update(dict.fromkeys(module.FAMILIES, module))
+    return modules
+
+
+def missing_requirements(manifest: dict | None = None) -> list[str]:
+    """What the runtime family modules read that the manifest does not carry (empty when the
+    build and the runtime agree)."""
+    manifest = manifest or _library.manifest()
+    missing = []
+    for name, module in runtime_modules().items():
+        family = manifest["families"].get(name)
+        if family is None:
+            missing.append(f"{name}: family not in the manifest")
+            continue
+        missing += [
+            f"{name}: constant {c}" for c in module.CONSTANTS if c not in family["constants"]
+        ]
+        rules = getattr(module, "LAYOUT_RULES", {})
+        for v in manifest["variants"]:
+            if v["family"] == name:
+                missing += [
+                    f"{v['name']}: constraint {c}"
+                    for c in module.CONSTRAINTS
+                    if c not in v["constraints"]
+                ]
+                layouts = v["constraints"].get("layouts", {})
+                missing += [
+                    f"{v['name']}: layout rule {r}" for r in layouts.values() if r not in rules
+                ]
+    return missing

@@ -1,0 +1,26 @@
+"""block_sparse_fwd: 16-bit block-sparse attention over units and tiles (both wrappers'
+bf16 / fp16 plans)."""
+
+from __future__ import annotations
+
+from sparseforge.checks import check_vector_operand
+
+FAMILIES = ("block_sparse_fwd",)
+CONSTANTS = ("unit_rows", "tile_keys")
+CONSTRAINTS = ("units_per_cta",)
+
+
+def bind(kernel, tiles, scale_log2: float, scales=None):
+    """The plan's arguments packed once: the tile lists and the softmax scale."""
+    return kernel.bind(*tiles.tensors(), scale_log2)
+
+
+def check_operand(name: str, t) -> None:
+    """q, k, v and out as the kernels load and store them (16-byte vectors)."""
+    check_vector_operand(name, t)
+
+
+def operands(kernel, q, k, v, out, lse, hnd: bool):
+    """(leading tensors in ABI order, swap01): the ABI takes (seq, heads, ...) views, so
+    HND tensors are passed as their (1, 0)-transposed views."""
+    return (q, k, v, out, lse), hnd

@@ -1,0 +1,45 @@
+"""The plan of an attention call: everything run() needs, fixed by plan()."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from sparseforge._library import BoundLaunch, Kernel
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str  # the template that runs, or "torch" (the PyTorch reference)
+    dtype: torch.dtype  # of q, k and v
+    out_dtype: torch.dtype
+    sm_scale: float
+    seq_q: int
+    seq_k: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hnd: bool  # q, k, v, out are (heads, seq, D) and lse (heads, seq); else (seq, heads, ...)
+    scales: tuple | None  # Sage FP8: (q_scale, k_scale, v_scale), read by every run()
+    family: ModuleType | None = None  # the runtime family module (sparseforge/families/)
+    kernel: Kernel | None = None
+    launch: BoundLaunch | None = None
+    lse_scratch: torch.Tensor | None = None  # lse when the caller wants none (no allocation)
+    token_mask: torch.Tensor | None = None  # the reference path's (Hkv, Sq, Sk) mask
+
+    def _layout(self, heads: int, seq: int, *rest) -> tuple:
+        return (heads, seq, *rest) if self.hnd else (seq, heads, *rest)
+
+    @property
+    def q_shape(self) -> tuple:
+        return self._layout(self.num_qo_heads, self.seq_q, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple:
+        return self._layout(self.num_kv_heads, self.seq_k, self.head_dim)
+
+    @property
+    def lse_shape(self) -> tuple:
+        return self._layout(self.num_qo_heads, self.seq_q)
