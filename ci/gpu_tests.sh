@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# GPU tests, demo and benchmark on the lent H200, from the build carried in .gpu/site
-# (made here by ci/build_for_device.sh; the device has no nvidia-cutlass-dsl and needs none).
-# Logs go to $OUT (the device tool brings them back). Usage, through the device tool:
-#   bash ci/gpu_tests.sh [pytest args...]
+# GPU tests, demo and benchmark on a GPU machine, from the build in .gpu/site (made by
+# ci/build_for_device.sh on a machine with the CuTe DSL; this one needs none). Logs go to
+# $OUT. Usage: bash ci/gpu_tests.sh [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sparseforge-out}
@@ -15,7 +14,7 @@ fi
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m sparseforge info 2>&1 | tee "$OUT/info.txt" || status=1
-# A deadlocked kernel would hang the run: pytest-timeout (on the device image) ends it.
+# A deadlocked kernel would hang the run: pytest-timeout (where installed) ends it.
 timeout_args=()
 python3 -c "import pytest_timeout" 2>/dev/null && timeout_args=(--timeout 300 --timeout-method thread)
 python3 -m pytest tests -q -m gpu -p no:cacheprovider "${timeout_args[@]}" "$@" 2>&1 | tail -n 300 > "$OUT/gpu_tests.log"

@@ -194,6 +194,11 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
     )
     with pytest.raises(VariantNotBuiltError, match="does not fit"):
         families.choose("block_sparse_fwd", "sm_90a", dtype="bf16", head_dim=64)
+    # Other families' choices ignore it (plan() also picks the tile_compact kernel).
+    assert families.choose("tile_compact", "sm_90a").family == "tile_compact"
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", "no_such_variant")
+    with pytest.raises(VariantNotBuiltError, match="no variant of that name"):
+        families.choose("tile_compact", "sm_90a")
 
 
 def test_bound_launch_packs_the_abi_words(monkeypatch):

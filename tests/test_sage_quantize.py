@@ -1,4 +1,4 @@
-"""The Sage FP8 quantizer (sparseforge.sage_fp8_quantize, issue 5 item 1).
+"""The Sage FP8 quantizer (sparseforge.sage_fp8_quantize).
 
 CPU: the torch reference (round-trip error, layouts, smoothing, zeros, saturation, the
 scale search) and the input checks. GPU (marker gpu): the two kernels against the

@@ -294,8 +294,8 @@ def table(rows: list[dict]) -> str:
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
-    does not set the number. The host itself varies more: with the same code, loans have
-    read 15 us (d4244c8) and 17-23 us (three calls in one process on a later loan)."""
+    does not set the number. The host itself varies more: with the same code, machines
+    have read 15 us (d4244c8) and 17-23 us (three calls in one process on another)."""
     import time
 
     from sparseforge import VariableBlockSparseAttentionWrapper

@@ -14,8 +14,8 @@ One warpgroup per CTA (any plan), three CTAs per SM (64 KB of shared memory each
   each as soon as the consumers have released its stage.
   Without a producer warp a CTA may use 168 registers at three per SM (65536 / 384), all of
   which this schedule uses (head_dim 128); with a fifth warp the cap is 136, where ptxas
-  serializes every wgmma (CONTRIBUTING.md). A/B against the producer-warp version in one
-  session: W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
+  serializes every wgmma (CONTRIBUTING.md). Interleaved A/B against the producer-warp version:
+  W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
   (bench/results/2026-11-30_producerless_h200_bench_ab.md).
 Two or four warpgroups per CTA (consume_shared), four warpgroups per SM at 128 registers:
   a 160 KB ring per SM and no S(j+1) behind P V(j) (it needs ~138 registers). W3 with four:

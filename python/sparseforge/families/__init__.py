@@ -81,6 +81,18 @@ def _not_built(family: str, arch: str, candidates: list, params: dict) -> Varian
     return VariantNotBuiltError(f"no built {family} variant on {arch} has {params}")
 
 
+def _forced_variant() -> _library.Kernel | None:
+    name = os.environ.get("SPARSEFORGE_VARIANT")
+    if not name:
+        return None
+    entry = next((v for v in _library.manifest()["variants"] if v["name"] == name), None)
+    if entry is None:
+        raise VariantNotBuiltError(
+            f"SPARSEFORGE_VARIANT={name}: no variant of that name in this build"
+        )
+    return _library.Kernel.from_manifest(entry)
+
+
 def choose(
     family: str, arch: str, *, portable: bool = False, fits=None, **params
 ) -> _library.Kernel:
@@ -88,31 +100,25 @@ def choose(
     family's preference order (only its portable ones with `portable`) that has one; of
     its variants, the one with the most units per CTA that `fits(units)` allows.
 
-    SPARSEFORGE_VARIANT=<name> forces a variant (tuning, debugging): it must belong to this
-    family and arch, match the parameters and fit.
+    SPARSEFORGE_VARIANT=<name> forces a variant of the family it belongs to (tuning,
+    debugging): it must exist in this build, and for its family's calls be of this arch,
+    match the parameters and fit. Other families' choices are not affected.
     """
     fits = fits or (lambda units: True)
     built = _library.kernels(family, arch)
-    forced = os.environ.get("SPARSEFORGE_VARIANT")
-    if forced:
-        kernel = next((k for k in _library.manifest()["variants"] if k["name"] == forced), None)
-        if kernel is None:
+    forced = _forced_variant()
+    if forced is not None and forced.family == family:
+        if forced not in built or not _matches(forced, params):
             raise VariantNotBuiltError(
-                f"SPARSEFORGE_VARIANT={forced}: no variant of that name in this build"
+                f"SPARSEFORGE_VARIANT={forced.name} does not fit: this call needs {family} on "
+                f"{arch} with {params}"
             )
-        kernel = _library.Kernel.from_manifest(kernel)
-        if kernel not in built or not _matches(kernel, params):
-            raise VariantNotBuiltError(
-                f"SPARSEFORGE_VARIANT={forced} does not fit: this call needs {family} on {arch} "
-                f"with {params}"
-            )
-        if not fits(kernel.units_per_cta):
+        if not fits(forced.units_per_cta):
             raise ValueError(
-                f"SPARSEFORGE_VARIANT={forced} runs units in groups of {kernel.units_per_cta} "
-                "with one tile "
-                "list; this plan has none"
+                f"SPARSEFORGE_VARIANT={forced.name} runs units in groups of "
+                f"{forced.units_per_cta} with one tile list; this plan has none"
             )
-        return kernel
+        return forced
     order = spec(family).templates.get(arch, ())
     if portable:
         order = tuple(t for t in order if t in spec(family).portable_templates)
