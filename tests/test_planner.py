@@ -146,12 +146,11 @@ def test_cta_work_pairs_units_of_128_row_blocks(seq_q):
     assert counts == sorted(counts, reverse=True) and counts[0] == 8
 
 
-def test_tile_key_scales_side_by_side_and_padded_with_the_last_group():
-    k_scale = torch.arange(1, 2 * 7 + 1, dtype=torch.float32).view(2, 7)  # 7 groups: 2 tiles
-    per_tile = planner.tile_key_scales(k_scale, 16, 64)
-    assert per_tile.is_contiguous() and per_tile.shape == (2, 8)
-    assert per_tile[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 7]
-    assert per_tile[1].tolist() == [8, 9, 10, 11, 12, 13, 14, 14]
+def test_tile_padded_scales_rows_are_whole_tiles_with_zero_padding():
+    buf = planner.tile_padded_scales(2, 100, 16, 64, "cpu")  # 7 groups of 16 keys, 2 tiles
+    assert buf.shape == (1, 2, 8) and buf.is_contiguous()
+    assert not buf[..., 7:].any()
+    assert planner.tile_padded_scales(1, 64, 16, 64, "cpu").shape == (1, 1, 4)
 
 
 def test_bsr_and_selection_masks_match_reference():

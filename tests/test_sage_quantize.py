@@ -73,8 +73,14 @@ def check_layout(t, hq, sq, hkv, sk, d, smooth_k):
     scales = {"q_scale": (1, hq, sq), "k_scale": (1, hkv, groups), "v_scale": (hkv, d)}
     for name, shape in scales.items():
         scale = getattr(t, name)
-        assert scale.shape == shape and scale.dtype == torch.float32 and scale.is_contiguous(), name
+        assert scale.shape == shape and scale.dtype == torch.float32, name
         assert torch.isfinite(scale).all() and (scale > 0).all(), name
+    assert t.q_scale.is_contiguous() and t.v_scale.is_contiguous()
+    # k_scale: a view of rows padded to whole 64-key tiles (zeros), read in place by the kernels.
+    padded = -(-sk // 64) * 4
+    assert t.k_scale.stride() == (hkv * padded, padded, 1)
+    k_rows = t.k_scale[0].as_strided((hkv, padded), (padded, 1))
+    assert not k_rows[:, groups:].any(), "k_scale padding must be zero"
     if smooth_k:
         assert t.k_mean.shape == (hkv, d) and t.k_mean.dtype == torch.float32
     else:

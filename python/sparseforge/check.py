@@ -1,12 +1,17 @@
-"""`python -m sparseforge.check [--variant NAME]`: every attention variant of the loaded
-library (or one) against the fp32 reference on a fresh random problem, on the GPU.
+"""`python -m sparseforge.check [--variant NAME] [--small]`: every kernel variant of the loaded
+library for this GPU (or one) on fresh random inputs against the PyTorch reference.
 
-For each variant: a ragged problem it fits (its dtype and head_dim; GQA groups of its units
-per CTA; 1000 query rows, 777 keys, 64- and 128-token blocks, an empty and a full row),
-outputs poisoned with NaN, relative L2 error and LSE against sparseforge.reference (Sage FP8
-on the dequantized e4m3 inputs, quantized by the reference quantizer). Prints one line per
-variant; exits 1 if any fails. With SPARSEFORGE_LIBRARY_DIR this checks a development build
-of a few variants (generator/dev.py) without the full build.
+- attention variants: a ragged problem each fits (its dtype and head_dim, GQA groups of its
+  units per CTA, 64- and 128-token blocks, an empty and a full row), outputs poisoned with
+  NaN; relative L2 error and LSE against the fp32 reference (Sage FP8 on the dequantized
+  e4m3 inputs, quantized by the reference quantizer);
+- quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
+  the reference's bit for bit (given the kernel's k mean);
+- tile_compact: run by every attention plan.
+
+One line per case; exit status 1 if any fails. `--small` shrinks the problems (for
+compute-sanitizer). With SPARSEFORGE_LIBRARY_DIR it checks a development build of a few
+variants (generator/dev.py) without the full build.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from sparseforge.dtypes import BY_NAME
 from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
+QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
 TOLERANCE = {"block_sparse_fwd": 5e-3, "sage_fp8_fwd": 3e-2}
@@ -37,15 +43,14 @@ def ragged_mask(hkv: int, mb: int, nb: int, seed: int) -> torch.Tensor:
     return mask
 
 
-def check_variant(v: dict, block: int, seed: int = 0) -> tuple[float, bool]:
-    """(relative L2 error, passed) of one variant on one problem."""
+def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[str, bool]:
     p = v["params"]
     group = v["constraints"]["units_per_cta"]
-    hkv, hq, d, sq, sk = 2, 2 * group, p["head_dim"], 1000, 777
+    hkv, hq, d = 2, 2 * group, p["head_dim"]
+    sq, sk = (300, 200) if small else (1000, 777)
     torch.manual_seed(seed)
     q, k, v_ = (torch.randn(h, s, d, device="cuda") for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
-    mb, nb = -(-sq // block), -(-sk // block)
-    mask = ragged_mask(hkv, mb, nb, seed)
+    mask = ragged_mask(hkv, -(-sq // block), -(-sk // block), seed)
     rows = reference.uniform_sizes(sq, block).expand(hkv, -1).to(torch.int32)
     cols = reference.uniform_sizes(sk, block).expand(hkv, -1).to(torch.int32)
     wrapper = VariableBlockSparseAttentionWrapper(
@@ -56,19 +61,17 @@ def check_variant(v: dict, block: int, seed: int = 0) -> tuple[float, bool]:
         qz = reference.sage_fp8_quantize(q, k, v_)
         scales = dict(q_scale=qz.q_scale, k_scale=qz.k_scale, v_scale=qz.v_scale)
         q, k, v_ = qz.q, qz.k, qz.v
-        ref_q, ref_k, ref_v = reference.sage_dequantize(
-            q, k, v_, qz.q_scale, qz.k_scale, qz.v_scale
-        )
+        ref_inputs = reference.sage_dequantize(q, k, v_, qz.q_scale, qz.k_scale, qz.v_scale)
+        out_dtype = torch.bfloat16
     else:
         q, k, v_ = (t.to(BY_NAME[p["dtype"]]) for t in (q, k, v_))
-        ref_q, ref_k, ref_v = q, k, v_
+        ref_inputs, out_dtype = (q, k, v_), q.dtype
     os.environ["SPARSEFORGE_VARIANT"] = v["name"]
     try:
         wrapper.plan(
             mask.cuda(), rows.cuda(), cols.cuda(), hq, hkv, d, q_data_type=q.dtype, **scales
         )
         wrapper.check_plan()
-        out_dtype = torch.bfloat16 if v["family"] == "sage_fp8_fwd" else q.dtype
         out = torch.full((hq, sq, d), float("nan"), device="cuda", dtype=out_dtype)
         lse = torch.full((hq, sq), float("nan"), device="cuda")
         wrapper.run(q, k, v_, out=out, lse=lse, return_lse=True)
@@ -76,7 +79,7 @@ def check_variant(v: dict, block: int, seed: int = 0) -> tuple[float, bool]:
     finally:
         os.environ.pop("SPARSEFORGE_VARIANT")
     tokens = reference.block_mask_to_token_mask(mask, rows, cols).cuda()
-    ref_out, ref_lse = reference.attention(ref_q, ref_k, ref_v, tokens, compute_dtype=torch.float32)
+    ref_out, ref_lse = reference.attention(*ref_inputs, tokens, compute_dtype=torch.float32)
     err = float((out.float() - ref_out).norm() / ref_out.norm())
     empty = torch.isinf(ref_lse)
     ok = (
@@ -86,37 +89,60 @@ def check_variant(v: dict, block: int, seed: int = 0) -> tuple[float, bool]:
         and bool((out[empty] == 0).all())
         and torch.allclose(lse[~empty], ref_lse[~empty], atol=5e-3, rtol=2e-3)
     )
-    return err, ok
+    return f"blocks {block}: rel. L2 {err:.2e}", ok
+
+
+def check_quantizer(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.sage import sage_fp8_quantize
+
+    p = v["params"]
+    hq, hkv, sq, sk, d = (
+        (4, 2, 70, 90, p["head_dim"]) if small else (8, 2, 1000, 777, p["head_dim"])
+    )
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v_ = (
+        torch.randn(h, s, d, device="cuda", generator=gen).to(BY_NAME[p["dtype"]])
+        for h, s in ((hq, sq), (hkv, sk), (hkv, sk))
+    )
+    got = sage_fp8_quantize(q, k, v_, scale_search=False)
+    want = reference.sage_fp8_quantize(q, k, v_, k_mean=got.k_mean, scale_search=False)
+    same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got[:6], want[:6], strict=True))
+    return "codes and scales vs the reference", same
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as bytes (NaN codes compare equal), others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", help="only this variant")
+    parser.add_argument("--small", action="store_true", help="small problems (for sanitizers)")
     args = parser.parse_args(argv)
     arch = arch_for_device(torch.cuda.current_device())
     chosen = [
         v
         for v in _library.manifest()["variants"]
-        if v["family"] in ATTENTION_FAMILIES
+        if v["family"] in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY)
         and v["arch"] == arch
         and args.variant in (None, v["name"])
     ]
     if not chosen:
-        print(
-            f"no attention variant for {arch} in {_library.PACKAGE_DIR}"
-            + (f" named {args.variant}" if args.variant else "")
-        )
+        print(f"no variant to check for {arch} in {_library.PACKAGE_DIR} {args.variant or ''}")
         return 1
-    failed = 0
+    cases = failed = 0
     for v in chosen:
-        for block in (64, 128):
-            err, ok = check_variant(v, block)
+        runs = (
+            [check_quantizer(v, args.small)]
+            if v["family"] == QUANTIZER_FAMILY
+            else [check_attention(v, block, args.small) for block in (64, 128)]
+        )
+        for what, ok in runs:
+            cases += 1
             failed += not ok
-            print(
-                f"{v['name']} blocks {block}: rel. L2 {err:.2e} {'ok' if ok else 'FAILED'}",
-                flush=True,
-            )
-    print(f"{len(chosen)} variants, {failed} failures ({_library.PACKAGE_DIR})")
+            print(f"{v['name']} {what} {'ok' if ok else 'FAILED'}", flush=True)
+    print(f"{len(chosen)} variants, {cases} cases, {failed} failed ({_library.PACKAGE_DIR})")
     return 1 if failed else 0
 
 

@@ -44,8 +44,15 @@ def check_vector_operand(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
-    if num_qo_heads <= 0 or num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+def check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Positive ints, the query heads a multiple of the kv heads."""
+    for name, value in (
+        ("num_qo_heads", num_qo_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        positive_int(name, value)
+    if num_qo_heads % num_kv_heads:
         raise ValueError(
             f"num_qo_heads {num_qo_heads} must be a positive multiple of num_kv_heads "
             f"{num_kv_heads}"
@@ -56,3 +63,44 @@ def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte addresses a tensor's elements occupy (it is not empty)."""
+    start = t.data_ptr()
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size() - 1
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements may share memory (e.g. a stride of 0 from expand()): walking
+    the dimensions by stride, each must step past all the elements of the smaller ones."""
+    covered = 1
+    for stride, size in sorted(
+        (abs(s), n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1
+    ):
+        if stride < covered:
+            return True
+        covered += stride * (size - 1)
+    return False
+
+
+def check_writable(name: str, t: torch.Tensor, inputs) -> None:
+    """An output the kernels write: no element twice (zero or overlapping strides), and the
+    memory it spans apart from each input's, `inputs` as (name, tensor) pairs."""
+    if t.numel() == 0:
+        return
+    if overlaps_itself(t):
+        raise ValueError(
+            f"{name} overlaps itself (shape {tuple(t.shape)}, strides {t.stride()}): give a "
+            "tensor whose elements have memory of their own"
+        )
+    first, last = _span(t)
+    for other_name, other in inputs:
+        if other.numel() and other.device == t.device:
+            a, b = _span(other)
+            if a <= last and first <= b:
+                raise ValueError(
+                    f"the memory {name} spans overlaps {other_name}'s: an output must not "
+                    "alias an input"
+                )

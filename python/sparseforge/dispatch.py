@@ -83,6 +83,18 @@ def plan_attention(
             raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
         warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
         return Plan(path="torch", token_mask=_token_mask(selection), **common)
+    family.check_sm_scale(sm_scale)
+    hkv = selection.mask.shape[0]
+    units, tiles = (
+        planner.num_tiles(selection.seq_q, unit_rows),
+        planner.num_tiles(selection.seq_k, tile_keys),
+    )
+    if hkv * units * tiles >= 2**31:
+        raise ValueError(
+            f"this plan's tile lists would hold {hkv * units * tiles} entries ({hkv} kv heads x "
+            f"{units} query units x {tiles} key tiles), past the kernels' 32-bit indexing "
+            "(2^31): plan fewer heads or shorter sequences per call"
+        )
     if device.type != "cuda":
         raise ValueError(
             f"the workspace buffer is on {device}; sparseforge kernels need a CUDA device"
@@ -122,11 +134,13 @@ def plan_attention(
         and planner.sizes_are_tiles(cols, tile_keys),
         compact=tile_compact.compact,
     )
+    launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales)
     return Plan(
         path=kernel.template,
         family=family,
         kernel=kernel,
-        launch=family.bind(kernel, tiles, sm_scale * LOG2_E, scales),
+        launch=launch,
+        refresh=refresh,
         lse_scratch=torch.empty(
             (num_qo_heads, selection.seq_q) if hnd else (selection.seq_q, num_qo_heads),
             dtype=torch.float32,
@@ -145,6 +159,8 @@ def run_attention(plan: Plan, q, k, v, out, lse) -> None:
         out.copy_(o_ref if plan.hnd else o_ref.transpose(0, 1))
         lse.copy_(lse_ref if plan.hnd else lse_ref.transpose(0, 1))
         return
+    if plan.refresh is not None:
+        plan.refresh()
     tensors, swap01 = plan.family.operands(plan.kernel, q, k, v, out, lse, plan.hnd)
     ops.launch(plan.launch, tensors, swap01)
 

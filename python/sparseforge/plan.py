@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -26,6 +27,7 @@ class Plan:
     family: ModuleType | None = None  # the runtime family module (sparseforge/families/)
     kernel: Kernel | None = None
     launch: BoundLaunch | None = None
+    refresh: Callable | None = None  # brings plan-time copies of caller tensors up to date
     lse_scratch: torch.Tensor | None = None  # lse when the caller wants none (no allocation)
     token_mask: torch.Tensor | None = None  # the reference path's (Hkv, Sq, Sk) mask
 

@@ -52,16 +52,17 @@ def tile_padded_keys(
     return buf
 
 
-def tile_key_scales(k_scale: torch.Tensor, keys_per_scale: int, tile: int) -> torch.Tensor:
-    """(Hkv, G) per-group key scales as (Hkv, tile / keys_per_scale * NT), NT = the tiles
-    they cover: each tile's scales side by side (one vector load in the kernels), padded
-    past the last group with its scale."""
-    per_tile = tile // keys_per_scale
-    groups = k_scale.shape[-1]
-    index = torch.arange(-(-groups // per_tile) * per_tile, device=k_scale.device).clamp_max(
-        groups - 1
-    )
-    return k_scale[:, index].contiguous()
+def tile_padded_scales(
+    num_heads: int, seq_k: int, keys_per_scale: int, tile: int, device
+) -> torch.Tensor:
+    """A (1, num_heads, G_pad) fp32 buffer for per-group key scales, G_pad = the groups of
+    whole tiles, zero past ceil(seq_k / keys_per_scale): k_scale whose per-tile layout the
+    kernels read in place (families/sage_fp8_fwd.py copies any other into one). Callers
+    fill [..., :G] and pass that view."""
+    groups = num_tiles(seq_k, tile) * (tile // keys_per_scale)
+    buf = torch.empty((1, num_heads, groups), dtype=torch.float32, device=device)
+    buf[..., -(-seq_k // keys_per_scale) :].zero_()
+    return buf
 
 
 def sizes_tile_aligned(sizes: torch.Tensor, tokens: int) -> bool:

@@ -12,7 +12,7 @@ import math
 import torch
 
 from sparseforge.families import sage_fp8_fwd, sage_quantize
-from sparseforge.planner import tile_padded_keys
+from sparseforge.planner import tile_padded_keys, tile_padded_scales
 from sparseforge.sage import SageFP8Tensors
 
 
@@ -121,11 +121,18 @@ def scale_step_factors(step, device=None):
     return steps / 16.0, torch.full_like(steps, 16.0) / steps
 
 
+def finite(x):
+    """x with its non-finite elements (NaN, +-inf) as 0: what the quantizer's amaxes, sums
+    and scale search are taken over."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
 def fp8_quantize(x, amax, step=0):
     """(float8_e4m3fn codes, fp32 scale) of fp32 x for its amax (broadcastable to x) and scale
     candidate `step` (an int, or an int tensor broadcastable to amax): a = max(amax, amax_min),
     scale = (a / 448) * grow, codes = e4m3((x * ((448 / a) * shrink))) saturated to +-448,
-    (grow, shrink) = scale_step_factors(step). Step 0 has grow = shrink = 1: the amax scale.
+    NaN where x is not finite, (grow, shrink) = scale_step_factors(step). Step 0 has
+    grow = shrink = 1: the amax scale.
 
     The same fp32 operations in the same order as the quantizer kernels
     (generator/kernels/sage_quantize.py), so codes and scales agree bit for bit. 448 is a
@@ -135,15 +142,16 @@ def fp8_quantize(x, amax, step=0):
     a = amax.float().clamp_min(sage_quantize.constant("amax_min"))
     fp8_max = torch.tensor(FP8_MAX, device=x.device)
     grow, shrink = scale_step_factors(step, x.device)
-    codes = (x * ((fp8_max / a) * shrink)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, (a / fp8_max) * grow
+    y = torch.where(torch.isfinite(x), x * ((fp8_max / a) * shrink), torch.nan)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), (a / fp8_max) * grow
 
 
 def scale_step_errors(x, amax, dims):
     """(..., scale_steps) fp64: per set (the elements of x along `dims`), the search criterion
     of every candidate: sum over the set of (y - e4m3(y))^2 * grow^2 with y = x * inverse
     scale, i.e. the squared rounding error in units of (amax / 448)^2 (the kernels sum it
-    in fp32, in their own order)."""
+    in fp32, in their own order). Non-finite elements count as 0."""
+    x = finite(x)
     inverse = torch.tensor(FP8_MAX, device=x.device) / amax.float().clamp_min(
         sage_quantize.constant("amax_min")
     )
@@ -166,8 +174,9 @@ def fp8_quantize_searched(x, amax, dims, search=True):
 
 def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
     """The sets of Sage quantization that get one searched scale each, as fp32 with their
-    amax (keepdim): q rows (Hq, Sq, D) and 16-token groups of k - k_mean (Hkv, G, 16, D),
-    zero past Sk; and the k_mean used (None without smoothing). k_mean as in
+    amax (keepdim, over their finite elements): q rows (Hq, Sq, D) and 16-token groups of
+    k - k_mean (Hkv, G, 16, D), zero past Sk; and the k_mean used (None without smoothing;
+    the mean of k's finite elements, the others counted as 0). k_mean as in
     sage_fp8_quantize."""
     hkv, sk, d = k.shape
     per_scale = sage_quantize.constant("keys_per_scale")
@@ -175,7 +184,7 @@ def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
     qf, kf = q.float(), k.float()
     if smooth_k:
         if k_mean is None:
-            k_mean = kf.double().mean(1).float()
+            k_mean = finite(kf).double().mean(1).float()
         kf = kf - k_mean.unsqueeze(1)
     else:
         k_mean = None
@@ -183,8 +192,8 @@ def sage_scale_sets(q, k, smooth_k=True, k_mean=None):
     kg = torch.nn.functional.pad(kf, (0, 0, 0, groups * per_scale - sk))
     kg = kg.view(hkv, groups, per_scale, d)
     return (
-        (qf, qf.abs().amax(-1, keepdim=True)),
-        (kg, kg.abs().amax(dim=(2, 3), keepdim=True)),
+        (qf, finite(qf).abs().amax(-1, keepdim=True)),
+        (kg, finite(kg).abs().amax(dim=(2, 3), keepdim=True)),
         k_mean,
     )
 
@@ -200,18 +209,18 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
     """
     hq, sq, d = q.shape
     hkv, sk, _ = k.shape
-    per_scale = sage_quantize.constant("keys_per_scale")
+    per_scale, tile = sage_quantize.constant("keys_per_scale"), sage_fp8_fwd.constant("tile_keys")
     groups = -(-sk // per_scale)
     pad = groups * per_scale
     (qf, q_amax), (kg, k_amax), k_mean = sage_scale_sets(q, k, smooth_k, k_mean)
     q8, q_scale = fp8_quantize_searched(qf, q_amax, -1, scale_search)
     k8, k_scale = fp8_quantize_searched(kg, k_amax, (2, 3), scale_search)
-    k_buffer = tile_padded_keys(
-        hkv, sk, d, torch.float8_e4m3fn, k.device, sage_fp8_fwd.constant("tile_keys")
-    )
+    k_scale_buffer = tile_padded_scales(hkv, sk, per_scale, tile, k.device)
+    k_scale_buffer[0, :, :groups] = k_scale.view(hkv, groups)
+    k_buffer = tile_padded_keys(hkv, sk, d, torch.float8_e4m3fn, k.device, tile)
     k_buffer[:, :sk] = k8.view(hkv, pad, d)[:, :sk]
     vf = v.float()
-    v8, v_scale = fp8_quantize(vf, vf.abs().amax(1, keepdim=True))
+    v8, v_scale = fp8_quantize(vf, finite(vf).abs().amax(1, keepdim=True))
     vt = torch.zeros(hkv, d, pad, dtype=torch.float8_e4m3fn, device=v.device)
     vt[:, :, :sk] = v8.transpose(1, 2)
     return SageFP8Tensors(
@@ -219,7 +228,7 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
         k=k_buffer[:, :sk],
         v=vt.transpose(1, 2)[:, :sk],
         q_scale=q_scale.view(1, hq, sq),
-        k_scale=k_scale.view(1, hkv, groups),
+        k_scale=k_scale_buffer[:, :, :groups],
         v_scale=v_scale.view(hkv, d),
         k_mean=k_mean,
     )

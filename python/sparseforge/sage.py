@@ -18,7 +18,9 @@ e4m3 output and x the input:
            (m = k_mean, or 0 without smoothing)
   k_scale  (1, Hkv, ceil(Sk / 16)) fp32: (amax / 448) * (16 + c) / 16 with amax = max |k - k_mean|
            over 16 tokens (the last group may be short) and all D channels, c the group's
-           searched candidate (0 without the search).
+           searched candidate (0 without the search). A view [..., :G] of a buffer whose
+           rows are padded to whole 64-key tiles (zeros), so that the attention kernels read
+           it in place at every run: scales written into it later (re-quantized K) are used.
   v        (Hkv, Sk, D) e4m3, a transposed view: v8 = buf.transpose(1, 2)[:, :Sk] of a buffer
            buf (Hkv, D, Sk_pad), Sk_pad = Sk rounded up to 16, zero past Sk; so v8.stride() ==
            (D * Sk_pad, 1, Sk_pad) (e4m3 MMAs need V K-major; the kernels TMA-load this).
@@ -27,7 +29,10 @@ e4m3 output and x the input:
   k_mean   (Hkv, D) fp32: mean of k over all Sk tokens per channel; None unless smooth_k
            (then k is quantized as it is).
 Every amax is floored at 2^-100: all-zero rows, groups and channels give codes 0 and a
-finite positive scale. Conversion saturates at +-448 (never NaN). Codes are
+finite positive scale. Conversion saturates finite values at +-448. Non-finite inputs (NaN,
++-inf) count as 0 in every amax, mean and search and get the code NaN: an inf or NaN in k
+or v reaches only the rows that attend to its key, as in dense attention, and never another
+row's scale. Codes are
 e4m3(x * ((448 / amax) * fl32(16 / (16 + c)))). Without the search they and the scales equal,
 bit for bit, those of reference.sage_fp8_quantize(..., scale_search=False) given the same
 k_mean; with it, the codes equal the reference's for the candidate the kernel chose.
@@ -53,7 +58,7 @@ offset sets the scale and leaves few e4m3 steps for the token-to-token differenc
 decide the softmax; without it the scale follows those differences (bench.py:
 sage_offset_accuracy; tests/test_sage_quantize.py: test_smoothing_helps_offset_keys).
 
-Two kernel launches (generator/kernels/sage_quantize.py): column statistics of k and v per
+Two kernel launches (generator/kernels/portable/sage_quantize.py): column statistics of k and v per
 chunk of tokens plus q's scale search and codes, then k's and v's. quantize_bandwidth() times
 them.
 Host time per call: eight output allocations and two argument packings (not yet measured in
@@ -71,7 +76,7 @@ import torch
 
 from sparseforge.dtypes import BY_NAME, NAME_OF
 from sparseforge.families import sage_fp8_fwd, sage_quantize
-from sparseforge.planner import num_tiles, tile_padded_keys
+from sparseforge.planner import num_tiles, tile_padded_keys, tile_padded_scales
 
 FP8 = torch.float8_e4m3fn
 # Preferred tokens per chunk: chosen from an H200 sweep of 256 .. 8192 tokens made while the
@@ -111,7 +116,7 @@ def sage_fp8_quantize(
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
     k8 = tile_padded_keys(hkv, sk, d, FP8, device, sage_fp8_fwd.constant("tile_keys"))
-    k_scale = torch.empty((1, hkv, groups), **f32)
+    k_scale = tile_padded_scales(hkv, sk, per_scale, sage_fp8_fwd.constant("tile_keys"), device)
     vt = torch.empty((hkv, d, groups * per_scale), dtype=FP8, device=device)  # padding too
     v_scale = torch.empty((hkv, d), **f32)
     k_mean = torch.empty((hkv, d), **f32)  # written (zeros) even without smoothing
@@ -122,13 +127,13 @@ def sage_fp8_quantize(
     )
     with torch.cuda.device(device):
         stats((q, k, v, q8, q_scale[0], partial))
-        quantize_kv((k, v, partial, k8[:, :sk], k_scale[0], vt, v_scale, k_mean))
+        quantize_kv((k, v, partial, k8[:, :sk], k_scale[0, :, :groups], vt, v_scale, k_mean))
     return SageFP8Tensors(
         q8,
         k8[:, :sk],
         vt.transpose(1, 2)[:, :sk],
         q_scale,
-        k_scale,
+        k_scale[:, :, :groups],
         v_scale,
         k_mean if smooth_k else None,
     )

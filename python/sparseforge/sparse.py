@@ -30,7 +30,14 @@ import weakref
 import torch
 
 from sparseforge import dispatch, sparsity, validation
-from sparseforge.checks import check_heads, check_index_tensor, check_tensor, positive_int, reject
+from sparseforge.checks import (
+    check_heads,
+    check_index_tensor,
+    check_tensor,
+    check_writable,
+    positive_int,
+    reject,
+)
 from sparseforge.dtypes import as_dtype
 from sparseforge.families import sage_fp8_fwd
 from sparseforge.plan import Plan
@@ -38,6 +45,8 @@ from sparseforge.plan import Plan
 BACKENDS = dispatch.BACKENDS
 SAGE_DTYPE = torch.float8_e4m3fn
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, SAGE_DTYPE)
+LOG2_E = math.log2(math.e)
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_common_options(
@@ -76,6 +85,20 @@ def _check_common_options(
         (None,),
         "is not used: RoPE (pos_encoding_mode='ROPE_LLAMA') is not supported",
     )
+
+
+def _sm_scale(sm_scale, head_dim: int) -> float:
+    """1 / sqrt(head_dim) by default; any given scale must be a finite number whose product
+    with log2(e) (the kernels' unit) is a finite fp32."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a number, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or abs(sm_scale) * LOG2_E > FP32_MAX:
+        raise ValueError(
+            f"sm_scale={sm_scale} must be a finite number below {FP32_MAX / LOG2_E:.3g} in size"
+        )
+    return float(sm_scale)
 
 
 def _output_dtype(dtype):
@@ -126,7 +149,6 @@ class _BlockSparseBase:
         blocks: str,
     ) -> None:
         """The checks every plan shares, then the plan (dispatch.py)."""
-        positive_int("head_dim", head_dim)
         dtype = as_dtype(q_data_type, "q_data_type", ATTENTION_DTYPES)
         kv_dtype = (
             dtype
@@ -170,12 +192,14 @@ class _BlockSparseBase:
                     f"{', '.join(extra)} are for q_data_type=torch.float8_e4m3fn (Sage FP8) only"
                 )
             scales = None
-        self._report(selection)
-        self._plan = dispatch.plan_attention(
+        errors, num_col_blocks = selection.errors, selection.mask.shape[-1]
+        if errors is not None and errors.device.type == "cpu":
+            validation.raise_host_errors(errors, selection.source, num_col_blocks)
+        plan = dispatch.plan_attention(
             selection,
             dtype=dtype,
             out_dtype=out_dtype,
-            sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+            sm_scale=_sm_scale(sm_scale, head_dim),
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -185,15 +209,11 @@ class _BlockSparseBase:
             device=self._device,
             blocks=blocks,
         )
-
-    def _report(self, selection) -> None:
-        """Host error bits raise now; device ones are checked without blocking (validation.py)."""
-        errors, num_col_blocks = selection.errors, selection.mask.shape[-1]
-        if errors is None:
+        # The plan and its GPU checks are committed together: a plan() that raised above left
+        # the wrapper as it was (its previous plan, and that plan's checks).
+        self._plan = plan
+        if errors is None or errors.device.type == "cpu":
             self._checks.clear()
-        elif errors.device.type == "cpu":
-            self._checks.clear()
-            validation.raise_host_errors(errors, selection.source, num_col_blocks)
         else:
             self._checks.start(errors, selection.source, num_col_blocks)
 
@@ -217,6 +237,7 @@ class _BlockSparseBase:
             out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=self._device)
         else:
             check_tensor("out", out, plan.q_shape, plan.out_dtype, self._device)
+            check_writable("out", out, (("q", q), ("k", k), ("v", v)))
             if kernel:
                 plan.family.check_operand("out", out)
         if lse is None:
@@ -227,6 +248,7 @@ class _BlockSparseBase:
             )
         else:
             check_tensor("lse", lse, plan.lse_shape, torch.float32, self._device)
+            check_writable("lse", lse, (("q", q), ("k", k), ("v", v), ("out", out)))
         dispatch.run_attention(plan, q, k, v, out, lse)
         return (out, lse) if return_lse else out
 
@@ -287,7 +309,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         reject("use_clc", use_clc, (None,), "is an SM100 scheduler option; not supported")
         for name, value in (("M", M), ("N", N), ("R", R), ("C", C)):
             positive_int(name, value)
-        check_heads(num_qo_heads, num_kv_heads)
+        check_heads(num_qo_heads, num_kv_heads, head_dim)
         if N % C:
             raise ValueError(f"N ({N}) must be divisible by C ({C})")
         selection = sparsity.from_bsr_wrapper(
@@ -376,24 +398,32 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             rope_scale,
             rope_theta,
         )
-        check_heads(num_qo_heads, num_kv_heads)
+        check_heads(num_qo_heads, num_kv_heads, head_dim)
         device = self._device
         if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
             raise ValueError("block_mask_map must be a bool tensor of shape (num_kv_heads, MB, NB)")
         _, mb, nb = block_mask_map.shape
+        if mb == 0 or nb == 0:
+            raise ValueError(
+                f"block_mask_map has shape {tuple(block_mask_map.shape)}: it needs at least one "
+                "block row and one block column"
+            )
         check_index_tensor(
             "block_mask_map", block_mask_map, (num_kv_heads, mb, nb), torch.bool, device
         )
         check_index_tensor("block_row_sz", block_row_sz, (num_kv_heads, mb), torch.int32, device)
         check_index_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
         # The sizes fix the sequence lengths, so the host needs their values: read once per
-        # size tensor (one synchronisation if it lives on the GPU), cached while unmodified.
+        # GPU size tensor (one synchronisation), then reused while it is unmodified.
+        host_rows, stale_rows = self._host_sizes(block_row_sz)
+        host_cols, stale_cols = self._host_sizes(block_col_sz)
         selection = sparsity.from_block_mask_map(
             block_mask_map=block_mask_map,
             block_row_sz=block_row_sz,
             block_col_sz=block_col_sz,
-            host_rows=self._host_sizes(block_row_sz),
-            host_cols=self._host_sizes(block_col_sz),
+            host_rows=host_rows,
+            host_cols=host_cols,
+            stale=[bits for bits in (stale_rows, stale_cols) if bits is not None],
             num_kv_heads=num_kv_heads,
             device=device,
             non_blocking=non_blocking,
@@ -412,18 +442,25 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             blocks="block sizes (but each head's last)",
         )
 
-    def _host_sizes(self, sizes: torch.Tensor) -> torch.Tensor:
-        """Host copy of a block-size tensor, reused while it is the same, unmodified tensor."""
+    def _host_sizes(self, sizes: torch.Tensor):
+        """(host values of a block-size tensor, error bits or None). A GPU tensor is read
+        once and its copy reused while it is the same tensor at the same version, which
+        keeps plan() free of host synchronisation; because a write that bypasses the
+        version counter (through .data, or by another library's kernel) would leave the copy
+        stale, each reuse also compares the tensor with the values read, on the GPU, and
+        sets ERR_STALE_SIZES (raised by check_plan() / run()) if they differ."""
+        if sizes.device.type == "cpu":
+            return sizes.to(torch.int64), None
         cached = self._size_cache.get(id(sizes))
         if cached is not None:
-            ref, version, host = cached
+            ref, version, host, device_copy = cached
             if ref() is sizes and version == sizes._version:
-                return host
+                return host, sparsity.stale_sizes_errors(sizes, device_copy)
         host = sizes.to("cpu", torch.int64)
         if len(self._size_cache) > 8:
             self._size_cache.clear()
-        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host)
-        return host
+        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host, sizes.clone())
+        return host, None
 
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         """q (Hq, Sq, D), k/v (Hkv, Sk, D) -> out (Hq, Sq, D)[, lse (Hq, Sq)]."""

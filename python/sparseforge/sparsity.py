@@ -28,6 +28,7 @@ ERR_INDPTR = 4
 ERR_KV_BLOCK_LENS = 8
 ERR_Q2K_NUM = 16
 ERR_GROUP_SELECTIONS = 32
+ERR_STALE_SIZES = 64
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,11 @@ def sorted_selections(q2k_indices, q2k_num) -> torch.Tensor:
         used = torch.arange(idx.shape[-1], device=idx.device) < q2k_num.unsqueeze(-1)
         idx = torch.where(used, idx, torch.iinfo(torch.int32).min)
     return idx.sort(dim=-1).values
+
+
+def stale_sizes_errors(sizes: torch.Tensor, values_read: torch.Tensor) -> torch.Tensor:
+    """ERR_STALE_SIZES when a size tensor no longer holds the values plan() read earlier."""
+    return _flag(sizes != values_read, ERR_STALE_SIZES)
 
 
 def kv_block_lens_errors(kv_block_lens, block: int) -> torch.Tensor:
@@ -246,12 +252,14 @@ def from_block_mask_map(
     block_col_sz,
     host_rows,
     host_cols,
+    stale=(),
     num_kv_heads,
     device,
     non_blocking,
 ) -> Selection:
     """The VariableBlockSparseAttentionWrapper's form; host_rows / host_cols are the host
-    values of the size tensors (the caller reads them once and caches them)."""
+    values of the size tensors (the caller reads them once and caches them), `stale` the
+    error bits of the checks that those values still hold (stale_sizes_errors)."""
     if bool((host_rows < 1).any()) or bool((host_cols < 1).any()):
         raise ValueError("block_row_sz and block_col_sz must be >= 1")
     seq_q, seq_k = host_rows.sum(-1), host_cols.sum(-1)
@@ -268,6 +276,6 @@ def from_block_mask_map(
         host_col_sizes=host_cols,
         seq_q=int(seq_q[0]),
         seq_k=int(seq_k[0]),
-        errors=None,
-        source="block_mask_map",
+        errors=sum(stale[1:], stale[0]) if stale else None,
+        source="block_mask_map / block_row_sz / block_col_sz",
     )

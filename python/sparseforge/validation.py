@@ -22,6 +22,10 @@ _MESSAGES = {
     sparsity.ERR_INDPTR: "indptr must start at 0, be non-decreasing and end at len(indices)",
     sparsity.ERR_KV_BLOCK_LENS: "kv_block_lens values must lie in [1, C]",
     sparsity.ERR_Q2K_NUM: "q2k_num values must lie in [0, topk]",
+    sparsity.ERR_STALE_SIZES: (
+        "a block-size tensor was changed in place without torch noticing (through .data or "
+        "another library's kernel) since plan() read it: pass a new tensor, or clone() it"
+    ),
     sparsity.ERR_GROUP_SELECTIONS: (
         "the query heads of a GQA group select different blocks (selections are per kv head: "
         "give the same rows for every query head of a group, or a mask per kv head)"

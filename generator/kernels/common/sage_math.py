@@ -29,7 +29,10 @@ from generator.kernels.common.softmax import RESCALE_THRESHOLD, mask_columns, qu
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 NEG_INF = -cutlass.Float32.inf
-FINITE_FLOOR = -1e30  # below any finite score in log2 units
+# The exponent bases' floor: the lowest finite fp32, so that a row whose scores are all hugely
+# negative (but finite) keeps its true max as the base, while rows with no valid key yet
+# (max -inf) get a finite base and P = exp2(-inf) = 0, never exp2(-inf - -inf) = NaN.
+FINITE_FLOOR = -3.4028234663852886e38
 
 
 @cute.jit

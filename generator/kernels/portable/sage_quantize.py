@@ -10,13 +10,14 @@ smoothing, a channel of v) with a = max(max |x|, AMAX_MIN) and scale candidate c
 The divisions are IEEE (div.rn), each product is one rounding and the conversion rounds to
 nearest even, so a torch reference doing the same fp32 operations reproduces every code and
 scale bit for bit, given c. AMAX_MIN keeps all-zero sets finite: a positive scale and codes
-0. q rows and k groups pick c with search_scale_steps when scale_steps > 1.
+0. q rows and k groups pick c with search_scale_steps when scale_steps > 1. Non-finite inputs
+(NaN, +-inf) count as 0 in every amax, sum and search and get the code NaN: they reach only
+the rows that attend to them, never another row's scale.
 
 The k mean and the v amax run over all Sk tokens, so the tokens of each kv head are cut into
-P chunks of `chunk_tokens` tokens (a multiple of CHUNK_MULTIPLE, so whole launch-2 tiles; chosen
-by the
-host, python/sparseforge/sage.py chunk_tokens). Each CTA has one role on one tensor: a CTA
-that quantized both the k and the v of its chunk needed 255 registers per thread.
+P chunks of `chunk_tokens` tokens (a multiple of CHUNK_MULTIPLE, so whole launch-2 tiles;
+chosen by the host, python/sparseforge/sage.py chunk_tokens). Each CTA has one role on one
+tensor: a CTA that quantized both the k and the v of its chunk needed 255 registers per thread.
 
   launch 1  SageQuantizeStats   grid: 2 Hkv P stats CTAs (k, v alternating), then q CTAs
     k stats CTA (kv head, chunk): column sums of k over the chunk  -> mPartial[h, p, 0, :]
@@ -62,6 +63,7 @@ NUM_THREADS = 128
 VEC = 8  # elements per 16-byte load of bf16 / fp16
 GROUP = KEYS_PER_SCALE  # tokens per k scale, and tokens per thread in a v tile
 FP8_MAX = 448.0  # largest finite e4m3 value
+NAN = float("nan")
 STATS_ROWS = 16  # token rows per thread in flight in a stats CTA
 Q_ROWS_PER_CTA = 64  # token rows per q CTA
 Q_VECS = 4  # 16-byte vectors of a q row per lane (quantize_q)
@@ -79,9 +81,15 @@ def fp8_scales(amax: cutlass.Float32):
 
 
 @cute.jit
+def finite_or(v, fill):
+    """v (a TensorSSA) with its non-finite elements (NaN, +-inf) replaced by `fill`."""
+    return cute.where(abs(v) < cutlass.Float32.inf, v, fill)
+
+
+@cute.jit
 def abs_max(x: cute.Tensor):
-    """max |x| of a register fragment (0 for all zeros)."""
-    return abs(x.load()).reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+    """max |x| over the finite elements of a register fragment (0 for all zeros)."""
+    return abs(finite_or(x.load(), 0.0)).reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
 
 
 @cute.jit
@@ -160,10 +168,11 @@ def squared_misses(y0: cute.Tensor, shrink16: cutlass.Float16):
 
 @cute.jit
 def to_pairs(x: cute.Tensor, inv: cutlass.Float32, pairs: cute.Tensor):
-    """pairs (2, n / 2) f16 = x (n) fp32 * inv, converted two at a time."""
+    """pairs (2, n / 2) f16 = x (n) fp32 * inv, converted two at a time; non-finite elements
+    of x count as 0 (the search ranks the scales of the finite ones)."""
     xp = cute.make_tensor(x.iterator, cute.make_layout((2, cute.size(x) // 2), stride=(1, 2)))
     for k in cutlass.range_constexpr(cute.size(x) // 2):
-        pairs[None, k].store((xp[None, k].load() * inv).to(cutlass.Float16))
+        pairs[None, k].store((finite_or(xp[None, k].load(), 0.0) * inv).to(cutlass.Float16))
 
 
 def pairs_layout(n: int, sets: int):
@@ -173,8 +182,10 @@ def pairs_layout(n: int, sets: int):
 
 @cute.jit
 def to_codes(x: cute.Tensor, inv: cutlass.Float32, codes: cute.Tensor):
-    """codes = e4m3(x * inv), saturating (cvt.rn.satfinite)."""
-    codes.store((x.load() * inv).to(cutlass.Float8E4M3FN))
+    """codes = e4m3(x * inv), saturating (cvt.rn.satfinite), and NaN where x is not finite:
+    an inf or NaN input stays visible to exactly the rows that read its code."""
+    v = x.load()
+    codes.store(cute.where(abs(v) < cutlass.Float32.inf, v * inv, NAN).to(cutlass.Float8E4M3FN))
 
 
 def row_vector(m: cute.Tensor, head, token, group):
@@ -311,7 +322,9 @@ class SageQuantizeStats(_Geometry):
             cute.autovec_copy(row_vector(mX, head, token, cg), rX[u, None])
         x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         for u in cutlass.range_constexpr(STATS_ROWS):
-            x.store(rX[u, None].load().to(cutlass.Float32))
+            # Non-finite elements count as 0: one inf or NaN must not reach other rows'
+            # scales through the k mean or the v channel max.
+            x.store(finite_or(rX[u, None].load().to(cutlass.Float32), 0.0))
             if cutlass.const_expr(stat == STAT_V_MAX):
                 for j in cutlass.range_constexpr(VEC):
                     acc[j] = cute.arch.fmax(acc[j], abs(x[j]))

@@ -11,8 +11,19 @@ CONSTRAINTS = ("units_per_cta",)
 
 
 def bind(kernel, tiles, scale_log2: float, scales=None):
-    """The plan's arguments packed once: the tile lists and the softmax scale."""
-    return kernel.bind(*tiles.tensors(), scale_log2)
+    """(launch, refresh): the plan's arguments packed once (the tile lists and the softmax
+    scale); nothing to refresh before a run."""
+    return kernel.bind(*tiles.tensors(), scale_log2), None
+
+
+def check_sm_scale(sm_scale: float) -> None:
+    """The online softmax takes each row's running max of the raw scores, which is the max of
+    the scaled ones only for a positive scale."""
+    if not sm_scale > 0:
+        raise ValueError(
+            f"sm_scale={sm_scale} is not supported by the bf16/fp16 kernels (they need "
+            "sm_scale > 0); backend='torch' computes any finite sm_scale"
+        )
 
 
 def check_operand(name: str, t) -> None:

@@ -38,14 +38,52 @@ def check_scales(
     return q_scale, k_scale, v_scale
 
 
+def tile_scales_view(k_scale):
+    """k_scale (1, Hkv, G) as the kernels read it, (Hkv, G_pad) with each tile's scales side
+    by side (G_pad = the groups of whole tiles; entries past G are never used: they belong to
+    keys past the sequence, which are masked): a view of the same memory when its rows are
+    G_pad-or-more apart, 16-byte aligned, with the padding of the last row allocated (as
+    sage_fp8_quantize lays it out), else None."""
+    keys = k_scale[0]
+    hkv, groups = keys.shape
+    per_tile = constant("tile_keys") // constant("keys_per_scale")
+    padded = -(-groups // per_tile) * per_tile
+    row, unit = keys.stride()
+    end = keys.storage_offset() + (hkv - 1) * row + padded
+    if unit != 1 or row < padded or row % per_tile or keys.data_ptr() % 16:
+        return None
+    if end * keys.element_size() > keys.untyped_storage().nbytes():
+        return None
+    return keys.as_strided((hkv, padded), (row, 1))
+
+
 def bind(kernel, tiles, scale_log2: float, scales):
-    """The scales as the ABI's (tokens or channels, heads) views, k_scale laid out per tile,
-    then the tile lists and the softmax scale."""
+    """(launch, refresh): the scales as the ABI's (tokens or channels, heads) views, then the
+    tile lists and the softmax scale. The kernels read every scale from the caller's tensors
+    at each run, so scales written in place (re-quantized K/V) take effect; a k_scale whose
+    memory cannot be read per tile in place (tile_scales_view) is read from a copy that
+    `refresh()` (called before each launch) brings up to date: one small copy per run."""
     q_scale, k_scale, v_scale = scales
-    per_tile = planner.tile_key_scales(
-        k_scale[0], constant("keys_per_scale"), constant("tile_keys")
-    )
-    return kernel.bind(q_scale[0].t(), per_tile.t(), v_scale.t(), *tiles.tensors(), scale_log2)
+    per_tile = tile_scales_view(k_scale)
+    refresh = None
+    if per_tile is None:
+        per_scale = constant("keys_per_scale")
+        hkv, groups = k_scale.shape[1:]
+        copy = planner.tile_padded_scales(
+            hkv, groups * per_scale, per_scale, constant("tile_keys"), k_scale.device
+        )
+        per_tile = copy[0]
+
+        def refresh():
+            copy[0, :, :groups].copy_(k_scale[0])
+
+        refresh()
+    launch = kernel.bind(q_scale[0].t(), per_tile.t(), v_scale.t(), *tiles.tensors(), scale_log2)
+    return launch, refresh
+
+
+def check_sm_scale(sm_scale: float) -> None:
+    """Any finite scale: the Sage kernels scale the scores before taking row maxima."""
 
 
 def check_operand(name: str, t) -> None:

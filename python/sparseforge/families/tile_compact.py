@@ -24,7 +24,11 @@ def _launch(device_index: int):
 
 def compact(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile_idx, tile_cnt) of a (Hkv, R, NT) bool tile mask on a GPU: as
-    planner.compact_rows. Any strides (a head mode of stride 0 included: BSR plans)."""
+    planner.compact_rows. Any strides on the heads and rows (a head mode of stride 0: BSR
+    plans); the kernel reads each row's flags with unit stride, so a mask whose last mode
+    is not (a transposed or expanded view) is copied first."""
+    if listed.stride(-1) != 1:
+        listed = listed.contiguous()
     tile_idx = torch.empty(listed.shape, device=listed.device, dtype=torch.int32)
     tile_cnt = torch.empty(listed.shape[:2], device=listed.device, dtype=torch.int32)
     _launch(listed.device.index)((listed.view(torch.uint8), tile_idx, tile_cnt))
