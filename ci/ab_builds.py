@@ -22,7 +22,7 @@ import sys
 CHILD = """
 import json, sys
 from sparseforge.bench import WORKLOADS, run_workload
-KEYS = ("workload", "path", "tflops", "dense_tflops", "err")
+KEYS = ("workload", "path", "tflops", "dense_tflops", "err", "quant_ms")
 for name in sys.argv[1].split(","):
     row = run_workload(WORKLOADS[name], iters=int(sys.argv[2]))
     print("ROW " + json.dumps({k: row[k] for k in KEYS}))
@@ -56,9 +56,10 @@ def main(argv=None) -> int:
         for name, path in builds if r % 2 == 0 else builds[::-1]:
             for row in run_build(path, args.workloads, args.iters):
                 results.append((r, name, row))
+                quant = "" if row["quant_ms"] is None else f", quantizer {row['quant_ms']:.3f} ms"
                 print(
                     f"round {r} {name} {row['workload']}: {row['tflops']:.0f} TFLOPS, "
-                    f"cuDNN {row['dense_tflops']:.0f}, err {row['err']:.2e}",
+                    f"cuDNN {row['dense_tflops']:.0f}, err {row['err']:.2e}{quant}",
                     flush=True,
                 )
     names = [name for name, _ in builds]

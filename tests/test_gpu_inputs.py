@@ -9,6 +9,7 @@ import torch
 from sparseforge import (
     BlockSparseAttentionWrapper,
     VariableBlockSparseAttentionWrapper,
+    VariantNotBuiltError,
     reference,
     sage_fp8_quantize,
 )
@@ -147,7 +148,7 @@ def test_a_plan_that_fails_after_its_gpu_checks_started_leaves_no_pending_error(
     w.plan(None, None, seq, seq, 64, 64, hq, hkv, d, block_mask=good, q_data_type=torch.bfloat16)
     want = w.run(q, kv, kv)
     bad = torch.full((hq, 4, 2), 9, dtype=torch.int32, device=DEV)  # out of range: a GPU error
-    with pytest.raises(ValueError, match="head_dim 96 is not built"):
+    with pytest.raises(VariantNotBuiltError, match="head_dim 96 is not built"):
         w.plan(
             None, None, seq, seq, 64, 64, hq, hkv, 96, q2k_indices=bad, q_data_type=torch.bfloat16
         )

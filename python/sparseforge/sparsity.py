@@ -15,6 +15,7 @@ group differ set ERR_GROUP_SELECTIONS.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,8 @@ def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
     per_row.index_add_(0, torch.where(valid, rows, num_row_blocks), valid.to(torch.int64))
     errors = (
         _flag((cols < 0) | (cols >= num_col_blocks), ERR_INDEX_RANGE)
-        + _flag(per_row[:num_row_blocks] != mask.sum(-1, dtype=torch.int64), ERR_DUPLICATE)
-        + _flag(
+        | _flag(per_row[:num_row_blocks] != mask.sum(-1, dtype=torch.int64), ERR_DUPLICATE)
+        | _flag(
             (ptr[0] != 0) | (ptr[-1] != indices.numel()) | (ptr[1:] < ptr[:-1]).any(), ERR_INDPTR
         )
     )
@@ -95,14 +96,14 @@ def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
     errors = torch.zeros((), device=device, dtype=torch.int32)
     if q2k_num is not None:
         num = q2k_num.to(device=device, dtype=torch.int64)
-        errors = errors + _flag((num < 0) | (num > topk), ERR_Q2K_NUM)
+        errors = errors | _flag((num < 0) | (num > topk), ERR_Q2K_NUM)
         used = torch.arange(topk, device=device) < num.unsqueeze(-1)
     valid = in_range & used
     mask = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
     mask.scatter_(2, torch.where(valid, idx, num_col_blocks), True)
     mask = mask[..., :num_col_blocks]
-    errors = errors + _flag(used & ~in_range, ERR_INDEX_RANGE)
-    errors = errors + _flag(
+    errors = errors | _flag(used & ~in_range, ERR_INDEX_RANGE)
+    errors = errors | _flag(
         valid.sum(-1, dtype=torch.int32) != mask.sum(-1, dtype=torch.int32), ERR_DUPLICATE
     )
     return mask, errors
@@ -135,16 +136,17 @@ def kv_block_lens_errors(kv_block_lens, block: int) -> torch.Tensor:
     return _flag((kv_block_lens < 1) | (kv_block_lens > block), ERR_KV_BLOCK_LENS)
 
 
-def _add_errors(errors, more):
-    """Sum two error-bit scalars; where one is on the host and one on the GPU, on the GPU
-    (a non-blocking copy), so that the GPU's checks are not dropped."""
-    if errors is None:
-        return more
-    if errors.device == more.device:
-        return errors + more
-    if errors.device.type == "cpu":
-        return errors.to(more.device, non_blocking=True) + more
-    return errors + more.to(errors.device, non_blocking=True)
+def combine_errors(errors, more):
+    """The union of two error-bit scalars (either may be None); where one is on the host and
+    one on the GPU, on the GPU (a non-blocking copy), so that the GPU's checks are kept."""
+    if errors is None or more is None:
+        return more if errors is None else errors
+    if errors.device != more.device:
+        if errors.device.type == "cpu":
+            errors = errors.to(more.device, non_blocking=True)
+        else:
+            more = more.to(errors.device, non_blocking=True)
+    return errors | more
 
 
 def from_bsr_wrapper(
@@ -192,7 +194,7 @@ def from_bsr_wrapper(
             q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
         )
         if group > 1:
-            errors = errors + group_selection_errors(sorted_selections(q2k_indices, q2k_num), group)
+            errors = errors | group_selection_errors(sorted_selections(q2k_indices, q2k_num), group)
         source = "q2k_indices / q2k_num"
     elif block_mask is not None:
         if (
@@ -226,7 +228,7 @@ def from_bsr_wrapper(
         mask = mask.expand(num_kv_heads, -1, -1)
         source = "indptr / indices"
     if kv_block_lens is not None:
-        errors = _add_errors(errors, kv_block_lens_errors(kv_block_lens, C))
+        errors = combine_errors(errors, kv_block_lens_errors(kv_block_lens, C))
         source += " / kv_block_lens"
         kv_block_lens = kv_block_lens.to(device, non_blocking=non_blocking)
     host_rows, host_cols = uniform_sizes(M, R), uniform_sizes(N, C)
@@ -276,6 +278,6 @@ def from_block_mask_map(
         host_col_sizes=host_cols,
         seq_q=int(seq_q[0]),
         seq_k=int(seq_k[0]),
-        errors=sum(stale[1:], stale[0]) if stale else None,
+        errors=functools.reduce(combine_errors, stale, None),
         source="block_mask_map / block_row_sz / block_col_sz",
     )

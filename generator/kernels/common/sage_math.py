@@ -46,6 +46,14 @@ def load_row_scales(mQScale, head, first_row, coord_mn, scale_log2, out):
 
 
 @cute.jit
+def load_channel_scales(mVScale, kv_head, coord_mn, out):
+    """out[c] = v_scale of this thread's output column c (the softmax_finalize column_scale:
+    V was quantized per channel)."""
+    for c in cutlass.range_constexpr(cute.size(out)):
+        out[c] = mVScale[coord_mn[0, c][1], kv_head]
+
+
+@cute.jit
 def load_key_scales(head_scales, tile, out):
     """out[g] = k_scale of the g-th 16-key group of 64-key tile `tile`, from a kv head's
     k_scale row (mKScale[None, kv_head]): one 16-byte load (the ABI lays k_scale out per

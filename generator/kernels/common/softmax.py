@@ -61,6 +61,20 @@ def new_softmax_state(num_rows: int):
 # output's rescale, a multiply per output element, is skipped for most tiles.
 RESCALE_THRESHOLD = 8.0
 
+# bf16 probabilities are offset by 2^-P_OFFSET_BF16 (P = exp2(x - max - offset)): bf16 V
+# reaches 3.4e38, and an unnormalised fp32 sum of P V with P up to 2^8 over many keys
+# would overflow where the normalised result is finite. 2^-40 keeps P in bf16's normal
+# range (its exponent range is fp32's) and the sum finite up to 2^32 keys; fp16 V cannot
+# overflow the sum (|v| <= 65504) and fp16 P has no room, so it keeps offset 0. The LSE adds
+# the offset back.
+P_OFFSET_BF16 = 40.0
+# Largest finite value of each output type: a normalised row may round a hair past it.
+LARGEST = {cutlass.Float16: 65504.0, cutlass.BFloat16: 3.3895313892515355e38}
+
+
+def probability_offset(dtype) -> float:
+    return P_OFFSET_BF16 if dtype == cutlass.BFloat16 else 0.0
+
 
 @cute.jit
 def rescale_rows(acc_o_mn: cute.Tensor, r, correction):
@@ -70,9 +84,17 @@ def rescale_rows(acc_o_mn: cute.Tensor, r, correction):
 
 
 @cute.jit
-def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor):
-    """Online softmax step, in the log2 domain: scores become probabilities (in place) and
-    the output rows are rescaled when the running max moves (RESCALE_THRESHOLD).
+def softmax_update(
+    row_max,
+    row_sum,
+    scale_log2,
+    acc_s_mn: cute.Tensor,
+    acc_o_mn: cute.Tensor,
+    p_offset: cutlass.Constexpr = 0.0,
+):
+    """Online softmax step, in the log2 domain: scores become probabilities (in place),
+    times 2^-p_offset (probability_offset), and the output rows are rescaled when the
+    running max moves (RESCALE_THRESHOLD).
 
     Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
     that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf.
@@ -87,7 +109,10 @@ def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn
         base = new_max * scale_log2
         if new_max == -cutlass.Float32.inf:
             base = cutlass.Float32(0.0)
-        probs = cute.math.exp2(row * scale_log2 - base, fastmath=True)
+        p_base = base
+        if cutlass.const_expr(p_offset != 0.0):
+            p_base = base + p_offset
+        probs = cute.math.exp2(row * scale_log2 - p_base, fastmath=True)
         # Exactly 1 while the max holds: exp2(prev * s - base) would be fused into an FMA
         # whose result is fl(prev * s)'s rounding error, not 0, and rescale half the tiles.
         correction = cutlass.Float32(1.0)
@@ -102,17 +127,46 @@ def softmax_update(row_max, row_sum, scale_log2, acc_s_mn: cute.Tensor, acc_o_mn
 
 
 @cute.jit
-def softmax_finalize(row_max, row_sum, scale_log2, acc_o_mn: cute.Tensor, lse: cute.Tensor):
-    """Normalise the output rows; write each row's natural-log LSE into `lse`."""
+def softmax_finalize(
+    row_max,
+    row_sum,
+    scale_log2,
+    acc_o_mn: cute.Tensor,
+    lse: cute.Tensor,
+    p_offset: cutlass.Constexpr = 0.0,
+    column_scale=None,
+):
+    """Normalise the output rows, then scale their columns by `column_scale` (a register
+    tensor, one value per column of this thread: Sage's per-channel V scales, applied after
+    the normalisation so that a large scale cannot overflow the unnormalised sum); write each
+    row's natural-log LSE (p_offset added back) into `lse`."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         total = quad_sum(row_sum[r])
         inv = cutlass.Float32(0.0)
         row_lse = -cutlass.Float32.inf
         if total > 0.0:
             inv = cute.arch.rcp_approx(total)
-            row_lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            log_total = cute.math.log2(total, fastmath=True)
+            if cutlass.const_expr(p_offset != 0.0):
+                log_total = log_total + p_offset
+            row_lse = (row_max[r] * scale_log2 + log_total) * LN_2
         lse[r] = row_lse
-        acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
+        if cutlass.const_expr(column_scale is None):
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
+        else:
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv * column_scale.load()
+
+
+@cute.jit
+def saturated(values, dtype):
+    """values (a TensorSSA) with finite entries beyond `dtype`'s largest finite value set to
+    it, signs kept (a normalised average of values at the type's limit can round past it);
+    inf and NaN stay as they are."""
+    big = LARGEST[dtype]
+    magnitude = abs(values)
+    clamped = cute.where(values > 0.0, cute.full_like(values, big), cute.full_like(values, -big))
+    finite_beyond = cute.where(magnitude < cutlass.Float32.inf, clamped, values)
+    return cute.where(magnitude > big, finite_beyond, values)
 
 
 @cute.jit

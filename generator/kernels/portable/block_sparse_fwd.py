@@ -27,6 +27,8 @@ from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
     new_softmax_state,
+    probability_offset,
+    saturated,
     softmax_finalize,
     softmax_update,
 )
@@ -41,6 +43,7 @@ class BlockSparseFwdWarpMma:
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.p_offset = probability_offset(dtype)
         self.barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=NUM_THREADS)
 
     @staticmethod
@@ -254,7 +257,9 @@ class BlockSparseFwdWarpMma:
             acc_S_mn = acc_mn_view(acc_S)
             if tile_len < TILE_N:
                 mask_columns(acc_S_mn, tScS_mn, tile_len)
-            softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
+            softmax_update(
+                row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
+            )
 
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
@@ -285,8 +290,10 @@ class BlockSparseFwdWarpMma:
         chunk,
         head,
         tidx,
+        column_scale=None,
     ):
-        """Normalise O, write LSE, and O (mO's dtype) through `sO` with 16-byte stores.
+        """Normalise O (then scale its columns: softmax_finalize), write LSE, and O (mO's
+        dtype) through `sO` with 16-byte stores.
 
         `tOcO` is `gmem_store`'s partition of the tile's coordinates; rows >= rows_left are
         not written. The caller has waited for every cp.async into the memory under `sO`.
@@ -297,7 +304,9 @@ class BlockSparseFwdWarpMma:
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
         )
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
-        softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
+        softmax_finalize(
+            row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse, self.p_offset, column_scale
+        )
         lane = tidx % 32
         for r in cutlass.range_constexpr(cute.size(row_lse)):
             row = tOcO_mn[r, 0][0]
@@ -305,7 +314,7 @@ class BlockSparseFwdWarpMma:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
         rO = cute.make_fragment_like(acc_O, out_dtype)
-        rO.store(acc_O.load().to(out_dtype))
+        rO.store(saturated(acc_O.load(), out_dtype).to(out_dtype))
         self.barrier.arrive_and_wait()
         r2s_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), tiled_mma

@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.sage_fp8_fwd import KEYS_PER_SCALE
 from generator.kernels.common.sage_math import (
     accumulate_tile,
+    load_channel_scales,
     load_key_scales,
     load_row_scales,
     sage_softmax_step,
@@ -203,15 +204,12 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
 
         # A unit with no tiles never waited for its Q copy: wait before sO (over sQ) is written.
         cute.arch.cp_async_wait_group(0)
-        # V was quantized per channel: scale the output columns back.
-        acc_O_mn = acc_mn_view(acc_O)
+        # V was quantized per channel: the output columns are scaled back once normalised.
         tOcO_mn = acc_mn_view(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
         )
-        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-            channel_scale = args.mVScale[tOcO_mn[0, c][1], kv_head]
-            for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        channel_scale = cute.make_fragment_like(acc_mn_view(acc_O)[0, None], cutlass.Float32)
+        load_channel_scales(args.mVScale, kv_head, tOcO_mn, channel_scale)
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
         self.store_output(
@@ -229,6 +227,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             chunk,
             head,
             tidx,
+            channel_scale,
         )
 
     @cute.jit

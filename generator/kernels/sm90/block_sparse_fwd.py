@@ -43,6 +43,8 @@ from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
     new_softmax_state,
+    probability_offset,
+    saturated,
     softmax_finalize,
     softmax_update,
 )
@@ -63,6 +65,7 @@ class BlockSparseFwdSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.warpgroups = warpgroups
+        self.p_offset = probability_offset(dtype)
         self.num_threads = CONSUMER_THREADS * warpgroups  # warp 0 also issues the loads
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
@@ -668,16 +671,32 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def finish(
-        self, pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
+        self,
+        pv_mma,
+        acc_O,
+        row_max,
+        row_sum,
+        scale_log2,
+        sO,
+        mO,
+        mLSE,
+        head,
+        chunk,
+        tidx,
+        bar,
+        column_scale=None,
     ):
-        """Epilogue: normalise, LSE, O through shared memory (free by now) to 16-byte stores."""
+        """Epilogue: normalise (then scale columns: softmax_finalize), LSE, O through shared
+        memory (free by now) to 16-byte stores."""
         d = self.head_dim
         out_dtype = mO.element_type
         tOcO_mn = acc_mn_view(
             pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
         )
         row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
-        softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse)
+        softmax_finalize(
+            row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse, self.p_offset, column_scale
+        )
         rows_left = mO.shape[0] - chunk * TILE_M
         for r in cutlass.range_constexpr(cute.size(row_lse)):
             row = tOcO_mn[r, 0][0]
@@ -685,7 +704,7 @@ class BlockSparseFwdSm90:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
         rO = cute.make_fragment_like(acc_O, out_dtype)
-        rO.store(acc_O.load().to(out_dtype))
+        rO.store(saturated(acc_O.load(), out_dtype).to(out_dtype))
         bar.arrive_and_wait()
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), pv_mma
@@ -753,7 +772,7 @@ class BlockSparseFwdSm90:
         acc_S_mn = acc_mn_view(acc_S)
         if tile_len < TILE_N:
             mask_columns(acc_S_mn, tScS_mn, tile_len)
-        softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O))
+        softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         return cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))

@@ -30,6 +30,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from generator.families.sage_fp8_fwd import KEYS_PER_SCALE
 from generator.kernels.common.sage_math import (
     add_partial,
+    load_channel_scales,
     load_key_scales,
     load_row_scales,
     permuted_key,
@@ -328,12 +329,10 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
                 add_partial(acc_O_mn, acc_PV_mn, beta, s * cute.size(acc_PV_mn, mode=[1]))
             v_handle.release()
 
-        # V was quantized per channel: scale the output columns back.
+        # V was quantized per channel: the output columns are scaled back once normalised.
         tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
-        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-            channel_scale = mVScale[tOcO_mn[0, c][1], kv_head]
-            for r in cutlass.range_constexpr(rows):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * channel_scale
+        channel_scale = cute.make_fragment_like(acc_O_mn[0, None], cutlass.Float32)
+        load_channel_scales(mVScale, kv_head, tOcO_mn, channel_scale)
         if cutlass.const_expr(self.warpgroups > 1):  # the output tiles reuse the shared ring
             cute.arch.sync_threads()
         # Scores are already in log2 units (scale_log2 is inside row_scale).
@@ -350,6 +349,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             chunk,
             tidx,
             bar,
+            channel_scale,
         )
 
     @cute.jit
