@@ -373,9 +373,13 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def read_load_ids(self, tile_ids, num_tiles, first, ids):
-        """Tile ids of loads first and first + 1 (clamped to the list; unused past its end)."""
+        """Tile ids of loads first and first + 1; past the list's end (where they are not
+        used) nothing is read: entries past a row's count were never written, and an empty
+        row's "last entry" would lie before the row."""
         for i in cutlass.range_constexpr(2):
-            ids[i] = tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)]
+            n = (first + i) // 2
+            if n < num_tiles:
+                ids[i] = tile_ids[n]
 
     @cute.jit
     def start_ring(self, q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids):
