@@ -373,13 +373,12 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def read_load_ids(self, tile_ids, num_tiles, first, ids):
-        """Tile ids of loads first and first + 1; past the list's end (where they are not
-        used) nothing is read: entries past a row's count were never written, and an empty
-        row's "last entry" would lie before the row."""
+        """Tile ids of loads first and first + 1 (clamped to the list, whose entries past
+        its end are not used; the list must not be empty: its "last entry" would lie
+        before the row). A predicated read instead of the clamp cost F1 6%:
+        bench/results/2026-12-01_37d12d3_vs_592542c_h200_tile_id_reads_ab.md."""
         for i in cutlass.range_constexpr(2):
-            n = (first + i) // 2
-            if n < num_tiles:
-                ids[i] = tile_ids[n]
+            ids[i] = tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
     def start_ring(self, q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids):
@@ -396,7 +395,8 @@ class BlockSparseFwdSm90:
             for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
                 self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
                 kv_producer.advance()
-            self.read_load_ids(tile_ids, num_tiles, self.kv_stages, next_ids)
+            if num_tiles > 0:  # an empty list has no ids to read (refill_ring never runs)
+                self.read_load_ids(tile_ids, num_tiles, self.kv_stages, next_ids)
         return kv_producer
 
     @cute.jit
