@@ -239,6 +239,8 @@ def extreme_inputs(case, dtype, hq, hkv, seq, d, seed=5):
         )  # |q.k| ~ 5e6, v at the dtype's max
     elif case == "hugely negative logits":
         q, k = q.abs() * 100, -k.abs() * 100  # every logit ~ -1e5 x scale
+    elif case == "logits below -1e30":  # bf16 only: every logit ~ -1e35, finite in fp32
+        q, k = q.abs() * 1e17, -k.abs() * 1e17
     elif case == "one huge logit per row":
         k[:, 7] = 300.0
         q = q.abs() + 1
@@ -263,29 +265,46 @@ def test_extreme_finite_inputs_give_the_references_finite_outputs(backend, dtype
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-3, atol=1e-3)
 
 
+HUGE_LOGITS = pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: logits of magnitude beyond ~2^24 (log2 units) lose the exponent "
+    "argument to the FMA's rounding (exp2(s * c - fl(s * c)) is that rounding error, not 0), so "
+    "P overflows or vanishes; needs an unfused path for such rows",
+)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["hugely negative logits", "one huge logit per row"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "hugely negative logits",
+        pytest.param("logits below -1e30", marks=HUGE_LOGITS),
+        "one huge logit per row",
+    ],
+)
 def test_extreme_finite_inputs_on_the_sage_path(backend, case):
+    """Logits below -1e30 (no K smoothing, which would shift them back): the softmax is
+    one-hot and which key wins depends on rounding, so the output is checked to be finite,
+    non-zero and a convex combination of V's rows, not against the reference's argmax."""
     hq, hkv, d, seq = 2, 2, 64, 256
     q, k, v = extreme_inputs(case, torch.bfloat16, hq, hkv, seq, d)
-    qz = sage_fp8_quantize(q, k, v)
+    qz = sage_fp8_quantize(q, k, v, smooth_k=case != "logits below -1e30")
     mask = torch.ones(hkv, 4, 4, dtype=torch.bool, device=DEV)
     w = plan_variable(
-        mask,
-        hq,
-        d,
-        seq,
-        backend=backend,
-        dtype=FP8,
-        q_scale=qz.q_scale,
-        k_scale=qz.k_scale,
-        v_scale=qz.v_scale,
-    )
+        mask, hq, d, seq, backend=backend, dtype=FP8,
+        q_scale=qz.q_scale, k_scale=qz.k_scale, v_scale=qz.v_scale,
+    )  # fmt: skip
     out, lse = run(w, qz.q, qz.k, qz.v)
-    ref, _ = reference_hnd(
-        mask, *reference.sage_dequantize(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale), seq
-    )
+    dequantized = reference.sage_dequantize(qz.q, qz.k, qz.v, qz.q_scale, qz.k_scale, qz.v_scale)
     assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+    if case == "logits below -1e30":
+        v_rows = dequantized[2].repeat_interleave(hq // hkv, 0)  # (Hq, Sk, D)
+        low, high = v_rows.amin(1, keepdim=True), v_rows.amax(1, keepdim=True)
+        slack = 0.02 * (high - low)
+        assert (out.float() >= low - slack).all() and (out.float() <= high + slack).all()
+        assert (out.float().abs().amax(-1) > 0).all(), "rows lost their keys"
+        return
+    ref, _ = reference_hnd(mask, *dequantized, seq)
     cos = float((out.double() * ref).sum() / (out.double().norm() * ref.norm()))
     assert cos > 0.999, cos
 
