@@ -17,6 +17,7 @@ from sparseforge import (
     planner,
     reference,
 )
+from sparseforge.check import ragged_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -67,18 +68,6 @@ def random_inputs(hq, hkv, sq, sk, d, dtype):
     k = torch.randn(hkv, sk, d, device=DEV, dtype=dtype)
     v = torch.randn(hkv, sk, d, device=DEV, dtype=dtype)
     return q, k, v
-
-
-def ragged_mask(hkv, mb, nb, seed):
-    """Every row count from 0 to nb appears: top-k with k drawn per row."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(hkv, mb, nb, generator=gen)
-    topk = torch.randint(0, nb + 1, (hkv, mb, 1), generator=gen)
-    rank = scores.argsort(-1).argsort(-1)
-    mask = rank < topk
-    mask[0, 0] = False  # an empty row
-    mask[-1, -1] = True  # a full row
-    return mask
 
 
 def run_variable(mask, row_sz, col_sz, q, k, v, backend, sm_scale=None):

@@ -15,6 +15,7 @@ import pytest
 import sparseforge
 import torch
 from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, reference
+from sparseforge.check import ragged_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -54,16 +55,6 @@ def bf16_inputs(hq, hkv, sq, sk, d, seed):
     k = torch.randn(hkv, sk, d, device=DEV, dtype=torch.bfloat16, generator=gen)
     v = torch.randn(hkv, sk, d, device=DEV, dtype=torch.bfloat16, generator=gen)
     return q, k, v
-
-
-def ragged_mask(hkv, mb, nb, seed):
-    """Row counts from 0 to nb: top-k with k drawn per row; one empty and one full row."""
-    gen = torch.Generator().manual_seed(seed)
-    rank = torch.rand(hkv, mb, nb, generator=gen).argsort(-1).argsort(-1)
-    mask = rank < torch.randint(0, nb + 1, (hkv, mb, 1), generator=gen)
-    mask[0, 0] = False
-    mask[-1, -1] = True
-    return mask
 
 
 def plan_variable(mask, sizes_q, sizes_k, hq, hkv, d, qz, backend):
