@@ -45,7 +45,6 @@ from sparseforge.plan import Plan
 BACKENDS = dispatch.BACKENDS
 SAGE_DTYPE = torch.float8_e4m3fn
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, SAGE_DTYPE)
-LOG2_E = math.log2(math.e)
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -94,10 +93,9 @@ def _sm_scale(sm_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a number, got {type(sm_scale).__name__}")
-    if not math.isfinite(sm_scale) or abs(sm_scale) * LOG2_E > FP32_MAX:
-        raise ValueError(
-            f"sm_scale={sm_scale} must be a finite number below {FP32_MAX / LOG2_E:.3g} in size"
-        )
+    largest = FP32_MAX / dispatch.LOG2_E
+    if not math.isfinite(sm_scale) or abs(sm_scale) > largest:
+        raise ValueError(f"sm_scale={sm_scale} must be a finite number below {largest:.3g} in size")
     return float(sm_scale)
 
 
