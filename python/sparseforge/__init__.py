@@ -13,6 +13,7 @@ from sparseforge.errors import (
 )
 from sparseforge.sage import SageFP8Tensors, quantize_bandwidth, sage_fp8_quantize
 from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+from sparseforge.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "SageFP8Tensors",
     "quantize_bandwidth",
     "sage_fp8_quantize",
+    "video_sparse_attention",
     "KernelLaunchError",
     "NoGPUError",
     "NotBuiltError",

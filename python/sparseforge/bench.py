@@ -208,6 +208,8 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
         workload=w.name,
         path=wrapper.backend_in_use,
         ms=ms,
+        dense_ms=dense_ms,
+        density=w.topk * w.block / w.seq,
         tflops=flops / (ms * 1e9),
         dense_tflops=dense_flops / (dense_ms * 1e9),
         err=err,
@@ -289,6 +291,58 @@ def table(rows: list[dict]) -> str:
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def density_sweep(topks=(4, 8, 16, 32, 64, 128, 256), iters: int = 20) -> list[dict]:
+    """W1's shape (H 32, S 32768, 64-token blocks) at several top-k, bf16 and Sage FP8: the
+    rows of the TFLOPS-vs-density chart."""
+    rows = []
+    for sage in (False, True):
+        for topk in topks:
+            w = Workload(f"{'F' if sage else 'W'}@{topk}", 32, 32, 32768, 64, topk, sage=sage)
+            rows.append(run_workload(w, iters=iters))
+    return rows
+
+
+def plot(rows: list[dict], sweep: list[dict], out_dir: str, title: str) -> list[str]:
+    """Two PNG charts (matplotlib): effective TFLOPS against density, bf16 and Sage FP8 beside
+    cuDNN dense (`sweep` rows), and time per workload, sparse against dense (`rows`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sage, label in ((False, "sparseforge bf16"), (True, "sparseforge Sage FP8")):
+        points = sorted(
+            (r["density"], r["tflops"]) for r in sweep if r["workload"].startswith("F") == sage
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    if sweep:
+        dense = statistics.median(r["dense_tflops"] for r in sweep)
+        ax.axhline(dense, color="gray", linestyle="--", label=f"cuDNN dense bf16 ({dense:.0f})")
+    ax.set(xscale="log", xlabel="density (selected keys / all keys)", ylabel="effective TFLOPS")
+    ax.set_title(f"H 32, S 32768, 64-token blocks\n{title}", fontsize=9)
+    ax.legend()
+    paths.append(os.path.join(out_dir, "tflops_vs_density.png"))
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["workload"] for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["ms"] for r in rows], width=0.4, label="sparseforge")
+    ax.bar([i + 0.2 for i in x], [r["dense_ms"] for r in rows], width=0.4, label="cuDNN dense")
+    ax.set_xticks(list(x), names)
+    ax.set(ylabel="ms per call", yscale="log")
+    ax.set_title(f"standard workloads (docs/benchmarks.md)\n{title}", fontsize=9)
+    ax.legend()
+    paths.append(os.path.join(out_dir, "time_per_workload.png"))
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths
 
 
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
@@ -386,6 +440,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", help="also write the table (markdown) here")
+    parser.add_argument("--plot", metavar="DIR", help="also write PNG charts there (matplotlib)")
     parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
@@ -433,6 +488,9 @@ def main(argv=None) -> int:
         ]
     )
     print(report)
+    if args.plot:
+        for path in plot(rows, density_sweep(), args.plot, describe_run()):
+            print(f"wrote {path}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")

@@ -232,3 +232,61 @@ def sage_fp8_quantize(q, k, v, smooth_k=True, k_mean=None, scale_search=True):
         v_scale=v_scale.view(hkv, d),
         k_mean=k_mean,
     )
+
+
+# --- video sparse attention (sparseforge/vsa.py): the recipe's coarse stage --------------
+
+VSA_TILE = 64  # tokens per tile: the block of the fine attention
+
+
+def tile_means(x: torch.Tensor, tile: int = VSA_TILE) -> torch.Tensor:
+    """(..., S, D) -> (..., ceil(S / tile), D): the mean over each tile's tokens, in fp32
+    (the last tile averages only the tokens it has)."""
+    s = x.shape[-2]
+    tiles = -(-s // tile)
+    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, tiles * tile - s))
+    sums = padded.unflatten(-2, (tiles, tile)).sum(-2)
+    counts = torch.full((tiles, 1), float(tile), device=x.device)
+    counts[-1] = s - (tiles - 1) * tile
+    return sums / counts
+
+
+def coarse_logits(q_tiles, k_tiles, sm_scale: float):
+    """(B, Hq, T, T) scaled logits between query tiles and key tiles (GQA: kv tiles repeated)."""
+    group = q_tiles.shape[1] // k_tiles.shape[1]
+    return q_tiles @ k_tiles.repeat_interleave(group, 1).transpose(-1, -2) * sm_scale
+
+
+def select_tiles(logits: torch.Tensor, num_kv_heads: int, topk: int) -> torch.Tensor:
+    """(B, Hkv, T, topk) int64 key tiles per (batch, kv head, query tile): the top-k of the
+    group's mean coarse logits, in torch.topk's order (which of two equal logits wins is
+    torch's choice)."""
+    b, hq, t, _ = logits.shape
+    grouped = logits.unflatten(1, (num_kv_heads, hq // num_kv_heads)).mean(2)
+    return grouped.topk(min(topk, t), dim=-1).indices
+
+
+def video_sparse_attention(q, k, v, *, topk, sm_scale=None, gate=None):
+    """sparseforge.video_sparse_attention with the fine attention computed by attention() on
+    the token mask of the selected tiles (the pooling, logits and top-k above are the
+    recipe's own, shared with it). q, k, v as there; fp64 on the CPU, fp32 on a GPU."""
+    batched = q.dim() == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    q_tiles, k_tiles, v_tiles = tile_means(q), tile_means(k), tile_means(v)
+    logits = coarse_logits(q_tiles, k_tiles, scale)
+    selected = select_tiles(logits, hkv, topk).cpu()  # (B, Hkv, T, k)
+    tiles = selected.shape[2]
+    blocks = torch.zeros(b, hkv, tiles, tiles, dtype=torch.bool)
+    blocks.scatter_(-1, selected, True)
+    sizes = uniform_sizes(s, VSA_TILE)
+    mask = block_mask_to_token_mask(blocks.flatten(0, 1), sizes, sizes)
+    out, _ = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, scale)
+    out = out.unflatten(0, (b, hq))
+    if gate is not None:
+        coarse = torch.softmax(logits, -1) @ v_tiles.repeat_interleave(hq // hkv, 1)
+        out = out + gate * coarse.repeat_interleave(sizes.to(coarse.device), dim=2)
+    return out if batched else out[0]

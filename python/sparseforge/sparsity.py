@@ -168,7 +168,7 @@ def from_bsr_wrapper(
 ) -> Selection:
     """The BlockSparseAttentionWrapper's forms: direct selections, a block mask, or BSR
     (in that order of precedence; mixing q2k with the others is an error)."""
-    mb, nb = -(-M // R), N // C
+    mb, nb = -(-M // R), -(-N // C)  # the wrapper asks N % C == 0; VSA has a ragged last tile
     group = num_qo_heads // num_kv_heads
     if kv_block_lens is not None:
         check_index_tensor("kv_block_lens", kv_block_lens, (nb,), torch.int32, device)
