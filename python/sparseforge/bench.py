@@ -41,6 +41,7 @@ class Workload:
     topk: int
     head_dim: int = 128
     sage: bool = False  # Sage FP8 (e4m3 q/k/v, bf16 out)
+    vsa: bool = False  # video_sparse_attention end to end: selection + attention
 
 
 WORKLOADS = {
@@ -53,6 +54,8 @@ WORKLOADS = {
         Workload("W5", 32, 32, 32768, 128, 32),
         Workload("F1", 32, 32, 32768, 64, 64, sage=True),
         Workload("F3", 32, 8, 32768, 64, 64, sage=True),
+        Workload("V1", 32, 32, 32768, 64, 64, vsa=True),
+        Workload("V3", 32, 8, 32768, 64, 64, vsa=True),
     )
 }
 
@@ -128,9 +131,45 @@ def sage_inputs(q, k, v, smooth_k: bool = True, scale_search: bool = True):
     return sage_fp8_quantize(q, k, v, smooth_k=smooth_k, scale_search=scale_search), us / 1e3, gbps
 
 
+def run_vsa_workload(w: Workload, iters: int = 30) -> dict:
+    """video_sparse_attention end to end (pooling, coarse logits, top-k, plan, fine
+    attention) at a workload's shape, beside cuDNN dense; the error is against the recipe's
+    reference on a slice of heads."""
+    from sparseforge import video_sparse_attention
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (
+        torch.randn(h, w.seq, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        for h in (w.heads_q, w.heads_kv, w.heads_kv)
+    )
+    out = video_sparse_attention(q, k, v, topk=w.topk)
+    ms = cuda_time_ms(lambda: video_sparse_attention(q, k, v, topk=w.topk), iters=iters)
+    dense_ms = cudnn_dense_ms(q, k, v, iters=iters)
+    group = w.heads_q // w.heads_kv
+    ref = reference.video_sparse_attention(
+        q[:group, :4096], k[:1, :4096], v[:1, :4096], topk=w.topk // 8
+    )
+    got = video_sparse_attention(q[:group, :4096], k[:1, :4096], v[:1, :4096], topk=w.topk // 8)
+    err = float((got.double() - ref.double()).norm() / ref.double().norm())
+    cos = float((got.double() * ref).sum() / (got.double().norm() * ref.double().norm()))
+    flops = 4.0 * w.heads_q * w.seq * (w.topk * w.block) * w.head_dim
+    dense_flops = 4.0 * w.heads_q * w.seq * w.seq * w.head_dim
+    assert torch.isfinite(out.float()).all()
+    return dict(
+        workload=w.name, path="video_sparse_attention", ms=ms, dense_ms=dense_ms,
+        density=w.topk * w.block / w.seq, tflops=flops / (ms * 1e9),
+        dense_tflops=dense_flops / (dense_ms * 1e9), err=err, cos=cos,
+        floor_ms=flops / (MATMUL_CEILING_TFLOPS * 1e9), quant_ms=None, quant_gbps=None,
+        amax_scales="",
+    )  # fmt: skip
+
+
 def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     from sparseforge import VariableBlockSparseAttentionWrapper
 
+    if w.vsa:
+        return run_vsa_workload(w, iters)
     device = torch.device("cuda")
     mb = nb = w.seq // w.block
     mask = random_selection(w.heads_kv, mb, nb, w.topk).to(device)
