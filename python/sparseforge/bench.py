@@ -384,6 +384,35 @@ def plot(rows: list[dict], sweep: list[dict], out_dir: str, title: str) -> list[
     return paths
 
 
+def diffusers_forward_times(frames: int = 21, side: int = 80, layers: int = 4, topk: int = 64):
+    """(dense ms, sparse ms, tokens) of a diffusers WanTransformer3DModel forward pass with
+    random weights (Wan 1.3B's width: 12 heads of 128; `layers` blocks), the latents of a
+    video of `frames` x side x side (21 x 80 x 80 at patch 1x2x2: 33,600 tokens), dense
+    attention against enable_sparse_attention(topk) (64-token tiles: topk 64 of 525 is 12%)."""
+    import diffusers
+
+    from sparseforge.diffusers_processor import enable_sparse_attention
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers,
+    ).to(device, torch.bfloat16).eval()  # fmt: skip
+    latents = torch.randn(1, 16, frames, side, side, device=device, dtype=torch.bfloat16)
+    text = torch.randn(1, 512, 4096, device=device, dtype=torch.bfloat16)
+    step = torch.tensor([500], device=device)
+
+    def forward():
+        with torch.no_grad():
+            return model(latents, timestep=step, encoder_hidden_states=text).sample
+
+    dense = cuda_time_ms(forward, warmup=2, iters=5)
+    enable_sparse_attention(model, topk=topk)
+    sparse = cuda_time_ms(forward, warmup=2, iters=5)
+    return dense, sparse, frames * (side // 2) ** 2
+
+
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
@@ -481,6 +510,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the table (markdown) here")
     parser.add_argument("--plot", metavar="DIR", help="also write PNG charts there (matplotlib)")
     parser.add_argument(
+        "--diffusers",
+        action="store_true",
+        help="also time a Wan transformer forward, dense vs sparse",
+    )
+    parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
     args = parser.parse_args(argv)
@@ -526,6 +560,13 @@ def main(argv=None) -> int:
             *plan_rows,
         ]
     )
+    if args.diffusers:
+        dense, sparse, tokens = diffusers_forward_times()
+        report += (
+            f"\nWanTransformer3DModel forward (random weights, 4 blocks of Wan 1.3B's width, "
+            f"{tokens} tokens): dense {dense:.1f} ms, sparse (top-64 tiles) {sparse:.1f} ms, "
+            f"{dense / sparse:.2f}x"
+        )
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):
