@@ -287,3 +287,38 @@ def test_custom_op_compiles_fullgraph_on_cpu():
     assert "sparseforge.launch" in str(graphs[0].graph)
     assert bound.split(("q", "k", "v", "o", "l")) == (["q", "k", "v"], ["o", "l"])
     assert bound.join(["q", "k", "v"], ["o", "l"]) == ["q", "k", "v", "o", "l"]
+
+
+def cake_args(**change):
+    args = dict(M=256, N=256, R=64, C=64, num_qo_heads=4, num_kv_heads=2, head_dim=128)
+    args.update(change)
+    return args
+
+
+def test_plan_cake_vsa_runs_only_kernels():
+    mask = torch.ones(2, 4, 4, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="not multiples of 64"):
+        sparseforge.plan_cake_vsa(None, None, mask, **cake_args(M=200, N=200, R=50, C=50))
+    with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):
+        sparseforge.plan_cake_vsa(None, None, mask, **cake_args())
+
+
+def test_plan_cake_vsa_checks_like_the_wrapper():
+    mask = torch.ones(2, 4, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="num_qo_heads 3 must be a positive multiple"):
+        sparseforge.plan_cake_vsa(None, None, mask, **cake_args(num_qo_heads=3))
+    with pytest.raises(TypeError):  # the sizes are keyword-only, as in the reference
+        sparseforge.plan_cake_vsa(None, None, mask, None, None, None, 256)
+
+
+def test_run_cake_vsa_takes_only_its_plans():
+    q = torch.zeros(1)
+    with pytest.raises(TypeError, match="plan must be what plan_cake_vsa"):
+        sparseforge.run_cake_vsa({"M": 1}, q, q, q)
+    plan = sparseforge.CakeVSAPlan(BlockSparseAttentionWrapper(WS))
+    with pytest.raises(ValueError, match="backend='fa2'"):
+        sparseforge.run_cake_vsa(plan, q, q, q, backend="fa2")
+
+
+def test_sage_quantizer_has_the_reference_name():
+    assert sparseforge.sage_fp8_quantize_sm90 is sparseforge.sage_fp8_quantize

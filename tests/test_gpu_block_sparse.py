@@ -14,8 +14,10 @@ import torch
 from sparseforge import (
     BlockSparseAttentionWrapper,
     VariableBlockSparseAttentionWrapper,
+    plan_cake_vsa,
     planner,
     reference,
+    run_cake_vsa,
 )
 from sparseforge.check import ragged_mask
 
@@ -195,6 +197,48 @@ def test_bsr_forms_agree_with_each_other_and_the_variable_wrapper(backend, block
     for out, lse in outs:
         assert torch.equal(out, out_var) and torch.equal(lse, lse_var)
     check(out_var, lse_var, *reference_for(shared.expand(hkv, -1, -1), sizes, sizes, q, k, v))
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_functional_form_matches_the_wrapper_and_captures(block):
+    """plan_cake_vsa / run_cake_vsa give the wrapper's bits, and a captured run replays."""
+    hq, hkv, d, seq = 4, 2, 128, 768
+    mb = seq // block
+    mask = torch.rand(hkv, mb, mb, generator=torch.Generator().manual_seed(7)) < 0.4
+    mask[0, 1] = False
+    q, k, v = (
+        t.transpose(0, 1).contiguous() for t in random_inputs(hq, hkv, seq, seq, d, torch.bfloat16)
+    )
+    shape = dict(M=seq, N=seq, R=block, C=block, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    plan = plan_cake_vsa(None, None, mask.to(DEV), q_data_type=torch.bfloat16, **shape)
+    plan.check()
+    wrapper = BlockSparseAttentionWrapper(workspace(), backend="sparseforge")
+    wrapper.plan(
+        None,
+        None,
+        seq,
+        seq,
+        block,
+        block,
+        hq,
+        hkv,
+        d,
+        q_data_type=torch.bfloat16,
+        block_mask=mask.to(DEV),
+    )
+    want_out, want_lse = wrapper.run(q, k, v, return_lse=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(want_lse.shape, float("nan"), device=DEV)
+    got = run_cake_vsa(plan, q, k, v, out=out, lse=lse, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_cake_vsa(plan, q, k, v, out=out, lse=lse, return_lse=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,8 +11,19 @@ from sparseforge.errors import (
     UnsupportedArchError,
     VariantNotBuiltError,
 )
-from sparseforge.sage import SageFP8Tensors, quantize_bandwidth, sage_fp8_quantize
-from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+from sparseforge.sage import (
+    SageFP8Tensors,
+    quantize_bandwidth,
+    sage_fp8_quantize,
+    sage_fp8_quantize_sm90,
+)
+from sparseforge.sparse import (
+    BlockSparseAttentionWrapper,
+    CakeVSAPlan,
+    VariableBlockSparseAttentionWrapper,
+    plan_cake_vsa,
+    run_cake_vsa,
+)
 from sparseforge.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
@@ -20,9 +31,13 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSparseAttentionWrapper",
     "VariableBlockSparseAttentionWrapper",
+    "CakeVSAPlan",
+    "plan_cake_vsa",
+    "run_cake_vsa",
     "SageFP8Tensors",
     "quantize_bandwidth",
     "sage_fp8_quantize",
+    "sage_fp8_quantize_sm90",
     "video_sparse_attention",
     "KernelLaunchError",
     "NoGPUError",

@@ -139,6 +139,9 @@ def sage_fp8_quantize(
     )
 
 
+sage_fp8_quantize_sm90 = sage_fp8_quantize  # the reference's name for the same function
+
+
 def chunk_tokens(seq_k: int, num_kv_heads: int, num_sms: int) -> int:
     """Tokens per chunk, a multiple of the quantizer's chunk_multiple (256: whole launch-2
     tiles): PREFERRED_CHUNK, or 4 sqrt(Sk) if more (each launch-2 CTA reads its head's P

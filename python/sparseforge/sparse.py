@@ -2,6 +2,7 @@
 
     BlockSparseAttentionWrapper          BSR / per-head block mask / direct selections, NHD
     VariableBlockSparseAttentionWrapper  per-kv-head block masks with variable block sizes, HND
+    plan_cake_vsa / run_cake_vsa         the BSR wrapper as a plan object and a function
 
 This module is the API: signatures, refusals of what is not supported, shapes and layouts.
 The sparsity forms become one per-kv-head mask in sparsity.py; dispatch.py chooses the kernel,
@@ -463,3 +464,100 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         """q (Hq, Sq, D), k/v (Hkv, Sk, D) -> out (Hq, Sq, D)[, lse (Hq, Sq)]."""
         return self._run(q, k, v, out, lse, return_lse, enable_pdl)
+
+
+class CakeVSAPlan:
+    """What plan_cake_vsa() returns and run_cake_vsa() takes: one planned block-sparse
+    attention problem. It holds its own tile lists and scratch, so keep it for as many runs
+    (and CUDA graph captures) as the sparsity stays the same; plan again when it changes."""
+
+    __slots__ = ("_wrapper",)
+
+    def __init__(self, wrapper: BlockSparseAttentionWrapper):
+        self._wrapper = wrapper
+
+    def check(self) -> None:
+        """Wait for the plan's GPU checks of its index inputs; raise ValueError if any failed."""
+        self._wrapper.check_plan()
+
+    @property
+    def backend_in_use(self) -> str:
+        return self._wrapper.backend_in_use
+
+    def __repr__(self) -> str:
+        plan = self._wrapper._plan
+        return (
+            f"CakeVSAPlan(q={plan.q_shape}, kv={plan.kv_shape}, dtype={plan.dtype}, "
+            f"kernel={plan.path!r})"
+        )
+
+
+CAKE_BACKENDS = ("cake", "sparseforge")
+
+
+def plan_cake_vsa(
+    indptr,
+    indices,
+    block_mask,
+    kv_block_lens=None,
+    q2k_indices=None,
+    q2k_num=None,
+    *,
+    M: int,
+    N: int,
+    R: int,
+    C: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_data_type=torch.float16,
+    sm_scale=None,
+    device=None,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+) -> CakeVSAPlan:
+    """Plan block-sparse attention once, as BlockSparseAttentionWrapper.plan() with
+    backend="cake" would: the same sparsity forms (indptr/indices, block_mask, or
+    q2k_indices/q2k_num; kv_block_lens) and the same checks. Runs only our kernels: block
+    sizes that are not multiples of 64 raise NotImplementedError (no reference fallback).
+    `device` defaults to the device of the first index tensor given, else the current CUDA
+    device. q_data_type=torch.float8_e4m3fn plans Sage FP8 and takes the three scales."""
+    if device is None:
+        given = [t for t in (block_mask, q2k_indices, indptr) if isinstance(t, torch.Tensor)]
+        device = given[0].device if given else torch.device("cuda", torch.cuda.current_device())
+    wrapper = BlockSparseAttentionWrapper(
+        torch.empty(0, dtype=torch.uint8, device=device), backend="sparseforge"
+    )
+    wrapper.plan(
+        indptr,
+        indices,
+        M,
+        N,
+        R,
+        C,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        sm_scale=sm_scale,
+        q_data_type=q_data_type,
+        block_mask=block_mask,
+        kv_block_lens=kv_block_lens,
+        q2k_indices=q2k_indices,
+        q2k_num=q2k_num,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    return CakeVSAPlan(wrapper)
+
+
+def run_cake_vsa(plan, q, k, v, *, out=None, lse=None, return_lse: bool = False, backend="cake"):
+    """Run a plan from plan_cake_vsa(): q (M, Hq, D), k/v (N, Hkv, D) -> out (M, Hq, D)
+    [, lse (M, Hq)], as BlockSparseAttentionWrapper.run(). `backend` must be "cake" (or
+    "sparseforge"): there is no other route to fall back to."""
+    if not isinstance(plan, CakeVSAPlan):
+        raise TypeError(f"plan must be what plan_cake_vsa() returned, got {type(plan).__name__}")
+    if backend not in CAKE_BACKENDS:
+        raise ValueError(f"backend={backend!r}: run_cake_vsa runs {CAKE_BACKENDS} only")
+    return plan._wrapper.run(q, k, v, out=out, lse=lse, return_lse=return_lse)
