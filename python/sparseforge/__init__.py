@@ -24,6 +24,7 @@ from sparseforge.sparse import (
     plan_cake_vsa,
     run_cake_vsa,
 )
+from sparseforge.token_sparse import group_union_masks, token_sparse_kv_indices
 from sparseforge.vsa import video_sparse_attention
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "sage_fp8_quantize",
     "sage_fp8_quantize_sm90",
     "video_sparse_attention",
+    "token_sparse_kv_indices",
+    "group_union_masks",
     "KernelLaunchError",
     "NoGPUError",
     "NotBuiltError",

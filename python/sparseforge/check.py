@@ -7,7 +7,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   e4m3 inputs, quantized by the reference quantizer);
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
-- tile_compact: run by every attention plan.
+- tile_compact: run by every attention plan;
+- token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
+  out-of-range positions, every output buffer (poisoned) equal to the reference's.
 
 One line per case; exit status 1 if any fails. `--small` shrinks the problems (for
 compute-sanitizer). With SPARSEFORGE_LIBRARY_DIR it checks a development build of a few
@@ -29,6 +31,7 @@ from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
+TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
 TOLERANCE = {"block_sparse_fwd": 5e-3, "sage_fp8_fwd": 3e-2}
@@ -41,6 +44,66 @@ def ragged_mask(hkv: int, mb: int, nb: int, seed: int) -> torch.Tensor:
     mask[0, 0] = False
     mask[-1, -1] = True
     return mask
+
+
+def random_positions(t, k, num_keys, gen, valid_max=None):
+    """(t, k) int32: each row a random count (<= valid_max) of distinct positions below
+    num_keys first, then -1."""
+    out = torch.full((t, k), -1, dtype=torch.int32)
+    for i in range(t):
+        count = int(torch.randint(0, min(valid_max or k, num_keys) + 1, (1,), generator=gen))
+        out[i, :count] = torch.randperm(num_keys, generator=gen)[:count].to(torch.int32)
+    return out
+
+
+def token_sparse_kv_inputs(t=5, k=512, rpt=2, seed=0):
+    """token_sparse_kv_indices arguments (CPU), outputs poisoned with -7 and 3 rows longer
+    than written."""
+    gen = torch.Generator().manual_seed(seed)
+    requests_rows, blocks = 3, 20
+    block_table = torch.randperm(1000, generator=gen)[: requests_rows * blocks].view(
+        requests_rows, blocks
+    )
+    positions = random_positions(t, k, 64 * blocks, gen)
+    requests = torch.randint(0, requests_rows, (t + 2,), generator=gen)
+    block_tables = torch.full((t * rpt + 3, 2, k), -7, dtype=torch.int32)
+    seq_lens = torch.full((t * rpt + 3,), -7, dtype=torch.int32)
+    return dict(
+        positions=positions,
+        requests=requests.to(torch.int32),
+        block_table=block_table.to(torch.int32).contiguous(),
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        requests_per_token=rpt,
+    )
+
+
+def group_union_inputs(groups=3, n=4, k=512, num_keys=3000, seed=0):
+    """group_union_masks arguments (CPU): positions also past num_keys, a repeated key, a
+    token and a group with row -1, outputs poisoned with -7 and rows that are not written."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-num_keys // 64) + 2
+    t = groups * n
+    positions = random_positions(t, k, num_keys + 100, gen, valid_max=300)  # some >= num_keys
+    positions[0, :3] = torch.tensor([5, 5, 7])  # a repeated key
+    query_rows = torch.randperm(t + 4, generator=gen)[:t].to(torch.int32)
+    query_rows[1] = -1
+    group_unions = torch.randperm(groups + 2, generator=gen)[:groups].to(torch.int32)
+    group_unions[-1] = -1
+    columns = min(n * k, 128 * -(-num_keys // 128))
+    return dict(
+        positions=positions,
+        query_rows=query_rows,
+        group_unions=group_unions,
+        requests=torch.randint(0, 2, (groups,), generator=gen).to(torch.int32),
+        block_table=torch.randperm(2 * blocks + 1000, generator=gen)[: 2 * blocks]
+        .view(2, blocks)
+        .int(),
+        union=torch.full((groups + 2, columns), -7, dtype=torch.int32),
+        union_sizes=torch.full((groups + 2,), -7, dtype=torch.int32),
+        mask=torch.full((t + 4, -(-columns // 32)), -7, dtype=torch.int32),
+        num_keys=num_keys,
+    )
 
 
 def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[str, bool]:
@@ -110,6 +173,26 @@ def check_quantizer(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     return "codes and scales vs the reference", same
 
 
+def check_token_sparse(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge import token_sparse
+
+    if v["family"] == "token_sparse_kv_indices":
+        args = token_sparse_kv_inputs(t=9 if small else 300, k=512 if small else 2048, rpt=2)
+        function, ref = token_sparse.token_sparse_kv_indices, reference.token_sparse_kv_indices
+        outputs, leading = ("block_tables", "seq_lens"), 3
+    else:
+        args = group_union_inputs(groups=3, n=4, k=512, num_keys=3000 if small else 100000)
+        function, ref = token_sparse.group_union_masks, reference.group_union_masks
+        outputs, leading = ("union", "union_sizes", "mask"), 5
+    args = {k: a.cuda() if isinstance(a, torch.Tensor) else a for k, a in args.items()}
+    want = {k: a.clone() if k in outputs else a for k, a in args.items()}
+    for given, fn in ((args, function), (want, ref)):
+        names = list(given)
+        fn(*(given[n] for n in names[:leading]), **{n: given[n] for n in names[leading:]})
+    same = all(torch.equal(args[n], want[n]) for n in outputs)
+    return "every output buffer vs the reference", same
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """e4m3 codes as bytes (NaN codes compare equal), others as they are."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -124,7 +207,7 @@ def main(argv=None) -> int:
     chosen = [
         v
         for v in _library.manifest()["variants"]
-        if v["family"] in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY)
+        if v["family"] in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY, *TOKEN_SPARSE_FAMILIES)
         and v["arch"] == arch
         and args.variant in (None, v["name"])
     ]
@@ -133,11 +216,12 @@ def main(argv=None) -> int:
         return 1
     cases = failed = 0
     for v in chosen:
-        runs = (
-            [check_quantizer(v, args.small)]
-            if v["family"] == QUANTIZER_FAMILY
-            else [check_attention(v, block, args.small) for block in (64, 128)]
-        )
+        if v["family"] == QUANTIZER_FAMILY:
+            runs = [check_quantizer(v, args.small)]
+        elif v["family"] in TOKEN_SPARSE_FAMILIES:
+            runs = [check_token_sparse(v, args.small)]
+        else:
+            runs = [check_attention(v, block, args.small) for block in (64, 128)]
         for what, ok in runs:
             cases += 1
             failed += not ok

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from sparseforge.families import sage_fp8_fwd, sage_quantize
+from sparseforge.families import sage_fp8_fwd, sage_quantize, token_sparse
 from sparseforge.planner import tile_padded_keys, tile_padded_scales
 from sparseforge.sage import SageFP8Tensors
 
@@ -290,3 +290,64 @@ def video_sparse_attention(q, k, v, *, topk, sm_scale=None, gate=None):
         coarse = torch.softmax(logits, -1) @ v_tiles.repeat_interleave(hq // hkv, 1)
         out = out + gate * coarse.repeat_interleave(sizes.to(coarse.device), dim=2)
     return out if batched else out[0]
+
+
+def _slots(block_table, request_rows, keys):
+    """Cache slots of `keys` (any shape, >= 0) of the block-table rows `request_rows`
+    (broadcast against keys)."""
+    page_keys = token_sparse.constant("page_keys")
+    pages = block_table[request_rows.long(), keys.long() // page_keys].long()
+    return pages * page_keys + keys.long() % page_keys
+
+
+def token_sparse_kv_indices(
+    positions, requests, block_table, *, block_tables, seq_lens, requests_per_token=1
+):
+    """sparseforge.token_sparse.token_sparse_kv_indices, on any device."""
+    t = positions.shape[0]
+    valid = positions >= 0
+    slots = _slots(block_table, requests[:t, None], positions.clamp_min(0))
+    slots = torch.where(valid, slots, -1).to(torch.int32)
+    rows = t * requests_per_token
+    block_tables[:rows, 0] = slots.repeat_interleave(requests_per_token, 0)
+    block_tables[:rows, 1] = block_tables[:rows, 0]
+    seq_lens[:rows] = valid.sum(1, dtype=torch.int32).repeat_interleave(requests_per_token, 0)
+    return block_tables, seq_lens
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., 32 W) bool -> (..., W) int32 words, bit j of word w = bits[..., 32 w + j]."""
+    weights = torch.ones(32, dtype=torch.int64, device=bits.device) << torch.arange(
+        32, device=bits.device
+    )
+    words = (bits.unflatten(-1, (-1, 32)).long() * weights).sum(-1)
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def group_union_masks(
+    positions, query_rows, group_unions, requests, block_table, *, union, union_sizes, mask,
+    num_keys,
+):  # fmt: skip
+    """sparseforge.token_sparse.group_union_masks, on any device (a loop over groups)."""
+    tile = token_sparse.constant("mask_tile")
+    groups = requests.shape[0]
+    n = positions.shape[0] // groups if groups else 0
+    for g in range(groups):
+        pos = positions[g * n : (g + 1) * n].long()
+        inside = (pos >= 0) & (pos < num_keys)
+        keys = torch.unique(pos[inside])  # sorted
+        union_row = int(group_unions[g])
+        if union_row >= 0:
+            union[union_row, : keys.numel()] = _slots(block_table, requests[g], keys).int()
+            union_sizes[union_row] = keys.numel()
+        words = -(-keys.numel() // tile) * tile // 32
+        rows = [int(r) for r in query_rows[g * n : (g + 1) * n]]
+        for row in rows:
+            if row >= 0:
+                mask[row, :words] = 0
+        for i, row in enumerate(rows):  # OR: tokens that share a mask row share its bits
+            if row >= 0:
+                bits = torch.zeros(32 * words, dtype=torch.bool, device=positions.device)
+                bits[torch.searchsorted(keys, pos[i][inside[i]])] = True
+                mask[row, :words] |= pack_bits(bits)
+    return union, union_sizes, mask
