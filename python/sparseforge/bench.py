@@ -413,6 +413,51 @@ def diffusers_forward_times(frames: int = 21, side: int = 80, layers: int = 4, t
     return dense, sparse, frames * (side // 2) ** 2
 
 
+def token_sparse_times(iters: int = 50) -> list[str]:
+    """The token-sparse builders at a decode serving shape: 1024 tokens (one per request of
+    64k context, 1024 pages of 64 keys) of K = 2048 selected keys; slot lists with 2 requests
+    per token; unions of groups of 8 tokens over 131,072 keys. Microseconds (CUDA events,
+    median) and the bandwidth of the bytes each must read and write, against HBM."""
+    from sparseforge import token_sparse
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, k, rpt, group, keys = 1024, 2048, 2, 8, 131072
+    i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.rand(tokens, keys, device=device, generator=gen).topk(k).indices.int()
+    block_table = torch.randperm(tokens * 1024, device=device).view(tokens, 1024).int()
+    requests = torch.arange(tokens, **i32)
+    block_tables = torch.empty(tokens * rpt, 2, k, **i32)
+    seq_lens = torch.empty(tokens * rpt, **i32)
+    groups = tokens // group
+    union = torch.empty(groups, group * k, **i32)
+    mask = torch.empty(tokens, group * k // 32, **i32)
+
+    def slots():
+        token_sparse.token_sparse_kv_indices(
+            positions, requests, block_table, block_tables=block_tables, seq_lens=seq_lens,
+            requests_per_token=rpt,
+        )  # fmt: skip
+
+    def unions():
+        token_sparse.group_union_masks(
+            positions, requests, torch.arange(groups, **i32), requests[::group].contiguous(),
+            block_table, union=union, union_sizes=seq_lens[:groups], mask=mask, num_keys=keys,
+        )  # fmt: skip
+
+    lines = []
+    for name, fn, moved in (
+        ("token_sparse_kv_indices", slots, 4 * tokens * k * (1 + 2 * rpt)),
+        ("group_union_masks", unions, 4 * tokens * k + 4 * union.numel() + 4 * mask.numel()),
+    ):
+        us = cuda_time_ms(fn, warmup=5, iters=iters) * 1e3
+        lines.append(
+            f"{name} ({tokens} tokens x K {k}): {us:.1f} us, {moved / us / 1e3:.0f} GB/s "
+            f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.1f} MB read + written"
+        )
+    return lines
+
+
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
@@ -515,6 +560,9 @@ def main(argv=None) -> int:
         help="also time a Wan transformer forward, dense vs sparse",
     )
     parser.add_argument(
+        "--token-sparse", action="store_true", help="also time the token-sparse builders"
+    )
+    parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
     args = parser.parse_args(argv)
@@ -567,6 +615,8 @@ def main(argv=None) -> int:
             f"{tokens} tokens): dense {dense:.1f} ms, sparse (top-64 tiles) {sparse:.1f} ms, "
             f"{dense / sparse:.2f}x"
         )
+    if args.token_sparse:
+        report += "\n" + "\n".join(token_sparse_times())
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):
