@@ -413,19 +413,22 @@ def diffusers_forward_times(frames: int = 21, side: int = 80, layers: int = 4, t
     return dense, sparse, frames * (side // 2) ** 2
 
 
-def token_sparse_times(iters: int = 50) -> list[str]:
-    """The token-sparse builders at a decode serving shape: 1024 tokens (one per request of
-    64k context, 1024 pages of 64 keys) of K = 2048 selected keys; slot lists with 2 requests
-    per token; unions of groups of 8 tokens over 131,072 keys. Microseconds (CUDA events,
-    median) and the bandwidth of the bytes each must read and write, against HBM."""
-    from sparseforge import token_sparse
+def selection_times(iters: int = 50) -> list[str]:
+    """The selection kernels, microseconds (CUDA events, median) and the bandwidth of the
+    bytes each must read and write, against HBM. MS2: msa_topk_select of max_score
+    (64, 256, 32768), one forced begin and end block. TS1 / TS2, the token-sparse builders
+    at a decode serving shape: 1024 tokens, one per request of 128k context (2048 pages of
+    64 keys), K = 2048 selected keys each; slot lists with 2 requests per token; unions of
+    groups of 8 tokens over the 131,072 keys."""
+    from sparseforge import msa_ops, token_sparse
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, k, rpt, group, keys = 1024, 2048, 2, 8, 131072
     i32 = dict(dtype=torch.int32, device=device)
     positions = torch.rand(tokens, keys, device=device, generator=gen).topk(k).indices.int()
-    block_table = torch.randperm(tokens * 1024, device=device).view(tokens, 1024).int()
+    pages = keys // 64
+    block_table = torch.randperm(tokens * pages, device=device).view(tokens, pages).int()
     requests = torch.arange(tokens, **i32)
     block_tables = torch.empty(tokens * rpt, 2, k, **i32)
     seq_lens = torch.empty(tokens * rpt, **i32)
@@ -445,14 +448,21 @@ def token_sparse_times(iters: int = 50) -> list[str]:
             block_table, union=union, union_sizes=seq_lens[:groups], mask=mask, num_keys=keys,
         )  # fmt: skip
 
+    max_score = torch.randn(64, 256, 32768, device=device, generator=gen)
+    topk_out = torch.empty(32768, 64, 16, dtype=torch.int32, device=device)
+
+    def topk():
+        msa_ops.msa_topk_select(max_score, 16, None, topk_out, 1, 1)
+
     lines = []
     for name, fn, moved in (
-        ("token_sparse_kv_indices", slots, 4 * tokens * k * (1 + 2 * rpt)),
-        ("group_union_masks", unions, 4 * tokens * k + 4 * union.numel() + 4 * mask.numel()),
+        ("MS2 msa_topk_select", topk, 4 * max_score.numel() + 4 * topk_out.numel()),
+        ("TS1 token_sparse_kv_indices", slots, 4 * tokens * k * (1 + 2 * rpt)),
+        ("TS2 group_union_masks", unions, 4 * tokens * k + 4 * union.numel() + 4 * mask.numel()),
     ):
         us = cuda_time_ms(fn, warmup=5, iters=iters) * 1e3
         lines.append(
-            f"{name} ({tokens} tokens x K {k}): {us:.1f} us, {moved / us / 1e3:.0f} GB/s "
+            f"{name}: {us:.1f} us, {moved / us / 1e3:.0f} GB/s "
             f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.1f} MB read + written"
         )
     return lines
@@ -560,7 +570,9 @@ def main(argv=None) -> int:
         help="also time a Wan transformer forward, dense vs sparse",
     )
     parser.add_argument(
-        "--token-sparse", action="store_true", help="also time the token-sparse builders"
+        "--selection",
+        action="store_true",
+        help="also time the selection kernels (MS2 top-16, TS1 / TS2 token-sparse builders)",
     )
     parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
@@ -615,8 +627,8 @@ def main(argv=None) -> int:
             f"{tokens} tokens): dense {dense:.1f} ms, sparse (top-64 tiles) {sparse:.1f} ms, "
             f"{dense / sparse:.2f}x"
         )
-    if args.token_sparse:
-        report += "\n" + "\n".join(token_sparse_times())
+    if args.selection:
+        report += "\n" + "\n".join(selection_times())
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):

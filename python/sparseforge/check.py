@@ -8,6 +8,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
 - tile_compact: run by every attention plan;
+- msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
+  equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
   out-of-range positions, every output buffer (poisoned) equal to the reference's.
 
@@ -19,6 +21,7 @@ variants (generator/dev.py) without the full build.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -31,6 +34,7 @@ from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
+TOPK_FAMILY = "msa_topk_select"
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
@@ -104,6 +108,20 @@ def group_union_inputs(groups=3, n=4, k=512, num_keys=3000, seed=0):
         mask=torch.full((t + 4, -(-columns // 32)), -7, dtype=torch.int32),
         num_keys=num_keys,
     )
+
+
+def topk_scores(heads, blocks, tokens, seed=0, per_token=True):
+    """msa_topk_select inputs (CPU): (Hq, P, S) fp32 scores rounded to a few values, so
+    ties are common, with -inf and NaN blocks; and per-token valid pages (or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    score = (torch.randn(heads, blocks, tokens, generator=gen) * 4).round() / 4
+    score[torch.rand(score.shape, generator=gen) < 0.1] = -math.inf
+    score[torch.rand(score.shape, generator=gen) < 0.02] = math.nan
+    nvp = None
+    if per_token:
+        nvp = torch.randint(0, blocks + 1, (tokens,), generator=gen, dtype=torch.int32)
+        nvp[0] = blocks
+    return score, nvp
 
 
 def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[str, bool]:
@@ -193,6 +211,17 @@ def check_token_sparse(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     return "every output buffer vs the reference", same
 
 
+def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.msa_ops import msa_topk_select
+
+    heads, blocks, tokens = (2, 40, 70) if small else (8, 256, 2000)
+    score, valid = topk_scores(heads, blocks, tokens, seed)
+    score, valid = score.cuda(), valid.cuda()
+    got = msa_topk_select(score, 16, valid, None, 1, 1)
+    same = torch.equal(got, reference.msa_topk_select(score, 16, valid, 1, 1))
+    return "ids vs the reference", same
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """e4m3 codes as bytes (NaN codes compare equal), others as they are."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -207,7 +236,8 @@ def main(argv=None) -> int:
     chosen = [
         v
         for v in _library.manifest()["variants"]
-        if v["family"] in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY, *TOKEN_SPARSE_FAMILIES)
+        if v["family"]
+        in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY, TOPK_FAMILY, *TOKEN_SPARSE_FAMILIES)
         and v["arch"] == arch
         and args.variant in (None, v["name"])
     ]
@@ -218,6 +248,8 @@ def main(argv=None) -> int:
     for v in chosen:
         if v["family"] == QUANTIZER_FAMILY:
             runs = [check_quantizer(v, args.small)]
+        elif v["family"] == TOPK_FAMILY:
+            runs = [check_topk_select(args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:
             runs = [check_token_sparse(v, args.small)]
         else:

@@ -351,3 +351,36 @@ def group_union_masks(
                 bits[torch.searchsorted(keys, pos[i][inside[i]])] = True
                 mask[row, :words] |= pack_bits(bits)
     return union, union_sizes, mask
+
+
+def msa_topk_select(
+    max_score, topk=16, num_valid_pages=None, force_begin_blocks=0, force_end_blocks=0
+):
+    """sparseforge.msa_ops.msa_topk_select, on any device: (S, Hq, topk) int32."""
+    heads, blocks, tokens = max_score.shape
+    device = max_score.device
+    if num_valid_pages is None or isinstance(num_valid_pages, int):
+        nvp = torch.full((tokens,), blocks if num_valid_pages is None else num_valid_pages)
+    else:
+        nvp = num_valid_pages.long().clamp(0, blocks)
+    nvp = nvp.to(device)
+    score = max_score.float().permute(2, 0, 1)  # (S, Hq, P)
+    score = score.masked_fill(score.isnan(), -math.inf)
+    block = torch.arange(blocks, device=device)
+    begin_end = nvp.clamp(max=force_begin_blocks)[:, None]
+    end_start = torch.maximum(nvp[:, None] - force_end_blocks, begin_end)
+    forced = (block < begin_end) | ((block >= end_start) & (block < nvp[:, None]))
+    middle = (block >= begin_end) & (block < end_start)
+    keep = topk - force_begin_blocks - force_end_blocks
+    # Stable descending sort: equal scores keep ascending ids.
+    order = torch.sort(
+        score.masked_fill(~middle[:, None], -math.inf), dim=-1, descending=True, stable=True
+    )
+    chosen = order.indices[..., :keep]
+    chosen_score = order.values[..., :keep]
+    selected = torch.zeros(tokens, heads, blocks, dtype=torch.bool, device=device)
+    selected |= forced[:, None] & (score > -math.inf)
+    selected |= torch.zeros_like(selected).scatter(-1, chosen, chosen_score > -math.inf)
+    ids = torch.where(selected, block, blocks).sort(-1).values[..., :topk]
+    ids = torch.nn.functional.pad(ids, (0, topk - ids.shape[-1]), value=blocks)  # P < topk
+    return torch.where(ids < blocks, ids, -1).to(torch.int32)
