@@ -384,3 +384,50 @@ def msa_topk_select(
     ids = torch.where(selected, block, blocks).sort(-1).values[..., :topk]
     ids = torch.nn.functional.pad(ids, (0, topk - ids.shape[-1]), value=blocks)  # P < topk
     return torch.where(ids < blocks, ids, -1).to(torch.int32)
+
+
+MSA_BLOCK = 128  # keys per block = tokens per page of the MSA K cache
+
+
+def msa_proxy_score(
+    q, k, cu_seqlens_q, cu_seqlens_k=None, *, page_table=None, seqused_k=None, causal=True,
+    max_k_tiles=None, reduce_heads=False, q_offset=None,
+):  # fmt: skip
+    """flashinfer.msa_ops.msa_proxy_score in fp64 (any device): fp32 (Hq, tiles, total_q),
+    per 128-key block the max of the unscaled q.k over the keys the query sees (key < its
+    sequence's length; with causal, position <= q_offset[b] + i, q_offset defaulting to
+    seqlen_k - seqlen_q), -inf for a block it sees none of. q (total_q, Hq, D); k flat
+    (total_k, Hkv, D) with cu_seqlens_k, or paged (pages, Hkv, 128, D) with page_table
+    (B, max pages) and seqused_k (B,). reduce_heads: the max over heads, (1, tiles, total_q)."""
+    total_q, hq, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    paged = page_table is not None
+    hkv = k.shape[1]
+    lengths = [
+        int(seqused_k[b]) if paged else int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        for b in range(batch)
+    ]
+    if max_k_tiles is None:
+        max_k_tiles = -(-max(lengths, default=0) // MSA_BLOCK)
+    out = torch.full((hq, max_k_tiles, total_q), -math.inf, dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        q0, q1, sk = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), lengths[b]
+        if paged:
+            pages = page_table[b, : -(-sk // MSA_BLOCK)].long()
+            keys = k[pages].permute(0, 2, 1, 3).flatten(0, 1)[:sk]  # (sk, Hkv, D)
+        else:
+            keys = k[int(cu_seqlens_k[b]) : int(cu_seqlens_k[b]) + sk]
+        keys = keys.double().repeat_interleave(hq // hkv, 1)
+        logits = torch.einsum("ihd,jhd->hij", q[q0:q1].double(), keys)  # (Hq, sq, sk)
+        if causal:
+            offset = sk - (q1 - q0) if q_offset is None else int(q_offset[b])
+            pos = offset + torch.arange(q1 - q0, device=q.device)
+            visible = torch.arange(sk, device=q.device)[None, :] <= pos[:, None]
+            logits = logits.masked_fill(~visible, -math.inf)
+        tiles = min(-(-sk // MSA_BLOCK), max_k_tiles)
+        padded = torch.nn.functional.pad(logits, (0, tiles * MSA_BLOCK - sk), value=-math.inf)
+        block_max = padded[..., : tiles * MSA_BLOCK].unflatten(-1, (tiles, MSA_BLOCK)).amax(-1)
+        out[:, :tiles, q0:q1] = block_max.transpose(1, 2)
+    if reduce_heads:
+        out = out.amax(0, keepdim=True)
+    return out.float()

@@ -1,0 +1,84 @@
+"""The MSA proxy-score reference on the CPU against a plain reading of the contract: flat and
+paged K (the same keys in both give the same scores), GQA, right-aligned and explicit query
+offsets, non-causal, ragged sequences with a partial last block, reduce_heads."""
+
+import math
+
+import torch
+from sparseforge import reference
+
+BLOCK = reference.MSA_BLOCK
+
+
+def plain_scores(q, keys_per_seq, cu_q, hkv, causal, offsets):
+    """(Hq, tiles, total_q) from loops over (head, token, block, key)."""
+    hq = q.shape[1]
+    tiles = max(-(-k.shape[0] // BLOCK) for k in keys_per_seq)
+    out = torch.full((hq, tiles, q.shape[0]), -math.inf, dtype=torch.float64)
+    for b, keys in enumerate(keys_per_seq):
+        for i in range(int(cu_q[b]), int(cu_q[b + 1])):
+            pos = offsets[b] + i - int(cu_q[b])
+            for h in range(hq):
+                for j in range(keys.shape[0]):
+                    if causal and j > pos:
+                        continue
+                    s = float(q[i, h].double() @ keys[j, h // (hq // hkv)].double())
+                    out[h, j // BLOCK, i] = max(out[h, j // BLOCK, i], s)
+    return out.float()
+
+
+def ragged_problem(seed=0, hq=4, hkv=2, d=16):
+    gen = torch.Generator().manual_seed(seed)
+    seq_q, seq_k = [3, 1, 5], [300, 128, 5]
+    q = torch.randn(sum(seq_q), hq, d, generator=gen)
+    keys = [torch.randn(n, hkv, d, generator=gen) for n in seq_k]
+    cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int32)
+    return q, keys, cu_q, seq_q, seq_k
+
+
+def paged(keys, gen):
+    """The keys of each sequence in 128-token pages of one cache, pages in random order."""
+    hkv, d = keys[0].shape[1:]
+    counts = [-(-k.shape[0] // BLOCK) for k in keys]
+    order = torch.randperm(sum(counts) + 2, generator=gen)
+    cache = torch.randn(sum(counts) + 2, hkv, BLOCK, d, generator=gen)
+    table = torch.full((len(keys), max(counts) + 1), 99, dtype=torch.int32)
+    used = 0
+    for b, k in enumerate(keys):
+        for p in range(counts[b]):
+            page = int(order[used])
+            chunk = k[p * BLOCK : (p + 1) * BLOCK]
+            cache[page, :, : chunk.shape[0]] = chunk.transpose(0, 1)
+            table[b, p] = page
+            used += 1
+    return cache, table
+
+
+def test_flat_and_paged_read_the_contract():
+    q, keys, cu_q, seq_q, seq_k = ragged_problem()
+    cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32)
+    flat = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k)
+    cache, table = paged(keys, torch.Generator().manual_seed(1))
+    lens = torch.tensor(seq_k, dtype=torch.int32)
+    from_pages = reference.msa_proxy_score(q, cache, cu_q, page_table=table, seqused_k=lens)
+    right_aligned = [k - s for k, s in zip(seq_k, seq_q, strict=True)]
+    want = plain_scores(q, keys, cu_q, 2, True, right_aligned)
+    assert flat.dtype == torch.float32 and flat.shape == want.shape
+    assert torch.allclose(flat, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(flat, from_pages)
+    assert torch.isinf(flat[:, 1:, 3:]).all()  # sequences 1 and 2 have one block each
+    assert torch.isfinite(flat[:, :, 0]).all()  # token 0 of sequence 0 sees keys 0 .. 297
+
+
+def test_offsets_non_causal_and_reduce_heads():
+    q, keys, cu_q, seq_q, seq_k = ragged_problem(seed=2)
+    cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = torch.tensor([0, 127, 2], dtype=torch.int32)
+    got = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k, q_offset=offsets)
+    assert torch.allclose(got, plain_scores(q, keys, cu_q, 2, True, offsets.tolist()), atol=1e-6)
+    assert torch.isinf(got[:, 1:, 0]).all()  # offset 0: token 0 sees key 0 only
+    dense = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k, causal=False)
+    assert torch.allclose(dense, plain_scores(q, keys, cu_q, 2, False, [0, 0, 0]), atol=1e-6)
+    reduced = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k, reduce_heads=True)
+    full = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k)
+    assert torch.equal(reduced, full.amax(0, keepdim=True))
