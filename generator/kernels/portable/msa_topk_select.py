@@ -1,13 +1,15 @@
 """msa_topk_select: per (token, query head), 16 block ids from the proxy scores.
 
 One thread per (token, head); the threads of a CTA take consecutive tokens of one head, so
-each step over the blocks reads one coalesced row of mScore (Hq, P, S). A thread keeps the
-16 best middle blocks in registers, sorted by (score descending, id ascending): a candidate
-that beats the last one is carried down the list by compare-exchange (unrolled, so the list
-stays in registers). Only the first 16 - fb - fe are kept; blocks are visited in ascending
-order, so ties go to the lower id. The kept ids then pass an odd-even sorting network and
-the row is written as forced-begin ids, kept ids, forced-end ids, then -1; any block whose
-score is not above -inf (-inf, NaN) is written as nothing, leaving its slot to the -1 tail.
+each step over the blocks reads one coalesced row of mScore (Hq, P, S). Memory-bound: each
+thread loads BATCH blocks' scores before inserting any, to keep that many loads in flight.
+A thread keeps the 16 best middle blocks in registers, sorted by (score descending, id
+ascending): a candidate that beats the last one is carried down the list by
+compare-exchange (unrolled, so the list stays in registers). Only the first 16 - fb - fe
+are kept; blocks are visited in ascending order, so ties go to the lower id. The kept ids
+then pass an odd-even sorting network and the row is written as forced-begin ids, kept ids,
+forced-end ids, then -1; any block whose score is not above -inf (-inf, NaN) is written as
+nothing, leaving its slot to the -1 tail.
 """
 
 import cutlass
@@ -16,6 +18,7 @@ import cutlass.cute as cute
 from generator.families.msa_topk_select import TOPK
 
 THREADS = 128
+BATCH = 8  # scores loaded per thread before any is inserted
 NONE = 0x7FFFFFFF  # sorts after every id
 
 
@@ -43,10 +46,16 @@ class MsaTopkSelect:
             ids = cute.make_rmem_tensor((TOPK,), cutlass.Int32)
             best.fill(-cutlass.Float32.inf)
             ids.fill(NONE)
-            for block in cutlass.range(begin_end, end_start, unroll=4):
-                score = mScore[head, block, token]
-                if score > best[TOPK - 1]:
-                    self.insert(best, ids, score, block)
+            batch = cute.make_rmem_tensor((BATCH,), cutlass.Float32)
+            for first in cutlass.range(begin_end, end_start, BATCH, unroll=1):
+                # All loads of a batch first, so BATCH of them are in flight per thread.
+                for j in cutlass.range_constexpr(BATCH):
+                    batch[j] = -cutlass.Float32.inf
+                    if first + j < end_start:
+                        batch[j] = mScore[head, first + j, token]
+                for j in cutlass.range_constexpr(BATCH):
+                    if batch[j] > best[TOPK - 1]:
+                        self.insert(best, ids, batch[j], first + j)
             for j in cutlass.range_constexpr(TOPK):
                 if j >= keep:
                     ids[j] = NONE
