@@ -431,3 +431,122 @@ def msa_proxy_score(
     if reduce_heads:
         out = out.amax(0, keepdim=True)
     return out.float()
+
+
+# NVFP4 (the MSA packed K/V pages): e2m1 codes (sign in bit 3, magnitude code in bits 0-2),
+# one e4m3 scale per 16 values, and an fp32 global scale per tensor; value = E2M1[code] x
+# scale x global scale. A page holds four [Hkv, 128, X] byte regions (K data X = 64, two
+# codes a byte with the even element in the low nibble; K scales X = 8, linear; V data;
+# V scales X = 8 in the 4x4 swizzle) at Hkv x these byte offsets.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_GROUP = 16
+E4M3_MAX = 448.0
+NVFP4_REGIONS = {"k_data": 0, "k_scales": 8192, "v_data": 9216, "v_scales": 17408}
+NVFP4_PAGE_BYTES_PER_HEAD = 18432
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of the E2M1 values nearest to x (|x| above 6 saturates to 6); a value
+    halfway between two takes the even magnitude code (round to nearest even)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    distance = (x.float().abs()[..., None] - table).abs()
+    nearest = distance == distance.min(-1, keepdim=True).values
+    even = (torch.arange(8, device=x.device) % 2 == 0).float()
+    magnitude = (nearest.float() * (1 + even)).argmax(-1)  # the even one of a tie
+    return (magnitude + 8 * (x < 0)).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: float):
+    """(codes uint8 (..., D), scales float8_e4m3fn (..., D / 16)) of x: each group of 16
+    gets the scale amax / 6 / global_scale (clamped to 448 before the cast, which rounds to
+    nearest even), and each value the E2M1 code nearest to x / (scale x global_scale)."""
+    groups = x.float().unflatten(-1, (-1, NVFP4_GROUP))
+    amax = groups.abs().amax(-1)
+    scales = (amax / 6.0 / global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = scales.float()[..., None] * global_scale
+    ratio = torch.where(step > 0, groups / step, torch.zeros_like(groups))
+    return e2m1_encode(ratio).flatten(-2), scales
+
+
+def nvfp4_dequantize(codes, scales, global_scale: float) -> torch.Tensor:
+    """float32 values of nvfp4_quantize's output."""
+    values = e2m1_decode(codes).unflatten(-1, (-1, NVFP4_GROUP))
+    return (values * scales.float()[..., None] * global_scale).flatten(-2)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """(..., D) codes -> (..., D / 2) bytes, the even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+def swizzle_v_scales(scales: torch.Tensor) -> torch.Tensor:
+    """(..., 128, 8) logical V scales (token t, group s) -> the stored order: (t, s) goes to
+    row (t // 4) * 4 + s // 2, column (s % 2) * 4 + t % 4."""
+    t = torch.arange(128, device=scales.device)[:, None]
+    s = torch.arange(8, device=scales.device)[None, :]
+    rows, cols = (t // 4 * 4 + s // 2).expand(128, 8), (s % 2 * 4 + t % 4).expand(128, 8)
+    out = torch.empty_like(scales)
+    out[..., rows, cols] = scales
+    return out
+
+
+def unswizzle_v_scales(stored: torch.Tensor) -> torch.Tensor:
+    t = torch.arange(128, device=stored.device)[:, None]
+    s = torch.arange(8, device=stored.device)[None, :]
+    return stored[..., (t // 4 * 4 + s // 2).expand(128, 8), (s % 2 * 4 + t % 4).expand(128, 8)]
+
+
+def nvfp4_page_views(pages: torch.Tensor, num_kv_heads: int) -> dict:
+    """The four regions of packed NVFP4 pages (uint8, (num_pages, Hkv x 18432)) as strided
+    views: data (pages, Hkv, 128, 64) strides (page_bytes, 8192, 64, 1), scales
+    (pages, Hkv, 128, 8) strides (page_bytes, 1024, 8, 1)."""
+    page_bytes = num_kv_heads * NVFP4_PAGE_BYTES_PER_HEAD
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes:
+        raise ValueError(f"pages must be uint8 (num_pages, {page_bytes}), got {pages.shape}")
+    views = {}
+    for name, offset in NVFP4_REGIONS.items():
+        width = 64 if name.endswith("data") else 8
+        views[name] = pages.as_strided(
+            (pages.shape[0], num_kv_heads, 128, width),
+            (pages.stride(0), 128 * width, width, 1),
+            pages.storage_offset() + num_kv_heads * offset,
+        )
+    return views
+
+
+def nvfp4_pack_pages(k, v, k_global_scale: float, v_global_scale: float) -> torch.Tensor:
+    """k, v (num_pages, Hkv, 128, 128) -> packed NVFP4 pages (num_pages, Hkv x 18432)."""
+    hkv = k.shape[1]
+    pages = torch.zeros(
+        k.shape[0], hkv * NVFP4_PAGE_BYTES_PER_HEAD, dtype=torch.uint8, device=k.device
+    )
+    views = nvfp4_page_views(pages, hkv)
+    for x, g, name in ((k, k_global_scale, "k"), (v, v_global_scale, "v")):
+        codes, scales = nvfp4_quantize(x, g)
+        if name == "v":
+            scales = swizzle_v_scales(scales)
+        views[f"{name}_data"].copy_(pack_e2m1(codes))
+        views[f"{name}_scales"].copy_(scales.view(torch.uint8))
+    return pages
+
+
+def nvfp4_unpack_pages(pages, num_kv_heads: int, k_global_scale: float, v_global_scale: float):
+    """(k, v) float32 (num_pages, Hkv, 128, 128): the values packed NVFP4 pages hold."""
+    views = nvfp4_page_views(pages, num_kv_heads)
+    out = []
+    for g, name in ((k_global_scale, "k"), (v_global_scale, "v")):
+        scales = views[f"{name}_scales"].view(torch.float8_e4m3fn)
+        if name == "v":
+            scales = unswizzle_v_scales(scales)
+        out.append(nvfp4_dequantize(unpack_e2m1(views[f"{name}_data"]), scales, g))
+    return tuple(out)

@@ -1,0 +1,72 @@
+"""The NVFP4 reference (the fp32 oracle of the MSA packed K/V pages) on the CPU: E2M1 rounding
+to nearest even with saturation, scales clamped before the e4m3 cast, nibble order, the V-scale
+swizzle, and the page layout of the contract (regions, offsets, strides)."""
+
+import torch
+from sparseforge import reference as ref
+
+
+def test_e2m1_codes_round_to_nearest_even_and_saturate():
+    x = torch.tensor([0.0, 0.5, 6.0, -1.5, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 100.0, -0.2])
+    codes = ref.e2m1_encode(x)
+    # 0.25 -> 0 (code 0), 0.75 -> 1 (code 2), 1.25 -> 1 (2), 1.75 -> 2 (4), 2.5 -> 2 (4),
+    # 3.5 -> 4 (6), 5 -> 4 (6); 7 and 100 saturate to 6 (7); -0.2 -> -0 (8).
+    assert codes.tolist() == [0, 1, 7, 11, 0, 2, 2, 4, 4, 6, 6, 7, 7, 8]
+    assert ref.e2m1_decode(codes).tolist() == [
+        0.0, 0.5, 6.0, -1.5, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.0,
+    ]  # fmt: skip
+
+
+def test_quantize_is_exact_on_representable_values_and_close_elsewhere():
+    gen = torch.Generator().manual_seed(0)
+    g = 0.01
+    codes = torch.randint(0, 16, (4, 128), generator=gen).to(torch.uint8)
+    codes[:, ::16] = 7  # amax of each group = 6 x scale x g
+    scales = torch.tensor([0.5, 1.0, 2.0, 448.0]).repeat_interleave(8).view(4, 8)
+    x = ref.nvfp4_dequantize(codes, scales.to(torch.float8_e4m3fn), g)
+    got_codes, got_scales = ref.nvfp4_quantize(x, g)
+    assert torch.equal(ref.nvfp4_dequantize(got_codes, got_scales, g), x)
+    y = torch.randn(64, 128, generator=gen)
+    back = ref.nvfp4_dequantize(*ref.nvfp4_quantize(y, 0.001), 0.001)
+    assert float((back - y).norm() / y.norm()) < 0.12  # e2m1 keeps about 3 bits
+    zeros = ref.nvfp4_quantize(torch.zeros(2, 32), 1.0)
+    assert torch.all(zeros[0] == 0) and torch.all(zeros[1].float() == 0)
+
+
+def test_scales_clamp_to_448_before_the_cast():
+    x = torch.full((1, 16), 1e6)
+    _, scales = ref.nvfp4_quantize(x, 1.0)
+    assert scales.float().item() == 448.0
+
+
+def test_nibbles_and_swizzle():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)
+    packed = ref.pack_e2m1(codes)
+    assert packed[0].item() == 0x10 and packed[1].item() == 0x32  # even element low
+    assert torch.equal(ref.unpack_e2m1(packed), codes)
+    logical = torch.arange(128 * 8).view(128, 8)
+    stored = ref.swizzle_v_scales(logical)
+    assert stored[5, 5] == logical[5, 3]  # (t 5, s 3) -> ((5 // 4) * 4 + 1, 4 + 1)
+    assert torch.equal(stored.flatten().sort().values, logical.flatten())
+    assert torch.equal(ref.unswizzle_v_scales(stored), logical)
+
+
+def test_page_layout_and_round_trip():
+    hkv, pages = 4, 3
+    page_bytes = hkv * ref.NVFP4_PAGE_BYTES_PER_HEAD
+    assert page_bytes == 73728
+    buffer = torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    views = ref.nvfp4_page_views(buffer, hkv)
+    assert views["k_data"].stride() == (page_bytes, 8192, 64, 1)
+    assert views["v_scales"].stride() == (page_bytes, 1024, 8, 1)
+    for i, name in enumerate(("k_data", "k_scales", "v_data", "v_scales")):
+        views[name].fill_(i + 1)
+    assert torch.all(buffer > 0)  # the four regions tile the page
+    assert [int(buffer[0, hkv * o]) for o in ref.NVFP4_REGIONS.values()] == [1, 2, 3, 4]
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(pages, hkv, 128, 128, generator=gen)
+    v = torch.randn(pages, hkv, 128, 128, generator=gen)
+    packed = ref.nvfp4_pack_pages(k, v, 0.002, 0.003)
+    k_back, v_back = ref.nvfp4_unpack_pages(packed, hkv, 0.002, 0.003)
+    assert torch.equal(k_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(k, 0.002), 0.002))
+    assert torch.equal(v_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(v, 0.003), 0.003))
