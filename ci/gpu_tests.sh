@@ -22,7 +22,7 @@ python3 -m pytest tests -q -m gpu -p no:cacheprovider "${timeout_args[@]}" "$@" 
 tail -n 15 "$OUT/gpu_tests.log"
 python3 -m sparseforge demo 2>&1 | tee "$OUT/demo.txt" || status=1
 if [ "${SPARSEFORGE_BENCH:-1}" = 1 ]; then
-  python3 -m sparseforge.bench --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1
+  python3 -m sparseforge.bench --selection --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1
   python3 -m sparseforge.bench --backend warp_mma --out "$OUT/bench_warp_mma.md" 2>&1 | tail -n 12 || status=1
 fi
 exit $status
