@@ -53,6 +53,9 @@ def test_scalar_num_valid_pages():
     )
 
 
+SCORES = torch.zeros(5, 32)  # max_score and, in one case, the output in the same memory
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
@@ -75,11 +78,16 @@ def test_scalar_num_valid_pages():
         (dict(num_valid_pages=torch.zeros(4, dtype=torch.int32)), ValueError, "shape (5,)"),
         (dict(num_valid_pages=2.0), TypeError, "num_valid_pages must be None, an int"),
         (dict(output=torch.zeros(5, 2, 8, dtype=torch.int32)), ValueError, "shape (5, 2, 16)"),
+        (
+            dict(output=SCORES.view(torch.int32)[:5].view(5, 2, 16)),
+            ValueError,
+            "output spans overlaps",
+        ),
         (dict(), ValueError, "msa_topk_select needs a CUDA device"),
     ],
 )
 def test_errors(kwargs, error, message):
-    args = dict(max_score=torch.zeros(2, 4, 5), topk=16)
+    args = dict(max_score=SCORES.flatten()[:40].view(2, 4, 5), topk=16)
     args.update(kwargs)
     with pytest.raises(error) as info:
         msa_topk_select(**args)

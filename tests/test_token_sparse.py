@@ -80,8 +80,14 @@ def test_pack_bits_uses_the_sign_bit():
     assert reference.pack_bits(bits).tolist() == [1 - 2**31, 2]
 
 
+SHARED = torch.zeros(32, **I32)  # requests and, in one case, seq_lens in the same memory
+SHARED_UNION = torch.zeros(12, **I32)  # query_rows and, in one case, union_sizes
+
+
 def kv_call(**change):
     args = token_sparse_kv_inputs()
+    if "seq_lens" in change:
+        args["requests"] = SHARED[:7]
     args.update(change)
     return token_sparse_kv_indices(
         args.pop("positions"), args.pop("requests"), args.pop("block_table"), **args
@@ -100,6 +106,7 @@ def kv_call(**change):
         (dict(block_tables=torch.zeros(10, 1, 512, **I32)), "expected (>= 10, 2, 512)"),
         (dict(seq_lens=torch.zeros(9, **I32)), "seq_lens has 9 entries, fewer than the 10 rows"),
         (dict(requests_per_token=0), "requests_per_token must be a positive int"),
+        (dict(seq_lens=SHARED[:13]), "the memory seq_lens spans overlaps requests's"),
         (dict(), "token_sparse kernels need a CUDA device"),
     ],
 )
@@ -111,6 +118,8 @@ def test_kv_indices_errors(change, message):
 
 def union_call(**change):
     args = group_union_inputs()
+    if "union_sizes" in change:
+        args["query_rows"] = SHARED_UNION
     args.update(change)
     return group_union_masks(
         *(args.pop(n) for n in ("positions", "query_rows", "group_unions", "requests")),
@@ -135,6 +144,7 @@ def union_call(**change):
         (dict(union=torch.zeros(5, 2047, **I32)), "union rows hold 2047 columns; at least 2048"),
         (dict(mask=torch.zeros(16, 63, **I32)), "at least 64 words needed"),
         (dict(mask=torch.zeros(16, 64, 1, **I32)), "mask has 3 dimensions"),
+        (dict(union_sizes=SHARED_UNION[:5]), "union_sizes spans overlaps query_rows's"),
         (dict(), "token_sparse kernels need a CUDA device"),
     ],
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparseforge import ops
+from sparseforge.checks import check_writable
 from sparseforge.families import msa_topk_select as topk_family
 
 
@@ -71,6 +72,7 @@ def msa_topk_select(
             f"output must be a contiguous int32 tensor of shape {(tokens, heads, want)} on "
             f"{device}, got {_describe(output)}"
         )
+    check_writable("output", output, (("max_score", max_score), ("num_valid_pages", num_valid)))
     if device.type != "cuda":
         raise ValueError(f"max_score is on {device}; msa_topk_select needs a CUDA device")
     if heads and tokens:

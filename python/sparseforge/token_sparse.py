@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from sparseforge import ops
-from sparseforge.checks import positive_int
+from sparseforge.checks import check_writable, positive_int
 from sparseforge.families import token_sparse
 
 
@@ -60,6 +60,10 @@ def token_sparse_kv_indices(
         )
     if seq_lens.shape[0] < rows:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, fewer than the {rows} rows")
+    _check_outputs(
+        (("block_tables", block_tables), ("seq_lens", seq_lens)),
+        (("positions", positions), ("requests", requests), ("block_table", block_table)),
+    )
     _check_cuda(device)
     if t:
         launch = token_sparse.kv_indices_launch(device.index, rpt)
@@ -142,6 +146,16 @@ def group_union_masks(
             f"mask rows hold {mask.shape[1]} words ({32 * mask.shape[1]} columns); at least "
             f"{-(-columns // 32)} words needed"
         )
+    _check_outputs(
+        (("union", union), ("union_sizes", union_sizes), ("mask", mask)),
+        (
+            ("positions", positions),
+            ("query_rows", query_rows),
+            ("group_unions", group_unions),
+            ("requests", requests),
+            ("block_table", block_table),
+        ),
+    )
     _check_cuda(device)
     if t:
         launch = token_sparse.group_union_launch(device.index, num_keys)
@@ -175,6 +189,12 @@ def _check_int32(name: str, t, dims: int, device=None) -> torch.device:
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} (that of positions)")
     return t.device
+
+
+def _check_outputs(outputs, inputs) -> None:
+    """Each output apart from every input and from the outputs before it."""
+    for i, (name, tensor) in enumerate(outputs):
+        check_writable(name, tensor, (*inputs, *outputs[:i]))
 
 
 def _check_cuda(device: torch.device) -> None:
