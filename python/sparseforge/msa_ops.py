@@ -10,6 +10,8 @@ reference: sparseforge.reference.msa_topk_select.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sparseforge import ops
@@ -92,7 +94,7 @@ def _num_valid(num_valid_pages, blocks: int, tokens: int, device) -> torch.Tenso
         value = blocks if num_valid_pages is None else num_valid_pages
         if not 0 < value <= blocks:
             raise ValueError(f"num_valid_pages must be in (0, {blocks}] (P), got {value}")
-        return torch.full((1,), value, dtype=torch.int32, device=device).expand(tokens)
+        return _constant_count(device, value).expand(tokens)
     if not isinstance(num_valid_pages, torch.Tensor):
         raise TypeError(
             "num_valid_pages must be None, an int or an int32 tensor, got "
@@ -109,6 +111,13 @@ def _num_valid(num_valid_pages, blocks: int, tokens: int, device) -> torch.Tenso
             f"{device}, got {_describe(num_valid_pages)}"
         )
     return num_valid_pages
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_count(device: torch.device, value: int) -> torch.Tensor:
+    """A one-element int32 tensor kept per (device, value): a call per layer with the same
+    count launches no fill kernel and allocates nothing."""
+    return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
 def _describe(t) -> str:
