@@ -84,16 +84,18 @@ def token_sparse_kv_inputs(t=5, k=512, rpt=2, seed=0):
 
 def group_union_inputs(groups=3, n=4, k=512, num_keys=3000, seed=0):
     """group_union_masks arguments (CPU): positions also past num_keys, a repeated key, a
-    token and a group with row -1, outputs poisoned with -7 and rows that are not written."""
+    token and a group with row -1 (where there are several), outputs poisoned with -7 and rows that are not written."""
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-num_keys // 64) + 2
     t = groups * n
     positions = random_positions(t, k, num_keys + 100, gen, valid_max=300)  # some >= num_keys
     positions[0, :3] = torch.tensor([5, 5, 7])  # a repeated key
     query_rows = torch.randperm(t + 4, generator=gen)[:t].to(torch.int32)
-    query_rows[1] = -1
+    if t > 1:  # a token without a row (one token alone keeps its row, so it is checked)
+        query_rows[1] = -1
     group_unions = torch.randperm(groups + 2, generator=gen)[:groups].to(torch.int32)
-    group_unions[-1] = -1
+    if groups > 1:
+        group_unions[-1] = -1
     columns = min(n * k, 128 * -(-num_keys // 128))
     return dict(
         positions=positions,
