@@ -25,7 +25,7 @@ keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lan
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.common.softmax import RESCALE_THRESHOLD, mask_columns, quad_max
+from generator.kernels.common.softmax import RESCALE_THRESHOLD, is_huge, mask_columns, quad_max
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 NEG_INF = -cutlass.Float32.inf
@@ -114,13 +114,16 @@ def sage_softmax_step(
             scaled_max = cute.arch.fmax(scaled_max, group_max * scale[r, g])
         tile_max = quad_max(scaled_max)
         new_max = row_max[r]
-        if tile_max > row_max[r] + RESCALE_THRESHOLD:
+        if tile_max - row_max[r] > RESCALE_THRESHOLD:  # (row_max + 8 is row_max when huge)
             new_max = tile_max
         # A row with no valid key so far keeps -inf; finite exponent bases keep NaN out
         # (exp2 of -inf minus a finite base is 0). One FMNMX each, not a compare and select.
         tile_base = cute.arch.fmax(tile_max, FINITE_FLOOR)
         new_base = cute.arch.fmax(new_max, FINITE_FLOOR)
         offset = P_EXP2_OFFSET - tile_base
+        if is_huge(tile_max):
+            exponents_of_a_huge_row(acc_s_mn, r, scale, per_group, tile_max)
+            offset = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
             acc_s_mn[r, j] = cute.math.exp2(
                 acc_s_mn[r, j] * scale[r, j // per_group] + offset, fastmath=True
@@ -133,6 +136,28 @@ def sage_softmax_step(
             * beta[r]
         )
         row_max[r] = new_max
+
+
+@cute.jit
+def exponents_of_a_huge_row(acc_s_mn, r, scale, per_group, tile_max):
+    """Row r of a tile whose max is huge (softmax.HUGE_BASE): each score becomes its exponent
+    x - t + 8 and its scale 1. The fused exp2(s * c + (8 - t)) would carry fl(s * c)'s
+    rounding error (and lose the 8), so the max is subtracted per 16-key group in raw units,
+    (s - gmax) * c + (fl(gmax * c) - t + 8): 8 exactly at the tile's max, since t is the
+    largest fl(gmax * c) of the row. The fmax with the lowest finite value is the identity
+    on a finite product; it keeps the compiler from fusing fl(gmax * c) - t into an FMA
+    (which would give the product's rounding error where we want 0)."""
+    groups = cute.size(scale, mode=[1])
+    for g in cutlass.range_constexpr(groups):
+        group_max = FINITE_FLOOR  # finite, so that a masked (-inf) score minus it is -inf
+        for i in cutlass.range_constexpr(per_group):
+            group_max = cute.arch.fmax(group_max, acc_s_mn[r, g * per_group + i])
+        scaled_group_max = cute.arch.fmax(group_max * scale[r, g], FINITE_FLOOR)
+        group_offset = (scaled_group_max - tile_max) + P_EXP2_OFFSET
+        for i in cutlass.range_constexpr(per_group):
+            j = g * per_group + i
+            acc_s_mn[r, j] = (acc_s_mn[r, j] - group_max) * scale[r, g] + group_offset
+        scale[r, g] = cutlass.Float32(1.0)
 
 
 @cute.jit

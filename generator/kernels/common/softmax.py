@@ -61,6 +61,22 @@ def new_softmax_state(num_rows: int):
 # output's rescale, a multiply per output element, is skipped for most tiles.
 RESCALE_THRESHOLD = 8.0
 
+# Exponent bases beyond this (log2 units) are "huge": exp2(s * c - fl(m * c)), one FMA,
+# leaves fl's rounding error (up to half an ulp of m * c: 2^7 at 2^31) in every exponent,
+# which overflows P or flushes it to 0. Rows with such a max subtract it in raw units first
+# (exact for scores within 2x of it), at the cost of one compare per row and tile otherwise.
+# At 2^20 the FMA's error is at most 2^-4.
+HUGE_BASE = 2.0**20
+
+
+@cute.jit
+def is_huge(base):
+    """|base| beyond HUGE_BASE and finite (an infinite max keeps the FMA path: its NaN and
+    zeros are already the right ones)."""
+    magnitude = abs(base)
+    return (magnitude > HUGE_BASE) & (magnitude < cutlass.Float32.inf)
+
+
 # bf16 probabilities are offset by 2^-P_OFFSET_BF16 (P = exp2(x - max - offset)): bf16 V
 # reaches 3.4e38, and an unnormalised fp32 sum of P V with P up to 2^8 over many keys
 # would overflow where the normalised result is finite. 2^-40 keeps P in bf16's normal
@@ -97,27 +113,35 @@ def softmax_update(
     running max moves (RESCALE_THRESHOLD).
 
     Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
-    that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf.
+    that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf. Rows
+    whose max is huge (HUGE_BASE) have it subtracted in raw units first. The kernels need
+    scale_log2 > 0.
     """
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = acc_s_mn[r, None].load()
         prev_max = row_max[r]
         new_max = prev_max
         tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, prev_max, 0))
-        if tile_max * scale_log2 > prev_max * scale_log2 + RESCALE_THRESHOLD:
+        # The difference first: at huge maxima fl(m * c) + 8 would round back to fl(m * c).
+        if (tile_max - prev_max) * scale_log2 > RESCALE_THRESHOLD:
             new_max = tile_max
         base = new_max * scale_log2
         if new_max == -cutlass.Float32.inf:
             base = cutlass.Float32(0.0)
         p_base = base
+        if is_huge(base):
+            acc_s_mn[r, None] = row - new_max
+            p_base = cutlass.Float32(0.0)
+        row = acc_s_mn[r, None].load()  # the same registers, unless the row was huge
         if cutlass.const_expr(p_offset != 0.0):
-            p_base = base + p_offset
+            p_base = p_base + p_offset
         probs = cute.math.exp2(row * scale_log2 - p_base, fastmath=True)
         # Exactly 1 while the max holds: exp2(prev * s - base) would be fused into an FMA
         # whose result is fl(prev * s)'s rounding error, not 0, and rescale half the tiles.
+        # When it moves (rarely), the difference first, for the same reason as above.
         correction = cutlass.Float32(1.0)
         if new_max != prev_max:
-            correction = cute.math.exp2(prev_max * scale_log2 - base, fastmath=True)
+            correction = cute.math.exp2((prev_max - new_max) * scale_log2, fastmath=True)
         row_sum[r] = row_sum[r] * correction + probs.reduce(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         )
