@@ -84,7 +84,8 @@ def token_sparse_kv_inputs(t=5, k=512, rpt=2, seed=0):
 
 def group_union_inputs(groups=3, n=4, k=512, num_keys=3000, seed=0):
     """group_union_masks arguments (CPU): positions also past num_keys, a repeated key, a
-    token and a group with row -1 (where there are several), outputs poisoned with -7 and rows that are not written."""
+    token and a group with row -1 (where there are several), outputs poisoned with -7 and
+    rows that are not written."""
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-num_keys // 64) + 2
     t = groups * n
