@@ -117,35 +117,41 @@ def softmax_update(
     whose max is huge (HUGE_BASE) have it subtracted in raw units first. The kernels need
     scale_log2 > 0.
     """
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = acc_s_mn[r, None].load()
-        prev_max = row_max[r]
-        new_max = prev_max
-        tile_max = quad_max(row.reduce(cute.ReductionOp.MAX, prev_max, 0))
+    rows = cute.size(row_max)
+    # Every row's new max first, then one branch per tile for the rare huge rows, so that the
+    # rows' shuffles and exponents can interleave (a branch per row between them cannot).
+    prev_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
+    p_base = cute.make_rmem_tensor((rows,), cutlass.Float32)
+    any_huge = False
+    for r in cutlass.range_constexpr(rows):
+        prev_max[r] = row_max[r]
+        tile_max = quad_max(acc_s_mn[r, None].load().reduce(cute.ReductionOp.MAX, row_max[r], 0))
         # The difference first: at huge maxima fl(m * c) + 8 would round back to fl(m * c).
-        if (tile_max - prev_max) * scale_log2 > RESCALE_THRESHOLD:
-            new_max = tile_max
-        base = new_max * scale_log2
-        if new_max == -cutlass.Float32.inf:
-            base = cutlass.Float32(0.0)
-        p_base = base
-        if is_huge(base):
-            acc_s_mn[r, None] = row - new_max
-            p_base = cutlass.Float32(0.0)
-        row = acc_s_mn[r, None].load()  # the same registers, unless the row was huge
+        if (tile_max - row_max[r]) * scale_log2 > RESCALE_THRESHOLD:
+            row_max[r] = tile_max
+        p_base[r] = row_max[r] * scale_log2
+        if row_max[r] == -cutlass.Float32.inf:
+            p_base[r] = cutlass.Float32(0.0)
+        any_huge = any_huge | is_huge(p_base[r])
+    if any_huge:
+        for r in cutlass.range_constexpr(rows):
+            if is_huge(p_base[r]):
+                acc_s_mn[r, None] = acc_s_mn[r, None].load() - row_max[r]
+                p_base[r] = cutlass.Float32(0.0)
+    for r in cutlass.range_constexpr(rows):
+        base = p_base[r]
         if cutlass.const_expr(p_offset != 0.0):
-            p_base = p_base + p_offset
-        probs = cute.math.exp2(row * scale_log2 - p_base, fastmath=True)
+            base = base + p_offset
+        probs = cute.math.exp2(acc_s_mn[r, None].load() * scale_log2 - base, fastmath=True)
         # Exactly 1 while the max holds: exp2(prev * s - base) would be fused into an FMA
         # whose result is fl(prev * s)'s rounding error, not 0, and rescale half the tiles.
         # When it moves (rarely), the difference first, for the same reason as above.
         correction = cutlass.Float32(1.0)
-        if new_max != prev_max:
-            correction = cute.math.exp2((prev_max - new_max) * scale_log2, fastmath=True)
+        if row_max[r] != prev_max[r]:
+            correction = cute.math.exp2((prev_max[r] - row_max[r]) * scale_log2, fastmath=True)
         row_sum[r] = row_sum[r] * correction + probs.reduce(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         )
-        row_max[r] = new_max
         acc_s_mn[r, None] = probs
         rescale_rows(acc_o_mn, r, correction)
 
