@@ -69,6 +69,8 @@ class Variant:
         config = f"{p['dtype']}_d{p['head_dim']}" if p.get("dtype") else "any"
         if p.get("warpgroups", 1) > 1:
             config += f"_w{p['warpgroups']}"
+        if p.get("key_layout"):
+            config += f"_{p['key_layout']}"
         return f"{self.family.name}__{self.template.name}__{config}__{self.arch}"
 
     @property

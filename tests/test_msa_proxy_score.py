@@ -1,9 +1,12 @@
 """The MSA proxy-score reference on the CPU against a plain reading of the contract: flat and
 paged K (the same keys in both give the same scores), GQA, right-aligned and explicit query
-offsets, non-causal, ragged sequences with a partial last block, reduce_heads."""
+offsets, non-causal, ragged sequences with a partial last block, reduce_heads; and
+msa_proxy_score's argument checks, each error naming its argument (the kernel's GPU tests:
+test_gpu_msa_proxy_score.py)."""
 
 import math
 
+import pytest
 import torch
 from sparseforge import reference
 
@@ -82,3 +85,79 @@ def test_offsets_non_causal_and_reduce_heads():
     reduced = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k, reduce_heads=True)
     full = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k)
     assert torch.equal(reduced, full.amax(0, keepdim=True))
+
+
+# --- msa_proxy_score's argument checks (CPU: every check comes before the device's) ---------
+
+
+def proxy_args(paged=False, **changes):
+    from sparseforge.check import proxy_score_inputs
+
+    args = proxy_score_inputs(torch.bfloat16, paged, [3, 70], [300, 100])
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, error, words",
+    [
+        (dict(q=torch.zeros(73, 4, 128)), NotImplementedError, "bf16 and fp16 are built"),
+        (
+            dict(k=torch.zeros(400, 2, 128, dtype=torch.float16)),
+            ValueError,
+            "k must have q's dtype",
+        ),
+        (
+            dict(q=torch.zeros(73, 4, 64, dtype=torch.bfloat16)),
+            ValueError,
+            "q must be (total_q, Hq, 128)",
+        ),
+        (dict(k=torch.zeros(400, 3, 128, dtype=torch.bfloat16)), ValueError, "multiple of Hkv = 3"),
+        (dict(cu_seqlens_k=None), ValueError, "flat k needs cu_seqlens_k"),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 3, 73])),
+            ValueError,
+            "cu_seqlens_q must be a contiguous int32",
+        ),
+        (dict(cu_seqlens_q=torch.tensor([0], dtype=torch.int32)), ValueError, "B + 1 >= 2"),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 300], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_k must be a contiguous int32 vector of length 3",
+        ),
+        (
+            dict(q_offset=torch.zeros(3, dtype=torch.int32)),
+            ValueError,
+            "q_offset must be a contiguous int32 vector of length 2",
+        ),
+        (dict(max_k_tiles=-1), ValueError, "max_k_tiles must be an int >= 0"),
+        (
+            dict(output=torch.zeros(4, 2, 73)),
+            ValueError,
+            "output must be a contiguous float32 tensor of shape (4, 3, 73)",
+        ),
+        (dict(), ValueError, "msa_proxy_score needs a CUDA device"),
+    ],
+)
+def test_proxy_score_arguments_are_checked_by_name(changes, error, words):
+    from sparseforge.msa_ops import msa_proxy_score
+
+    with pytest.raises(error) as info:
+        msa_proxy_score(**proxy_args(**changes))
+    assert words in str(info.value), str(info.value)
+
+
+def test_paged_proxy_score_arguments_are_checked_by_name():
+    from sparseforge.msa_ops import msa_proxy_score
+
+    args = proxy_args(paged=True)
+    with pytest.raises(ValueError, match="paged k needs both page_table and seqused_k"):
+        msa_proxy_score(**{**args, "seqused_k": None})
+    with pytest.raises(ValueError, match="not both"):
+        msa_proxy_score(**args, cu_seqlens_k=torch.tensor([0, 300, 400], dtype=torch.int32))
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        msa_proxy_score(**{**args, "page_table": args["page_table"].long()})
+    with pytest.raises(ValueError, match=r"paged k must be \(pages, Hkv, 128, 128\)"):
+        msa_proxy_score(**{**args, "k": args["k"][:, :, :64]})
+    with pytest.raises(ValueError, match="hold their heads contiguously"):
+        msa_proxy_score(**{**args, "k": args["k"].transpose(0, 1).contiguous().transpose(0, 1)})

@@ -11,7 +11,7 @@ from sparseforge.errors import (
     UnsupportedArchError,
     VariantNotBuiltError,
 )
-from sparseforge.msa_ops import msa_topk_select
+from sparseforge.msa_ops import msa_proxy_score, msa_topk_select
 from sparseforge.sage import (
     SageFP8Tensors,
     quantize_bandwidth,
@@ -42,6 +42,7 @@ __all__ = [
     "sage_fp8_quantize_sm90",
     "video_sparse_attention",
     "token_sparse_kv_indices",
+    "msa_proxy_score",
     "msa_topk_select",
     "group_union_masks",
     "KernelLaunchError",

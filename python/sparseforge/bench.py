@@ -415,11 +415,11 @@ def diffusers_forward_times(frames: int = 21, side: int = 80, layers: int = 4, t
 
 def selection_times(iters: int = 50) -> list[str]:
     """The selection kernels, microseconds (CUDA events, median) and the bandwidth of the
-    bytes each must read and write, against HBM. MS2: msa_topk_select of max_score
-    (64, 256, 32768), one forced begin and end block. TS1 / TS2, the token-sparse builders
-    at a decode serving shape: 1024 tokens, one per request of 128k context (2048 pages of
-    64 keys), K = 2048 selected keys each; slot lists with 2 requests per token; unions of
-    groups of 8 tokens over the 131,072 keys."""
+    bytes each must read and write, against HBM (MS1, the proxy score: TFLOPS). MS2:
+    msa_topk_select of max_score (64, 256, 32768), one forced begin and end block. TS1 /
+    TS2, the token-sparse builders at a decode serving shape: 1024 tokens, one per request
+    of 128k context (2048 pages of 64 keys), K = 2048 selected keys each; slot lists with 2
+    requests per token; unions of groups of 8 tokens over the 131,072 keys."""
     from sparseforge import msa_ops, token_sparse
 
     device = torch.device("cuda")
@@ -465,7 +465,32 @@ def selection_times(iters: int = 50) -> list[str]:
             f"{name}: {us:.1f} us, {moved / us / 1e3:.0f} GB/s "
             f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.1f} MB read + written"
         )
-    return lines
+    return lines + [proxy_score_time(iters)]
+
+
+def proxy_score_time(iters: int) -> str:
+    """MS1: msa_proxy_score of one causal sequence of 32768 tokens, 4 index heads, 1 kv head,
+    bf16, flat K; TFLOPS on the causal FLOPs (2 * heads * 128 per visible (query, key))."""
+    from sparseforge import msa_ops
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    seq, heads = 32768, 4
+    q = torch.randn(seq, heads, 128, device=device, generator=gen).to(torch.bfloat16)
+    k = torch.randn(seq, 1, 128, device=device, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
+    out = torch.empty(heads, seq // 128, seq, device=device)
+
+    def proxy():
+        msa_ops.msa_proxy_score(q, k, cu, cu, max_seqlen_q=seq, max_k_tiles=seq // 128, output=out)
+
+    us = cuda_time_ms(proxy, warmup=3, iters=iters) * 1e3
+    tflops = 2 * heads * 128 * seq * (seq + 1) / 2 / us / 1e6
+    return (
+        f"MS1 msa_proxy_score (bf16, flat K, causal, S {seq}, 4 heads): {us:.1f} us, "
+        f"{tflops:.0f} TFLOPS on the causal FLOPs ({tflops / MATMUL_CEILING_TFLOPS:.0%} of "
+        f"{MATMUL_CEILING_TFLOPS})"
+    )
 
 
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
@@ -572,7 +597,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--selection",
         action="store_true",
-        help="also time the selection kernels (MS2 top-16, TS1 / TS2 token-sparse builders)",
+        help="also time the selection kernels (MS1 proxy score, MS2 top-16, TS1 / TS2 "
+        "token-sparse builders)",
     )
     parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"

@@ -8,6 +8,10 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
 - tile_compact: run by every attention plan;
+- msa_proxy_score: ragged sequences (keys past the last full block, a sequence without
+  keys, more than 64 queries), GQA, causal with default and explicit query offsets and not,
+  flat and paged keys, reduce_heads, a wider output than needed; scores within 1e-5 of the
+  fp64 reference, -inf exactly where it has them;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -35,6 +39,7 @@ from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
+PROXY_FAMILY = "msa_proxy_score"
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
@@ -214,6 +219,67 @@ def check_token_sparse(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     return "every output buffer vs the reference", same
 
 
+def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, device="cpu"):
+    """msa_proxy_score arguments (q, k, cu_seqlens_q, and cu_seqlens_k or page_table and
+    seqused_k) for sequences of seq_q queries and seq_k keys; paged keys sit in 128-key pages
+    of one cache in random order (a spare page, and page-table entries past a sequence's
+    pages, point at garbage)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, block = 128, 128
+    q = torch.randn(sum(seq_q), hq, d, generator=gen).to(dtype)
+    keys = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in seq_k]
+    cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int32)
+    args = dict(q=q, cu_seqlens_q=cu_q)
+    if not paged:
+        args.update(
+            k=torch.cat(keys),
+            cu_seqlens_k=torch.tensor(
+                [0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32
+            ),
+        )
+    else:
+        counts = [-(-n // block) for n in seq_k]
+        pages = sum(counts) + 1
+        cache = torch.randn(pages, hkv, block, d, generator=gen).to(dtype) * 100
+        order = torch.randperm(pages, generator=gen)
+        table = torch.full(
+            (len(seq_k), max(counts, default=0) + 1), int(order[-1]), dtype=torch.int32
+        )
+        used = 0
+        for b, key in enumerate(keys):
+            for p in range(counts[b]):
+                chunk = key[p * block : (p + 1) * block]
+                cache[order[used], :, : chunk.shape[0]] = chunk.transpose(0, 1)
+                table[b, p] = order[used]
+                used += 1
+        args.update(k=cache, page_table=table, seqused_k=torch.tensor(seq_k, dtype=torch.int32))
+    return {name: t.to(device) for name, t in args.items()}
+
+
+def check_proxy_score(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.msa_ops import msa_proxy_score
+
+    paged = v["params"]["key_layout"] == "paged"
+    seq_q, seq_k = ([3, 70, 1], [300, 100, 0]) if small else ([1, 200, 77, 5], [5000, 700, 77, 0])
+    args = proxy_score_inputs(
+        BY_NAME[v["params"]["dtype"]], paged, seq_q, seq_k, seed=seed, device="cuda"
+    )
+    ok = True
+    for causal, reduce_heads in ((True, False), (False, True)):
+        tiles = -(-max(seq_k) // 128) + 1  # one block more than any sequence has
+        out = torch.full((1 if reduce_heads else 4, tiles, sum(seq_q)), float("nan"), device="cuda")
+        msa_proxy_score(
+            **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles, output=out
+        )
+        want = reference.msa_proxy_score(
+            **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles
+        )
+        ok &= torch.equal(torch.isinf(out), torch.isinf(want))
+        finite = torch.isfinite(want)
+        ok &= bool((out[finite] - want[finite]).abs().max() <= 1e-5 * want[finite].abs().max())
+    return "causal / non-causal + reduce_heads vs the reference", ok
+
+
 def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.msa_ops import msa_topk_select
 
@@ -240,7 +306,13 @@ def main(argv=None) -> int:
         v
         for v in _library.manifest()["variants"]
         if v["family"]
-        in (*ATTENTION_FAMILIES, QUANTIZER_FAMILY, TOPK_FAMILY, *TOKEN_SPARSE_FAMILIES)
+        in (
+            *ATTENTION_FAMILIES,
+            QUANTIZER_FAMILY,
+            TOPK_FAMILY,
+            PROXY_FAMILY,
+            *TOKEN_SPARSE_FAMILIES,
+        )
         and v["arch"] == arch
         and args.variant in (None, v["name"])
     ]
@@ -253,6 +325,8 @@ def main(argv=None) -> int:
             runs = [check_quantizer(v, args.small)]
         elif v["family"] == TOPK_FAMILY:
             runs = [check_topk_select(args.small)]
+        elif v["family"] == PROXY_FAMILY:
+            runs = [check_proxy_score(v, args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:
             runs = [check_token_sparse(v, args.small)]
         else:

@@ -1,11 +1,15 @@
 """MiniMax sparse attention (MSA) operations, call-compatible with `flashinfer.msa_ops`.
 
+    msa_proxy_score   per (query head, 128-key block, token), the max of the unscaled q.k
+                      over the keys the token may see
     msa_topk_select   per (token, query head), the 16 key blocks it attends to, from the
-                      proxy scores (max of q.k per 128-key block)
+                      proxy scores
 
-Each call is one launch on the current stream with no host synchronisation (CUDA-graph
-capturable). Kernel: generator/kernels/portable/msa_topk_select.py (every arch); PyTorch
-reference: sparseforge.reference.msa_topk_select.
+Each call is one launch on the current stream with no host synchronisation when the sizes
+it would otherwise read from the GPU are given (msa_proxy_score: max_seqlen_q and
+max_k_tiles), so it can be captured in a CUDA graph. Kernels:
+generator/kernels/portable/msa_{proxy_score,topk_select}.py (every arch); PyTorch
+references: sparseforge.reference.msa_proxy_score and .msa_topk_select.
 """
 
 from __future__ import annotations
@@ -16,7 +20,189 @@ import torch
 
 from sparseforge import ops
 from sparseforge.checks import check_writable
+from sparseforge.dtypes import NAME_OF
+from sparseforge.families import msa_proxy_score as proxy_family
 from sparseforge.families import msa_topk_select as topk_family
+
+
+def msa_proxy_score(
+    q,
+    k,
+    cu_seqlens_q,
+    cu_seqlens_k=None,
+    *,
+    page_table=None,
+    seqused_k=None,
+    causal: bool = True,
+    max_seqlen_q=None,
+    max_k_tiles=None,
+    output=None,
+    reduce_heads: bool = False,
+    q_offset=None,
+    use_fp32_acc: bool = True,
+):
+    """fp32 (Hq, T, total_q) (or (1, T, total_q) with reduce_heads, the max over heads):
+    for query token i of sequence b, head h and 128-key block t, the max of the unscaled
+    q.k over the block's keys that i sees: keys < the sequence's length and, with causal,
+    at positions <= q_offset[b] + i (q_offset defaults to seqlen_k - seqlen_q, right
+    aligned); -inf for a block it sees none of. T = max_k_tiles (default: the longest
+    sequence's blocks).
+
+    q (total_q, Hq, 128) bf16 / fp16; k of the same dtype, flat (total_k, Hkv, 128) with
+    cu_seqlens_k (B + 1,), or paged (pages, Hkv, 128, 128) with page_table (B, W) and
+    seqused_k (B,); int32 index tensors on q's device. max_seqlen_q and max_k_tiles are
+    read from the GPU when not given (a host synchronisation; pass them under CUDA-graph
+    capture). A max_seqlen_q below a sequence's length leaves that sequence's later rows
+    unwritten. use_fp32_acc=False is accepted; the products are always summed in fp32."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        raise TypeError(f"q and k must be torch.Tensors, got {_describe(q)} and {_describe(k)}")
+    head_dim = proxy_family.constant("head_dim")
+    block = proxy_family.constant("block_keys")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(
+            f"q has dtype {q.dtype}: bf16 and fp16 are built (e4m3 is not yet)"
+        )
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    if q.dim() != 3 or q.shape[2] != head_dim or q.stride(2) != 1:
+        raise ValueError(
+            f"q must be (total_q, Hq, {head_dim}) with unit stride on the last dim, got "
+            f"{_describe(q)}"
+        )
+    total_q, heads = q.shape[:2]
+    device = q.device
+    paged = page_table is not None or seqused_k is not None
+    if paged:
+        if cu_seqlens_k is not None:
+            raise ValueError("give cu_seqlens_k (flat k) or page_table and seqused_k, not both")
+        if page_table is None or seqused_k is None:
+            raise ValueError("paged k needs both page_table and seqused_k")
+        if k.dim() != 4 or k.shape[2:] != (block, head_dim) or k.stride(3) != 1:
+            raise ValueError(
+                f"paged k must be (pages, Hkv, {block}, {head_dim}) with unit stride on the "
+                f"last dim, got {_describe(k)}"
+            )
+        if k.stride(0) != k.shape[1] * k.stride(1):
+            raise ValueError(
+                f"paged k's pages must hold their heads contiguously (stride(0) = Hkv * "
+                f"stride(1)), got {_describe(k)}"
+            )
+        kv_heads = k.shape[1]
+        kernel_k = k.flatten(0, 1)
+    else:
+        if cu_seqlens_k is None:
+            raise ValueError("flat k needs cu_seqlens_k (or give page_table and seqused_k)")
+        if k.dim() != 3 or k.shape[2] != head_dim or k.stride(2) != 1:
+            raise ValueError(
+                f"flat k must be (total_k, Hkv, {head_dim}) with unit stride on the last dim, "
+                f"got {_describe(k)}"
+            )
+        kv_heads = k.shape[1]
+        kernel_k = k
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"Hq = {heads} must be a multiple of Hkv = {kv_heads}")
+    batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
+    if batch < 1:
+        raise ValueError(
+            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
+        )
+    if paged:
+        _index_vector("seqused_k", seqused_k, batch, device)
+        if (
+            not isinstance(page_table, torch.Tensor)
+            or page_table.dtype != torch.int32
+            or page_table.dim() != 2
+            or page_table.shape[0] != batch
+            or page_table.device != device
+            or page_table.stride(1) != 1
+        ):
+            raise ValueError(
+                f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
+                f"its last dim, got {_describe(page_table)}"
+            )
+    else:
+        _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
+    if q_offset is not None:
+        _index_vector("q_offset", q_offset, batch, device)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_k_tiles is None:
+        lengths = seqused_k if paged else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        max_k_tiles = -(-int(lengths.max()) // block)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_k_tiles", max_k_tiles)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    shape = (1 if reduce_heads else heads, max_k_tiles, total_q)
+    if output is None:
+        output = torch.empty(shape, dtype=torch.float32, device=device)
+    elif (
+        not isinstance(output, torch.Tensor)
+        or output.dtype != torch.float32
+        or tuple(output.shape) != shape
+        or output.device != device
+        or not output.is_contiguous()
+    ):
+        raise ValueError(
+            f"output must be a contiguous float32 tensor of shape {shape} on {device}, got "
+            f"{_describe(output)}"
+        )
+    index_inputs = [("cu_seqlens_q", cu_seqlens_q), ("q", q), ("k", k)]
+    for name, t in (
+        ("cu_seqlens_k", cu_seqlens_k),
+        ("page_table", page_table),
+        ("seqused_k", seqused_k),
+        ("q_offset", q_offset),
+    ):
+        if t is not None:
+            index_inputs.append((name, t))
+    check_writable("output", output, index_inputs)
+    if device.type != "cuda":
+        raise ValueError(f"q is on {device}; msa_proxy_score needs a CUDA device")
+    if k.device != device:
+        raise ValueError(f"k is on {k.device}, q on {device}")
+    if output.numel() == 0 or max_seqlen_q == 0:
+        return output
+    unused = _constant_count(device, 0)
+    launch = proxy_family.launch(
+        device.index,
+        NAME_OF[q.dtype],
+        "paged" if paged else "flat",
+        max_seqlen_q,
+        kv_heads,
+        bool(causal),
+        q_offset is not None,
+        bool(reduce_heads),
+    )
+    tensors = (
+        q,
+        kernel_k,
+        cu_seqlens_q,
+        unused if paged else cu_seqlens_k,
+        seqused_k if paged else unused,
+        page_table if paged else unused.view(1, 1),
+        unused if q_offset is None else q_offset,
+        output,
+    )
+    with torch.cuda.device(device):
+        ops.launch(launch, tensors)
+    return output
+
+
+def _index_vector(name: str, t, length, device) -> int:
+    """Check an int32 vector argument on the device (length: None for any); its length."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != torch.int32
+        or t.dim() != 1
+        or (length is not None and t.shape[0] != length)
+        or t.device != device
+        or not t.is_contiguous()
+    ):
+        want = "" if length is None else f" of length {length}"
+        raise ValueError(
+            f"{name} must be a contiguous int32 vector{want} on {device}, got {_describe(t)}"
+        )
+    return t.shape[0]
 
 
 def msa_topk_select(

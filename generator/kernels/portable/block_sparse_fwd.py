@@ -50,15 +50,19 @@ class BlockSparseFwdWarpMma:
     def can_implement(head_dim: int) -> bool:
         return head_dim in (64, 128)
 
-    @cute.jit
-    def launch(self, args, stream):
-        """Host side: shared-memory layouts, copies and the MMA, then the launch."""
-        # 8 x 64 swizzled atoms: conflict-free ldmatrix and 16-byte cp.async.
-        smem_atom = cute.make_composed_layout(
+    def smem_layout(self, rows: int):
+        """A (rows, head_dim) tile of 8 x 64 swizzled atoms: conflict-free ldmatrix and
+        16-byte cp.async."""
+        atom = cute.make_composed_layout(
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
         )
-        sQ_layout = cute.tile_to_shape(smem_atom, (TILE_M, self.head_dim), (0, 1))
-        sKV_layout = cute.tile_to_shape(smem_atom, (TILE_N, self.head_dim), (0, 1))
+        return cute.tile_to_shape(atom, (rows, self.head_dim), (0, 1))
+
+    def shared_tiles(self):
+        """The layouts of the Q tile and of a K (or V) tile, and the shared-memory struct of
+        the three: sQ, sK, sV."""
+        sQ_layout = self.smem_layout(TILE_M)
+        sKV_layout = self.smem_layout(TILE_N)
 
         @cute.struct
         class SharedStorage:
@@ -66,31 +70,36 @@ class BlockSparseFwdWarpMma:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
-        elems_per_copy = 128 // self.dtype.width
-        threads_per_row = 64 // elems_per_copy
-        thread_layout = cute.make_layout(
-            (NUM_THREADS // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
-        )
-        value_layout = cute.make_layout((1, elems_per_copy))
-        gmem_load = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                self.dtype,
-                num_bits_per_copy=128,
-            ),
-            thread_layout,
-            value_layout,
-        )
-        gmem_store = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            thread_layout,
-            value_layout,
-        )
-        tiled_mma = cute.make_tiled_mma(
+        return sQ_layout, sKV_layout, SharedStorage
+
+    def tiled_mma(self):
+        """mma.sync m16n8k16 with fp32 accumulators, one warp per 16 of the tile's 64 rows."""
+        return cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
             (NUM_THREADS // 32, 1, 1),
             permutation_mnk=(TILE_M, 16, 16),
         )
+
+    def row_copy(self, op):
+        """`op` in 16-byte vectors, the CTA's threads covering 64 columns of several rows at
+        a time."""
+        elems_per_copy = 128 // self.dtype.width
+        threads_per_row = 64 // elems_per_copy
+        return cute.make_tiled_copy_tv(
+            cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128),
+            cute.make_layout(
+                (NUM_THREADS // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+            ),
+            cute.make_layout((1, elems_per_copy)),
+        )
+
+    @cute.jit
+    def launch(self, args, stream):
+        """Host side: shared-memory layouts, copies and the MMA, then the launch."""
+        sQ_layout, sKV_layout, SharedStorage = self.shared_tiles()
+        gmem_load = self.row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        gmem_store = self.row_copy(cute.nvgpu.CopyUniversalOp())
+        tiled_mma = self.tiled_mma()
         self.kernel(
             args,
             sQ_layout,

@@ -1,0 +1,76 @@
+"""MSA proxy score: per (query head, 128-key block, query token), the max of the unscaled q.k
+over the keys of the block the token may see (msa_ops.msa_proxy_score).
+
+A key is visible when it lies inside its sequence and, with causal, at a position <= the
+query's, q_offset[b] + i. A block with no visible key gets -inf, and so does every block
+from the sequence's last visible one up to the output's width (max_k_tiles). Keys come flat
+((total_k, Hkv, D) with cu_seqlens_k) or paged ((pages, Hkv, 128, D) with a page table and
+seqused_k): one variant per key layout.
+"""
+
+from generator.abi import ScalarArg, TensorArg
+from generator.family import ALL_ARCHS, Family, Template
+
+BLOCK_KEYS = 128  # keys per scored block (= page size of the paged form)
+QUERY_ROWS = 64  # query rows of one CTA
+HEAD_DIM = 128
+DTYPES = ("bf16", "fp16")
+KEY_LAYOUTS = ("flat", "paged")
+
+
+def abi(head_dim=HEAD_DIM):
+    """mQ         (total_q, Hq, D)
+    mK         flat: (total_k, Hkv, D); paged: (pages * Hkv, 128, D), the cache viewed so
+    mCuQ       (B + 1,)      i32: query offsets of the sequences
+    mCuK       (B + 1,)      i32: key offsets (flat; any one-element tensor when paged)
+    mSeqUsedK  (B,)          i32: keys of each sequence (paged; one element when flat)
+    mPageTable (B, W)        i32: page ids (paged; one element when flat)
+    mQOffset   (B,)          i32: position of each sequence's first query (if has_q_offset)
+    mOut       (Hq or 1, T, total_q) f32 out
+    max_seqlen_q, kv_heads   the grid's query tiles come from the first; GQA from the second
+    causal, has_q_offset, reduce_heads   0 or 1 (reduce_heads: one output row, max over heads)"""
+    vector = dict(shape=(None,), stride=(1,))
+    return (
+        TensorArg(
+            "mQ", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8
+        ),
+        TensorArg(
+            "mK", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8
+        ),
+        TensorArg("mCuQ", "i32", **vector),
+        TensorArg("mCuK", "i32", **vector),
+        TensorArg("mSeqUsedK", "i32", **vector),
+        TensorArg("mPageTable", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mQOffset", "i32", **vector),
+        TensorArg("mOut", "f32", shape=(None, None, None), stride=(None, None, 1), output=True),
+        ScalarArg("max_seqlen_q", "i32"),
+        ScalarArg("kv_heads", "i32"),
+        ScalarArg("causal", "i32"),
+        ScalarArg("has_q_offset", "i32"),
+        ScalarArg("reduce_heads", "i32"),
+    )
+
+
+FAMILIES = (
+    Family(
+        name="msa_proxy_score",
+        doc="MSA proxy score: max of q.k per 128-key block (msa_proxy_score)",
+        abi=abi,
+        dtypes=DTYPES,
+        constants={"block_keys": BLOCK_KEYS, "head_dim": HEAD_DIM},
+        templates=(
+            # mma.sync on every arch; the sm_90a wgmma template is still to come.
+            Template(
+                "warp_mma",
+                "generator.kernels.portable.msa_proxy_score",
+                archs=ALL_ARCHS,
+                configs=tuple(
+                    dict(dtype=t, head_dim=HEAD_DIM, key_layout=layout)
+                    for t in DTYPES
+                    for layout in KEY_LAYOUTS
+                ),
+                portable=True,
+            ),
+        ),
+    ),
+)

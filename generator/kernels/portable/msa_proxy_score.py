@@ -1,0 +1,225 @@
+"""MSA proxy score with warp-level MMA (mma.sync m16n8k16), every arch.
+
+One CTA (4 warps, 16 query rows each) owns 64 query rows of one sequence and one query head
+(with reduce_heads: every head in turn, the output row keeping the max). It walks the
+sequence's 64-key tiles up to the last one any of its rows may see, two per scored 128-key
+block, loading the next tile while the tensor cores multiply the current one:
+    load Q, K[0]
+    for each tile u:  wait K[u]; start K[u + 1]     S = Q K^T
+                      keys past the sequence or above a row's position -> -inf
+                      block max (per row, over u's block so far); written after its 2nd tile
+Blocks past the last visible one, up to the output's width, are written -inf. Keys of a
+tile past the sequence end are zero-filled in shared memory (and masked).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM, QUERY_ROWS
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.softmax import acc_mn_view, quad_max
+from generator.kernels.portable.block_sparse_fwd import (
+    NUM_THREADS,
+    TILE_M,
+    TILE_N,  # keys per MMA tile: two per scored block
+    BlockSparseFwdWarpMma,
+)
+
+assert QUERY_ROWS == TILE_M  # the block-sparse template's shared tiles and MMA
+TILES_PER_BLOCK = BLOCK_KEYS // TILE_N
+NEG_INF = -cutlass.Float32.inf
+
+
+class MsaProxyScoreWarpMma(BlockSparseFwdWarpMma):
+    """Reuses the block-sparse template's operand loads and shared-memory GEMM."""
+
+    def __init__(self, dtype, paged: bool):
+        super().__init__(dtype, HEAD_DIM)
+        self.paged = paged
+
+    @cute.jit
+    def launch(self, args, stream):
+        # The block-sparse template's shared tiles: Q, and its K and V tiles as two K buffers.
+        sQ_layout, sK_layout, SharedStorage = self.shared_tiles()
+        gmem_load = self.row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        tiled_mma = self.tiled_mma()
+        # With reduce_heads one CTA walks every head of its rows, keeping the max.
+        heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, args.mQ.shape[1]))
+        self.kernel(args, sQ_layout, sK_layout, gmem_load, tiled_mma, SharedStorage).launch(
+            grid=[cute.ceil_div(args.max_seqlen_q, QUERY_ROWS), args.mCuQ.shape[0] - 1, heads],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        args,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        gmem_load: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, batch, head_z = cute.arch.block_idx()
+        q_start = args.mCuQ[batch]
+        seqlen_q = args.mCuQ[batch + 1] - q_start
+        rows_left = seqlen_q - chunk * QUERY_ROWS
+        if rows_left > 0:
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sK = (storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout))
+            seqlen_k = cutlass.Int32(0)
+            if cutlass.const_expr(self.paged):
+                seqlen_k = args.mSeqUsedK[batch]
+            else:
+                seqlen_k = args.mCuK[batch + 1] - args.mCuK[batch]
+            offset = seqlen_k - seqlen_q
+            if args.has_q_offset != 0:
+                offset = args.mQOffset[batch]
+            first_pos = offset + chunk * QUERY_ROWS  # position of the CTA's first row
+            # Blocks that hold a key some row sees: causal stops at the last row's position.
+            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+            if args.causal != 0:
+                last_pos = first_pos + cutlass.min(rows_left, QUERY_ROWS) - 1
+                blocks = cutlass.min(blocks, cutlass.max(last_pos + BLOCK_KEYS, 0) // BLOCK_KEYS)
+            blocks = cutlass.min(blocks, args.mOut.shape[1])
+            tiles = cutlass.min(blocks * TILES_PER_BLOCK, cute.ceil_div(seqlen_k, TILE_N))
+
+            hq = args.mQ.shape[1]
+            head_begin, head_end = head_z, head_z + 1
+            out_row = head_z
+            if args.reduce_heads != 0:
+                head_begin, head_end, out_row = cutlass.Int32(0), hq, cutlass.Int32(0)
+            for head in cutlass.range(head_begin, head_end, unroll=1):
+                kv_head = head // (hq // args.kv_heads)
+                first_head = cutlass.Int32(head == head_begin)
+                self.score_head(
+                    args, sQ, sK, gmem_load, tiled_mma, tidx, head, kv_head, batch, chunk,
+                    q_start, rows_left, seqlen_k, first_pos, tiles, first_head,
+                )  # fmt: skip
+            # Blocks no row sees: -inf (the same for every head).
+            width = args.mOut.shape[1]
+            for i in cutlass.range(tidx, (width - blocks) * QUERY_ROWS, NUM_THREADS, unroll=1):
+                row = i % QUERY_ROWS
+                if row < rows_left:
+                    args.mOut[
+                        out_row, blocks + i // QUERY_ROWS, q_start + chunk * QUERY_ROWS + row
+                    ] = NEG_INF
+
+    @cute.jit
+    def score_head(
+        self, args, sQ, sK, gmem_load, tiled_mma, tidx, head, kv_head, batch, chunk,
+        q_start, rows_left, seqlen_k, first_pos, tiles, first_head,
+    ):  # fmt: skip
+        """The block maxima of one head's 64 rows over the first `tiles` 64-key tiles."""
+        d = HEAD_DIM
+        thr_load = gmem_load.get_slice(tidx)
+        q_rows = cute.domain_offset((q_start, 0), args.mQ[None, head, None])
+        tQgQ = thr_load.partition_S(cute.local_tile(q_rows, (QUERY_ROWS, d), (chunk, 0)))
+        tQcQ = thr_load.partition_S(cute.make_identity_tensor((QUERY_ROWS, d)))
+        tKcK = thr_load.partition_S(cute.make_identity_tensor((TILE_N, d)))
+        tKsK = (thr_load.partition_D(sK[0]), thr_load.partition_D(sK[1]))
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        q_operand = self.smem_operand(
+            cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
+            tidx,
+            sQ,
+            thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
+        )
+        k_copy = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        k_operands = tuple(
+            self.smem_operand(k_copy, tidx, s, thr_mma.make_fragment_B(thr_mma.partition_B(s)))
+            for s in sK
+        )
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((QUERY_ROWS, TILE_N))))
+        rows = cute.size(tScS_mn, mode=[0])
+        block_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        block_max.fill(NEG_INF)
+
+        # The previous head's last reads of sQ / sK are done and its copies landed.
+        cute.arch.cp_async_wait_group(0)
+        self.barrier.arrive_and_wait()
+        self.load_rows(gmem_load, tQgQ, thr_load.partition_D(sQ), tQcQ, rows_left)
+        if tiles > 0:
+            self.load_key_tile(
+                args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, 0, seqlen_k
+            )
+        cute.arch.cp_async_commit_group()
+        for u in cutlass.range(tiles, unroll=1):
+            cute.arch.cp_async_wait_group(0)
+            self.barrier.arrive_and_wait()
+            if u + 1 < tiles:
+                if (u + 1) % 2 == 0:
+                    self.load_key_tile(
+                        args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, u + 1, seqlen_k
+                    )
+                else:
+                    self.load_key_tile(
+                        args, gmem_load, thr_load, tKsK[1], tKcK, batch, kv_head, u + 1, seqlen_k
+                    )
+                cute.arch.cp_async_commit_group()
+            acc_S = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((QUERY_ROWS, TILE_N)), cutlass.Float32
+            )
+            acc_S.fill(0.0)
+            if u % 2 == 0:
+                self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
+            else:
+                self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
+            acc_S_mn = acc_mn_view(acc_S)
+            for r in cutlass.range_constexpr(rows):
+                row_pos = first_pos + tScS_mn[r, 0][0]
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    key = u * TILE_N + tScS_mn[r, c][1]
+                    visible = key < seqlen_k
+                    if args.causal != 0:
+                        visible = visible & (key <= row_pos)
+                    score = cutlass.Float32(cutlass.select_(visible, acc_S_mn[r, c], NEG_INF))
+                    block_max[r] = cute.arch.fmax(block_max[r], score)
+            if (u % 2 == 1) | (u + 1 == tiles):
+                self.store_block_max(
+                    args, block_max, tScS_mn, tidx, head, u // 2, q_start + chunk * QUERY_ROWS,
+                    rows_left, first_head,
+                )  # fmt: skip
+                block_max.fill(NEG_INF)
+
+    @cute.jit
+    def load_key_tile(self, args, gmem_load, thr_load, tKsK, tKcK, batch, kv_head, u, seqlen_k):
+        """cp.async the u-th 64-key tile of the sequence (keys past its end zeroed)."""
+        d = HEAD_DIM
+        if cutlass.const_expr(self.paged):
+            page = args.mPageTable[batch, u // TILES_PER_BLOCK]
+            block = args.mK[page * args.kv_heads + kv_head, None, None]
+            tile = cute.local_tile(block, (TILE_N, d), (u % TILES_PER_BLOCK, 0))
+        else:
+            keys = cute.domain_offset((args.mCuK[batch], 0), args.mK[None, kv_head, None])
+            tile = cute.local_tile(keys, (TILE_N, d), (u, 0))
+        self.load_rows(gmem_load, thr_load.partition_S(tile), tKsK, tKcK, seqlen_k - u * TILE_N)
+
+    @cute.jit
+    def store_block_max(
+        self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head
+    ):
+        """Each row's max (over the quad's columns), written by the quad's first lane; with
+        reduce_heads the max with what the earlier heads wrote."""
+        for r in cutlass.range_constexpr(cute.size(block_max)):
+            value = quad_max(block_max[r])
+            row = tScS_mn[r, 0][0]
+            if (tidx % 4 == 0) & (row < rows_left):
+                if args.reduce_heads != 0:
+                    if first_head == 0:
+                        value = cute.arch.fmax(value, args.mOut[0, block, first_token + row])
+                    args.mOut[0, block, first_token + row] = value
+                else:
+                    args.mOut[head, block, first_token + row] = value
+
+
+def make_kernel(variant):
+    p = variant.params
+    return MsaProxyScoreWarpMma(element_type(p["dtype"]), p["key_layout"] == "paged")
