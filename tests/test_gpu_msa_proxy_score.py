@@ -2,13 +2,14 @@
 and fp16, causal with default (right-aligned) and explicit query offsets and not, GQA,
 reduce_heads, ragged sequences (a partial last block, a sequence without keys, several
 64-query tiles, decode rows of one query), an output wider than the sequences' blocks,
-outputs poisoned with NaN before the run, and a CUDA graph replay."""
+outputs poisoned with NaN before the run, a CUDA graph replay; and the chain an engine runs
+(proxy score -> msa_topk_select -> the BSR wrapper's q2k_indices), each stage checked."""
 
 import pytest
 import torch
 from sparseforge import reference
 from sparseforge.check import proxy_score_inputs
-from sparseforge.msa_ops import msa_proxy_score
+from sparseforge.msa_ops import msa_proxy_score, msa_topk_select
 
 pytestmark = pytest.mark.gpu
 
@@ -77,3 +78,40 @@ def test_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_chain_into_block_sparse_attention():
+    """proxy score -> one top-16 per (kv head, 64-token query block) -> the BSR wrapper's
+    q2k_indices (the README's MSA quick start), each stage against its reference."""
+    from sparseforge import BlockSparseAttentionWrapper
+
+    seq, hq, hkv, d = 4096, 4, 2, 128  # 32 key blocks, 16 selected
+    group, blocks = hq // hkv, seq // 128
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(seq, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(seq, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in "kv")
+    cu = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    scores = msa_proxy_score(q, k, cu, cu, causal=False, max_seqlen_q=seq, max_k_tiles=blocks)
+    assert_scores_match(scores, reference.msa_proxy_score(q, k, cu, cu, causal=False))
+    rows = scores.view(hkv, group, blocks, seq // 64, 64).amax((1, 4))
+    selected = msa_topk_select(rows, 16, force_begin_blocks=1)
+    assert torch.equal(selected, reference.msa_topk_select(rows, 16, None, 1, 0))
+    q2k = selected.permute(1, 0, 2).repeat_interleave(group, 0).contiguous()
+    wrapper = BlockSparseAttentionWrapper(torch.empty(1, device="cuda"))
+    wrapper.plan(
+        None, None, seq, seq, 64, 128, hq, hkv, d, q2k_indices=q2k,
+        q2k_num=(q2k >= 0).sum(-1, dtype=torch.int32), q_data_type=torch.bfloat16,
+    )  # fmt: skip
+    wrapper.check_plan()
+    out = wrapper.run(q, k, v)
+    block_mask = torch.zeros(hkv, seq // 64, blocks, dtype=torch.bool)
+    block_mask.scatter_(2, selected.permute(1, 0, 2).long().cpu(), True)
+    tokens = reference.block_mask_to_token_mask(
+        block_mask, reference.uniform_sizes(seq, 64), reference.uniform_sizes(seq, 128)
+    ).cuda()
+    want, _ = reference.attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), tokens,
+        compute_dtype=torch.float64,
+    )  # fmt: skip
+    err = (out.transpose(0, 1).double() - want).norm() / want.norm()
+    assert float(err) < 5e-3

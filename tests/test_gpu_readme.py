@@ -15,11 +15,11 @@ def quick_starts() -> list[str]:
 
 
 def test_readme_has_the_quick_starts():
-    assert len(quick_starts()) == 2
+    assert len(quick_starts()) == 3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, 1, 2])
 def test_quick_start_runs(index, capsys):
     exec(compile(quick_starts()[index], f"README quick start {index}", "exec"), {})
     assert "torch.Size([" in capsys.readouterr().out
