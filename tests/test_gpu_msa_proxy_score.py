@@ -1,5 +1,5 @@
-"""msa_proxy_score on the GPU against the fp64 PyTorch reference: flat and paged keys, bf16
-and fp16, causal with default (right-aligned) and explicit query offsets and not, GQA,
+"""msa_proxy_score on the GPU against the fp64 PyTorch reference: flat and paged keys, bf16,
+fp16 and e4m3, causal with default (right-aligned) and explicit query offsets and not, GQA,
 reduce_heads, ragged sequences (a partial last block, a sequence without keys, several
 64-query tiles, decode rows of one query), an output wider than the sequences' blocks,
 outputs poisoned with NaN before the run, a CUDA graph replay; and the chain an engine runs
@@ -28,7 +28,7 @@ def assert_scores_match(got, want):
     assert float((got[finite] - want[finite]).abs().max() / scale) <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize(

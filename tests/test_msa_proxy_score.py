@@ -101,7 +101,7 @@ def proxy_args(paged=False, **changes):
 @pytest.mark.parametrize(
     "changes, error, words",
     [
-        (dict(q=torch.zeros(73, 4, 128)), NotImplementedError, "bf16 and fp16 are built"),
+        (dict(q=torch.zeros(73, 4, 128)), NotImplementedError, "bf16, fp16 and float8_e4m3fn"),
         (
             dict(k=torch.zeros(400, 2, 128, dtype=torch.float16)),
             ValueError,

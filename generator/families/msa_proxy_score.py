@@ -14,7 +14,7 @@ from generator.family import ALL_ARCHS, Family, Template
 BLOCK_KEYS = 128  # keys per scored block (= page size of the paged form)
 QUERY_ROWS = 64  # query rows of one CTA
 HEAD_DIM = 128
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16", "e4m3")  # e4m3: q and k both
 KEY_LAYOUTS = ("flat", "paged")
 
 
@@ -30,12 +30,14 @@ def abi(head_dim=HEAD_DIM):
     max_seqlen_q, kv_heads   the grid's query tiles come from the first; GQA from the second
     causal, has_q_offset, reduce_heads   0 or 1 (reduce_heads: one output row, max over heads)"""
     vector = dict(shape=(None,), stride=(1,))
+    # Strides in multiples of 16 elements: 16-byte loads for e4m3 as for 16-bit (the rows of
+    # 128 channels give that).
     return (
         TensorArg(
-            "mQ", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8
+            "mQ", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=16
         ),
         TensorArg(
-            "mK", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8
+            "mK", "input", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=16
         ),
         TensorArg("mCuQ", "i32", **vector),
         TensorArg("mCuK", "i32", **vector),
@@ -54,12 +56,12 @@ def abi(head_dim=HEAD_DIM):
 FAMILIES = (
     Family(
         name="msa_proxy_score",
-        doc="MSA proxy score: max of q.k per 128-key block (msa_proxy_score)",
+        doc="MSA proxy score: max of q.k per 128-key block, bf16 / fp16 / e4m3 (msa_proxy_score)",
         abi=abi,
         dtypes=DTYPES,
         constants={"block_keys": BLOCK_KEYS, "head_dim": HEAD_DIM},
         templates=(
-            # mma.sync on every arch; the sm_90a wgmma template is still to come.
+            # mma.sync on every arch (e4m3: m16n8k32); the sm_90a wgmma template is to come.
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_proxy_score",

@@ -48,19 +48,22 @@ def msa_proxy_score(
     aligned); -inf for a block it sees none of. T = max_k_tiles (default: the longest
     sequence's blocks).
 
-    q (total_q, Hq, 128) bf16 / fp16; k of the same dtype, flat (total_k, Hkv, 128) with
+    q (total_q, Hq, 128) bf16 / fp16 / e4m3; k of the same dtype, flat (total_k, Hkv, 128) with
     cu_seqlens_k (B + 1,), or paged (pages, Hkv, 128, 128) with page_table (B, W) and
     seqused_k (B,); int32 index tensors on q's device. max_seqlen_q and max_k_tiles are
     read from the GPU when not given (a host synchronisation; pass them under CUDA-graph
     capture). A max_seqlen_q below a sequence's length leaves that sequence's later rows
-    unwritten. use_fp32_acc=False is accepted; the products are always summed in fp32."""
+    unwritten. The index values (offsets, lengths, page ids) are not checked on the GPU
+    (that would need a host synchronisation): a page id outside the cache reads out of
+    bounds. use_fp32_acc=False is accepted; the products are always summed in fp32."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         raise TypeError(f"q and k must be torch.Tensors, got {_describe(q)} and {_describe(k)}")
     head_dim = proxy_family.constant("head_dim")
     block = proxy_family.constant("block_keys")
-    if q.dtype not in (torch.bfloat16, torch.float16):
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise NotImplementedError(
-            f"q has dtype {q.dtype}: bf16 and fp16 are built (e4m3 is not yet)"
+            f"q has dtype {q.dtype}: bf16, fp16 and float8_e4m3fn (with k of the same dtype) "
+            "are built"
         )
     if k.dtype != q.dtype:
         raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")

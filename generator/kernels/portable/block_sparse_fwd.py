@@ -37,6 +37,7 @@ from generator.kernels.common.tile_list import unit_of_cta
 TILE_M = UNIT_ROWS
 TILE_N = TILE_KEYS
 NUM_THREADS = 128
+COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
 
 
 class BlockSparseFwdWarpMma:
@@ -50,13 +51,13 @@ class BlockSparseFwdWarpMma:
     def can_implement(head_dim: int) -> bool:
         return head_dim in (64, 128)
 
-    def smem_layout(self, rows: int):
-        """A (rows, head_dim) tile of 8 x 64 swizzled atoms: conflict-free ldmatrix and
-        16-byte cp.async."""
+    def smem_layout(self, rows: int, cols: int | None = None):
+        """A (rows, cols = head_dim) 16-bit tile of 8 x 64 swizzled atoms: conflict-free
+        ldmatrix and 16-byte cp.async."""
         atom = cute.make_composed_layout(
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
         )
-        return cute.tile_to_shape(atom, (rows, self.head_dim), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols or self.head_dim), (0, 1))
 
     def shared_tiles(self):
         """The layouts of the Q tile and of a K (or V) tile, and the shared-memory struct of
@@ -80,25 +81,27 @@ class BlockSparseFwdWarpMma:
             permutation_mnk=(TILE_M, 16, 16),
         )
 
-    def row_copy(self, op):
-        """`op` in 16-byte vectors, the CTA's threads covering 64 columns of several rows at
-        a time."""
-        elems_per_copy = 128 // self.dtype.width
-        threads_per_row = 64 // elems_per_copy
+    def load_copy(self, op):
+        """`op` over Q / K / V rows: 16 bytes per thread, 64 columns at a time."""
+        return self.tiled_copy_16b(op, self.dtype, 64)
+
+    @staticmethod
+    def tiled_copy_16b(op, dtype, row_elems: int):
+        """128 threads, 16 bytes each, over rows of `row_elems` elements."""
+        per_copy = COPY_BYTES * 8 // dtype.width
+        per_row = row_elems // per_copy
         return cute.make_tiled_copy_tv(
-            cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128),
-            cute.make_layout(
-                (NUM_THREADS // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
-            ),
-            cute.make_layout((1, elems_per_copy)),
+            cute.make_copy_atom(op, dtype, num_bits_per_copy=COPY_BYTES * 8),
+            cute.make_layout((NUM_THREADS // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, per_copy)),
         )
 
     @cute.jit
     def launch(self, args, stream):
         """Host side: shared-memory layouts, copies and the MMA, then the launch."""
         sQ_layout, sKV_layout, SharedStorage = self.shared_tiles()
-        gmem_load = self.row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
-        gmem_store = self.row_copy(cute.nvgpu.CopyUniversalOp())
+        gmem_load = self.load_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        gmem_store = self.load_copy(cute.nvgpu.CopyUniversalOp())
         tiled_mma = self.tiled_mma()
         self.kernel(
             args,

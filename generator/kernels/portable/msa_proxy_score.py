@@ -1,4 +1,6 @@
-"""MSA proxy score with warp-level MMA (mma.sync m16n8k16), every arch.
+"""MSA proxy score with warp-level MMA (mma.sync: m16n8k16 bf16 / fp16, m16n8k32 e4m3), every
+arch. The kernel is one class mixed into the 16-bit or the e4m3 attention template, whose
+shared-memory tiles, copies, operand loads and GEMM it uses.
 
 One CTA (4 warps, 16 query rows each) owns 64 query rows of one sequence and one query head
 (with reduce_heads: every head in turn, the output row keeping the max). It walks the
@@ -25,24 +27,23 @@ from generator.kernels.portable.block_sparse_fwd import (
     TILE_N,  # keys per MMA tile: two per scored block
     BlockSparseFwdWarpMma,
 )
+from generator.kernels.portable.sage_fp8_fwd import SageFp8FwdWarpMma
 
 assert QUERY_ROWS == TILE_M  # the block-sparse template's shared tiles and MMA
 TILES_PER_BLOCK = BLOCK_KEYS // TILE_N
 NEG_INF = -cutlass.Float32.inf
 
 
-class MsaProxyScoreWarpMma(BlockSparseFwdWarpMma):
-    """Reuses the block-sparse template's operand loads and shared-memory GEMM."""
+class ProxyScore:
+    """The kernel; `paged` (the key layout) is set by the classes below."""
 
-    def __init__(self, dtype, paged: bool):
-        super().__init__(dtype, HEAD_DIM)
-        self.paged = paged
+    paged: bool
 
     @cute.jit
     def launch(self, args, stream):
-        # The block-sparse template's shared tiles: Q, and its K and V tiles as two K buffers.
+        # The attention template's shared tiles: Q, and its K and V tiles as two K buffers.
         sQ_layout, sK_layout, SharedStorage = self.shared_tiles()
-        gmem_load = self.row_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        gmem_load = self.load_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
         tiled_mma = self.tiled_mma()
         # With reduce_heads one CTA walks every head of its rows, keeping the max.
         heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, args.mQ.shape[1]))
@@ -220,6 +221,21 @@ class MsaProxyScoreWarpMma(BlockSparseFwdWarpMma):
                     args.mOut[head, block, first_token + row] = value
 
 
+class MsaProxyScore16Bit(ProxyScore, BlockSparseFwdWarpMma):
+    def __init__(self, dtype, paged: bool):
+        BlockSparseFwdWarpMma.__init__(self, dtype, HEAD_DIM)
+        self.paged = paged
+
+
+class MsaProxyScoreE4m3(ProxyScore, SageFp8FwdWarpMma):
+    def __init__(self, paged: bool):
+        SageFp8FwdWarpMma.__init__(self, HEAD_DIM)
+        self.paged = paged
+
+
 def make_kernel(variant):
     p = variant.params
-    return MsaProxyScoreWarpMma(element_type(p["dtype"]), p["key_layout"] == "paged")
+    paged = p["key_layout"] == "paged"
+    if p["dtype"] == "e4m3":
+        return MsaProxyScoreE4m3(paged)
+    return MsaProxyScore16Bit(element_type(p["dtype"]), paged)

@@ -49,13 +49,12 @@ from generator.kernels.common.sage_math import (
 from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
 from generator.kernels.common.tile_list import unit_of_cta
 from generator.kernels.portable.block_sparse_fwd import (
+    COPY_BYTES,
     NUM_THREADS,
     TILE_M,
     TILE_N,
     BlockSparseFwdWarpMma,
 )
-
-COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
 
 
 class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
@@ -67,21 +66,10 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
     def launch(self, args, stream):
         """Host side: shared-memory layouts, copies and the MMA, then the launch."""
         d = self.head_dim
-        # 8 rows x 64 bytes; Swizzle<2,4,3> spreads the 16-byte units of 8 consecutive rows
-        # over all 8 units of a 128-byte line: conflict-free ldmatrix and cp.async.
-        smem_atom = cute.make_composed_layout(
-            cute.make_swizzle(2, 4, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-        )
-        sQK_layout = cute.tile_to_shape(smem_atom, (TILE_M, d), (0, 1))
-        sVt_layout = cute.tile_to_shape(smem_atom, (d, TILE_N), (0, 1))
-        # bf16 output staging: 8 x 64 swizzled rows (as the 16-bit template), over sQ and sK.
-        sO_layout = cute.tile_to_shape(
-            cute.make_composed_layout(
-                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-            ),
-            (TILE_M, d),
-            (0, 1),
-        )
+        sQK_layout = self.smem_layout(TILE_M)
+        sVt_layout = self.smem_layout(d, TILE_N)
+        # bf16 output staging: the 16-bit template's tiles, over sQ and sK.
+        sO_layout = BlockSparseFwdWarpMma.smem_layout(self, TILE_M)
 
         @cute.struct
         class SharedStorage:
@@ -91,18 +79,12 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
 
         # Q, K: a thread per 16 bytes of a D-byte row. V^T: 64-byte rows (one per channel).
-        load_qk = self.tiled_copy_16b(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, d
-        )
+        load_qk = self.load_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
         load_vt = self.tiled_copy_16b(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, TILE_N
         )
         store_o = self.tiled_copy_16b(cute.nvgpu.CopyUniversalOp(), self.out_dtype, 64)
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaFP8Op(self.dtype, cutlass.Float32, (16, 8, 32)),
-            (NUM_THREADS // 32, 1, 1),
-            permutation_mnk=(TILE_M, 16, 32),  # 16 columns of B: one ldmatrix.x4 per k-block
-        )
+        tiled_mma = self.tiled_mma()
         self.kernel(
             args,
             sQK_layout,
@@ -115,15 +97,25 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             SharedStorage,
         ).launch(grid=[args.mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
 
-    @staticmethod
-    def tiled_copy_16b(op, dtype, row_elems: int):
-        """128 threads, 16 bytes each, over rows of `row_elems` elements."""
-        per_copy = COPY_BYTES * 8 // dtype.width
-        per_row = row_elems // per_copy
-        return cute.make_tiled_copy_tv(
-            cute.make_copy_atom(op, dtype, num_bits_per_copy=COPY_BYTES * 8),
-            cute.make_layout((NUM_THREADS // per_row, per_row), stride=(per_row, 1)),
-            cute.make_layout((1, per_copy)),
+    def smem_layout(self, rows: int, cols: int | None = None):
+        """A (rows, cols = head_dim) e4m3 tile of 8 rows x 64 bytes; Swizzle<2,4,3> spreads
+        the 16-byte units of 8 consecutive rows over all 8 units of a 128-byte line:
+        conflict-free ldmatrix and cp.async."""
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(2, 4, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        return cute.tile_to_shape(atom, (rows, cols or self.head_dim), (0, 1))
+
+    def load_copy(self, op):
+        """`op` over Q / K rows: a thread per 16 bytes of a D-byte row."""
+        return self.tiled_copy_16b(op, self.dtype, self.head_dim)
+
+    def tiled_mma(self):
+        """mma.sync m16n8k32 e4m3 with fp32 accumulators."""
+        return cute.make_tiled_mma(
+            warp.MmaFP8Op(self.dtype, cutlass.Float32, (16, 8, 32)),
+            (NUM_THREADS // 32, 1, 1),
+            permutation_mnk=(TILE_M, 16, 32),  # 16 columns of B: one ldmatrix.x4 per k-block
         )
 
     @cute.kernel
