@@ -54,6 +54,26 @@ def test_runtime_modules_form_a_dag():
         visit(name, [])
 
 
+def test_contributing_lists_the_layers():
+    """CONTRIBUTING.md's listing: each module at 1 + the highest layer it imports from."""
+    graph = runtime_imports()
+    layer = {}
+
+    def layer_of(name):
+        if name not in layer:
+            layer[name] = 1 + max((layer_of(dep) for dep in graph[name]), default=-1)
+        return layer[name]
+
+    want = {}
+    for name in graph:
+        short = name.removeprefix("sparseforge.") if name != "sparseforge" else "__init__"
+        want.setdefault(layer_of(name), set()).add(short)
+    text = (Path(__file__).resolve().parents[1] / "CONTRIBUTING.md").read_text()
+    listing = text[text.index("```\n0  ") + 4 :].split("```")[0]
+    listed = {int(n): set(mods) for n, *mods in (line.split() for line in listing.splitlines())}
+    assert listed == want
+
+
 def test_runtime_never_imports_the_build_side():
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
