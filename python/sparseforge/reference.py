@@ -401,22 +401,14 @@ def msa_proxy_score(
     (B, max pages) and seqused_k (B,). reduce_heads: the max over heads, (1, tiles, total_q)."""
     total_q, hq, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
-    paged = page_table is not None
     hkv = k.shape[1]
-    lengths = [
-        int(seqused_k[b]) if paged else int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
-        for b in range(batch)
-    ]
+    lengths = _msa_lengths(batch, cu_seqlens_k, seqused_k)
     if max_k_tiles is None:
         max_k_tiles = -(-max(lengths, default=0) // MSA_BLOCK)
     out = torch.full((hq, max_k_tiles, total_q), -math.inf, dtype=torch.float64, device=q.device)
     for b in range(batch):
         q0, q1, sk = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), lengths[b]
-        if paged:
-            pages = page_table[b, : -(-sk // MSA_BLOCK)].long()
-            keys = k[pages].permute(0, 2, 1, 3).flatten(0, 1)[:sk]  # (sk, Hkv, D)
-        else:
-            keys = k[int(cu_seqlens_k[b]) : int(cu_seqlens_k[b]) + sk]
+        keys = _msa_sequence(k, b, sk, cu_seqlens_k, page_table)
         keys = keys.double().repeat_interleave(hq // hkv, 1)
         logits = torch.einsum("ihd,jhd->hij", q[q0:q1].double(), keys)  # (Hq, sq, sk)
         if causal:
@@ -431,6 +423,72 @@ def msa_proxy_score(
     if reduce_heads:
         out = out.amax(0, keepdim=True)
     return out.float()
+
+
+def _msa_lengths(batch: int, cu_seqlens_k, seqused_k) -> list[int]:
+    """Each sequence's key count: seqused_k (paged) or from cu_seqlens_k (flat)."""
+    if seqused_k is not None:
+        return [int(seqused_k[b]) for b in range(batch)]
+    return [int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]) for b in range(batch)]
+
+
+def _msa_sequence(x, b: int, length: int, cu_seqlens_k, page_table):
+    """(length, Hkv, D): sequence b's keys (or values) from a flat (total_k, Hkv, D) tensor
+    with cu_seqlens_k, or from paged (pages, Hkv, 128, D) with page_table."""
+    if page_table is not None:
+        pages = page_table[b, : -(-length // MSA_BLOCK)].long()
+        return x[pages].permute(0, 2, 1, 3).flatten(0, 1)[:length]
+    start = int(cu_seqlens_k[b])
+    return x[start : start + length]
+
+
+def msa_sparse_attention(
+    q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k=None, *, causal=False,
+    softmax_scale=None, page_table=None, seqused_k=None, q_offset=None,
+    v_global_scale=1.0, lse_temperature_scale=1.0,
+):  # fmt: skip
+    """flashinfer.msa_ops.msa_sparse_attention in fp64 (any device), on K/V given as values
+    (dequantize FP8 or NVFP4 first: nvfp4_unpack_pages). Returns fp32 (out (total_q, Hq, D),
+    lse (total_q, Hq), temperature lse (total_q, Hq)).
+
+    Query i of sequence b, head h attends to the keys of the blocks in
+    q2k_indices[h // G, i] (Hkv, total_q, topk): -1 entries and ids past the sequence's
+    blocks are ignored, a block listed twice counts once; only keys < the sequence's length
+    and, with causal, at positions <= q_offset[b] + i (q_offset defaults to seqlen_k -
+    seqlen_q). out = softmax(scale * s) V * v_global_scale (scale defaults to 1/sqrt(D));
+    lse = ln sum exp(scale * s), the temperature lse with scale * lse_temperature_scale. A
+    query that sees no key gets 0 and lse -inf. k, v: flat (total_k, Hkv, D) with
+    cu_seqlens_k, or paged (pages, Hkv, 128, D) with page_table (B, W) and seqused_k (B,)."""
+    total_q, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64, device=q.device)
+    lse_t = lse.clone()
+    batch = cu_seqlens_q.numel() - 1
+    lengths = _msa_lengths(batch, cu_seqlens_k, seqused_k)
+    for b in range(batch):
+        q0, q1, sk = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), lengths[b]
+        if q1 == q0 or sk == 0:
+            continue
+        keys, values = (_msa_sequence(x, b, sk, cu_seqlens_k, page_table) for x in (k, v))
+        blocks = -(-sk // MSA_BLOCK)
+        chosen = q2k_indices[:, q0:q1].long().to(q.device)  # (Hkv, sq, topk)
+        chosen = torch.where((chosen >= 0) & (chosen < blocks), chosen, blocks)
+        block_mask = torch.zeros(*chosen.shape[:2], blocks + 1, dtype=torch.bool, device=q.device)
+        block_mask.scatter_(2, chosen, True)
+        visible = block_mask[..., :blocks].repeat_interleave(MSA_BLOCK, -1)[..., :sk]
+        if causal:
+            offset = sk - (q1 - q0) if q_offset is None else int(q_offset[b])
+            pos = offset + torch.arange(q1 - q0, device=q.device)
+            visible = visible & (torch.arange(sk, device=q.device) <= pos[:, None])
+        qh, kh, vh = q[q0:q1].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        o, l = attention(qh, kh, vh, visible, scale, compute_dtype=torch.float64)
+        _, l_t = attention(
+            qh, kh, vh, visible, scale * lse_temperature_scale, compute_dtype=torch.float64
+        )
+        out[q0:q1] = o.transpose(0, 1) * v_global_scale
+        lse[q0:q1], lse_t[q0:q1] = l.T, l_t.T
+    return out.float(), lse.float(), lse_t.float()
 
 
 # NVFP4 (the MSA packed K/V pages): e2m1 codes (sign in bit 3, magnitude code in bits 0-2),

@@ -1,0 +1,114 @@
+"""The MSA sparse-attention reference on the CPU against a plain reading of the contract, one
+(token, head) at a time: ragged sequences with a partial last block, pages in random order
+(the same keys flat and paged give the same result), blocks repeated across tokens, -1
+entries, ids past the sequence, a block listed twice, empty selections (0 and LSE -inf),
+causal with default and explicit query offsets and non-causal, GQA 1 / 4 / 16, the
+softmax scale, v_global_scale and the temperature LSE."""
+
+import math
+
+import pytest
+import torch
+from sparseforge import reference
+
+BLOCK = reference.MSA_BLOCK
+
+
+def plain(q, keys, values, cu_q, q2k, causal, offsets, scale, v_scale, temperature):
+    """(out, lse, lse_t) from loops over (token, head), gathering the selected keys."""
+    total_q, hq, d = q.shape
+    hkv = keys[0].shape[1]
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64)
+    lse_t = lse.clone()
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        blocks = -(-k.shape[0] // BLOCK)
+        for i in range(int(cu_q[b]), int(cu_q[b + 1])):
+            pos = offsets[b] + i - int(cu_q[b])
+            for h in range(hq):
+                g = h // (hq // hkv)
+                chosen = sorted({int(t) for t in q2k[g, i] if 0 <= int(t) < blocks})
+                seen = [
+                    j
+                    for t in chosen
+                    for j in range(t * BLOCK, min((t + 1) * BLOCK, k.shape[0]))
+                    if not causal or j <= pos
+                ]
+                if not seen:
+                    continue
+                s = torch.stack([q[i, h].double() @ k[j, g].double() for j in seen]) * scale
+                p = torch.softmax(s, 0)
+                out[i, h] = sum(p[n] * v[j, g].double() for n, j in enumerate(seen)) * v_scale
+                lse[i, h] = torch.logsumexp(s, 0)
+                lse_t[i, h] = torch.logsumexp(s * temperature, 0)
+    return out.float(), lse.float(), lse_t.float()
+
+
+def problem(seq_q, seq_k, hq, hkv, topk=4, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(seq_q), hq, d, generator=gen)
+    keys = [torch.randn(n, hkv, d, generator=gen) for n in seq_k]
+    values = [torch.randn(n, hkv, d, generator=gen) for n in seq_k]
+    cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int32)
+    most = max(-(-n // BLOCK) for n in seq_k) + 1  # ids up to one past the longest sequence
+    q2k = torch.randint(-1, most, (hkv, sum(seq_q), topk), generator=gen, dtype=torch.int32)
+    q2k[:, 0] = -1  # the first token selects nothing
+    q2k[:, 1, :2] = 0  # a block listed twice
+    return q, keys, values, cu_q, q2k
+
+
+def paged(xs, gen):
+    """The sequences' rows in 128-row pages of one cache, in random order (a spare page, and
+    table entries past a sequence's pages, hold garbage): (cache, table)."""
+    hkv, d = xs[0].shape[1:]
+    counts = [-(-x.shape[0] // BLOCK) for x in xs]
+    order = torch.randperm(sum(counts) + 1, generator=gen).to(torch.int32)
+    table = torch.full((len(xs), max(counts) + 1), int(order[-1]), dtype=torch.int32)
+    for b, pages in enumerate(order[:-1].split(counts)):
+        table[b, : len(pages)] = pages
+    cache = torch.randn(sum(counts) + 1, hkv, BLOCK, d, generator=gen)
+    return paged_like(xs, table, cache), table
+
+
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (8, 2), (16, 1)])
+@pytest.mark.parametrize("causal, explicit_offsets", [(False, False), (True, False), (True, True)])
+def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
+    seq_q, seq_k = [3, 1, 4], [300, 128, 5]
+    q, keys, values, cu_q, q2k = problem(seq_q, seq_k, hq, hkv, seed=hq + causal)
+    offsets = [n - m for n, m in zip(seq_k, seq_q, strict=True)]
+    q_offset = None
+    if explicit_offsets:
+        offsets = [130, -1, 2]
+        q_offset = torch.tensor(offsets, dtype=torch.int32)
+    scale, v_scale, temperature = 0.3, 1.5, 0.7
+    want = plain(q, keys, values, cu_q, q2k, causal, offsets, scale, v_scale, temperature)
+    cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = dict(
+        causal=causal, softmax_scale=scale, q_offset=q_offset, v_global_scale=v_scale,
+        lse_temperature_scale=temperature,
+    )  # fmt: skip
+    flat = reference.msa_sparse_attention(
+        q, torch.cat(keys), torch.cat(values), q2k, cu_q, cu_k, **kwargs
+    )
+    gen = torch.Generator().manual_seed(1)
+    k_cache, table = paged(keys, gen)
+    v_cache = paged_like(values, table, torch.randn(k_cache.shape, generator=gen))
+    by_pages = reference.msa_sparse_attention(
+        q, k_cache, v_cache, q2k, cu_q, page_table=table,
+        seqused_k=torch.tensor(seq_k, dtype=torch.int32), **kwargs,
+    )  # fmt: skip
+    for got in (flat, by_pages):
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(torch.isinf(g), torch.isinf(w))
+            torch.testing.assert_close(g[torch.isfinite(w)], w[torch.isfinite(w)])
+    assert torch.equal(flat[0][0], torch.zeros_like(flat[0][0]))  # the empty selection
+    assert torch.isinf(flat[1][0]).all()
+
+
+def paged_like(xs, table, cache):
+    """xs written into `cache` at the pages `table` gives (the layout of paged())."""
+    for b, x in enumerate(xs):
+        for p in range(-(-x.shape[0] // BLOCK)):
+            chunk = x[p * BLOCK : (p + 1) * BLOCK]
+            cache[int(table[b, p]), :, : chunk.shape[0]] = chunk.transpose(0, 1)
+    return cache
