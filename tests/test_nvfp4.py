@@ -1,6 +1,7 @@
 """The NVFP4 reference (the fp32 oracle of the MSA packed K/V pages) on the CPU: E2M1 rounding
 to nearest even with saturation, scales clamped before the e4m3 cast, nibble order, the V-scale
-swizzle, and the page layout of the contract (regions, offsets, strides)."""
+swizzle, the page layout of the contract (regions, offsets, strides), and writes and reads
+of single tokens' slots."""
 
 import torch
 from sparseforge import reference as ref
@@ -70,3 +71,36 @@ def test_page_layout_and_round_trip():
     k_back, v_back = ref.nvfp4_unpack_pages(packed, hkv, 0.002, 0.003)
     assert torch.equal(k_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(k, 0.002), 0.002))
     assert torch.equal(v_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(v, 0.003), 0.003))
+
+
+def tokens(x):
+    """(pages, Hkv, 128, D) -> (pages * 128, Hkv, D): rows in slot order."""
+    return x.permute(0, 2, 1, 3).flatten(0, 1)
+
+
+def test_slot_writes_match_whole_pages_and_read_back():
+    """nvfp4_write_slots of every token in a shuffled order gives nvfp4_pack_pages' bytes;
+    a partial write leaves the other tokens alone, skips negative slots and reads back as
+    the dequantized quantization."""
+    gen = torch.Generator().manual_seed(3)
+    pages, hkv = 3, 2
+    k, v = (torch.randn(pages, hkv, 128, 128, generator=gen) * 5 for _ in "kv")
+    whole = ref.nvfp4_pack_pages(k, v, 0.002, 0.003)
+    order = torch.randperm(pages * 128, generator=gen)
+    written = torch.zeros_like(whole)
+    ref.nvfp4_write_slots(written, tokens(k)[order], tokens(v)[order], order, hkv, 0.002, 0.003)
+    assert torch.equal(written, whole)
+
+    before = written.clone()
+    new_k, new_v = (torch.randn(4, hkv, 128, generator=gen) for _ in "kv")
+    slots = torch.tensor([5, -1, 200, 383])
+    ref.nvfp4_write_slots(written, new_k, new_v, slots, hkv, 0.002, 0.003)
+    k_back, v_back = ref.nvfp4_read_slots(written, slots[slots >= 0], hkv, 0.002, 0.003)
+    keep = slots >= 0
+    assert torch.equal(k_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(new_k[keep], 0.002), 0.002))
+    assert torch.equal(v_back, ref.nvfp4_dequantize(*ref.nvfp4_quantize(new_v[keep], 0.003), 0.003))
+    untouched = torch.ones(pages * 128, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    old = ref.nvfp4_read_slots(before, torch.arange(pages * 128)[untouched], hkv, 0.002, 0.003)
+    now = ref.nvfp4_read_slots(written, torch.arange(pages * 128)[untouched], hkv, 0.002, 0.003)
+    assert all(torch.equal(a, b) for a, b in zip(old, now, strict=True))

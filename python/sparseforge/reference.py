@@ -598,6 +598,56 @@ def nvfp4_pack_pages(k, v, k_global_scale: float, v_global_scale: float) -> torc
     return pages
 
 
+def _v_scale_position(token: torch.Tensor, group: torch.Tensor):
+    """Where the 4x4 swizzle stores V scale (token % 128, group) within its page: (row, col)."""
+    t = token % MSA_BLOCK
+    return t // 4 * 4 + group // 2, group % 2 * 4 + t % 4
+
+
+def nvfp4_write_slots(pages, k, v, slots, num_kv_heads: int, k_global_scale, v_global_scale):
+    """Quantize k, v (T, Hkv, 128) and write token i into packed NVFP4 pages (in place) at
+    slot slots[i] (page slots // 128, row slots % 128); negative slots are skipped. The codes
+    and scales are nvfp4_quantize's: scale = e4m3(amax / 6 / global scale), rounded to
+    nearest even and clamped to 448; each value the nearest E2M1 (ties to the even code, 6
+    beyond); the other tokens of a page are untouched."""
+    views = nvfp4_page_views(pages, num_kv_heads)
+    keep = slots >= 0
+    slots = slots[keep].long()
+    page, row = slots // MSA_BLOCK, slots % MSA_BLOCK
+    heads = torch.arange(num_kv_heads, device=pages.device)
+    for x, g, name in ((k[keep], k_global_scale, "k"), (v[keep], v_global_scale, "v")):
+        codes, scales = nvfp4_quantize(x, g)  # (n, Hkv, 128), (n, Hkv, 8)
+        views[f"{name}_data"][page[:, None], heads, row[:, None]] = pack_e2m1(codes)
+        stored = views[f"{name}_scales"]
+        if name == "k":
+            stored[page[:, None], heads, row[:, None]] = scales.view(torch.uint8)
+            continue
+        group = torch.arange(scales.shape[-1], device=pages.device)
+        r, c = _v_scale_position(row[:, None, None], group)  # (n, 1, 8)
+        stored[page[:, None, None], heads[:, None], r, c] = scales.view(torch.uint8)
+
+
+def nvfp4_read_slots(pages, slots, num_kv_heads: int, k_global_scale, v_global_scale):
+    """(k, v) float32 (T, Hkv, 128): the values nvfp4_write_slots stored at `slots` (all
+    >= 0)."""
+    views = nvfp4_page_views(pages, num_kv_heads)
+    slots = slots.long()
+    page, row = slots // MSA_BLOCK, slots % MSA_BLOCK
+    heads = torch.arange(num_kv_heads, device=pages.device)
+    out = []
+    for g, name in ((k_global_scale, "k"), (v_global_scale, "v")):
+        data = views[f"{name}_data"][page[:, None], heads, row[:, None]]
+        stored = views[f"{name}_scales"]
+        if name == "k":
+            scales = stored[page[:, None], heads, row[:, None]]
+        else:
+            group = torch.arange(8, device=pages.device)
+            r, c = _v_scale_position(row[:, None, None], group)
+            scales = stored[page[:, None, None], heads[:, None], r, c]
+        out.append(nvfp4_dequantize(unpack_e2m1(data), scales.view(torch.float8_e4m3fn), g))
+    return tuple(out)
+
+
 def nvfp4_unpack_pages(pages, num_kv_heads: int, k_global_scale: float, v_global_scale: float):
     """(k, v) float32 (num_pages, Hkv, 128, 128): the values packed NVFP4 pages hold."""
     views = nvfp4_page_views(pages, num_kv_heads)
