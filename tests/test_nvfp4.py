@@ -3,6 +3,7 @@ to nearest even with saturation, scales clamped before the e4m3 cast, nibble ord
 swizzle, the page layout of the contract (regions, offsets, strides), and writes and reads
 of single tokens' slots."""
 
+import pytest
 import torch
 from sparseforge import reference as ref
 
@@ -104,3 +105,56 @@ def test_slot_writes_match_whole_pages_and_read_back():
     old = ref.nvfp4_read_slots(before, torch.arange(pages * 128)[untouched], hkv, 0.002, 0.003)
     now = ref.nvfp4_read_slots(written, torch.arange(pages * 128)[untouched], hkv, 0.002, 0.003)
     assert all(torch.equal(a, b) for a, b in zip(old, now, strict=True))
+
+
+# --- quantize_write_kv_nvfp4's argument checks (CPU: each comes before the device's) -------
+
+
+def write_args(**changes):
+    from sparseforge.check import nvfp4_write_inputs
+
+    args = nvfp4_write_inputs(torch.bfloat16, 2, tokens=10, pages=1)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(k=torch.zeros(10, 2, 128)), "k must be bf16 or fp16"),
+        (dict(v=torch.zeros(10, 2, 128, dtype=torch.float16)), "v must match k"),
+        (
+            dict(
+                k=torch.zeros(10, 2, 64, dtype=torch.bfloat16),
+                v=torch.zeros(10, 2, 64, dtype=torch.bfloat16),
+            ),
+            "k must be (T, Hkv, 128)",
+        ),
+        (
+            dict(slots=torch.zeros(10, dtype=torch.int64)),
+            "slots must be a contiguous int32 vector of length 10",
+        ),
+        (
+            dict(pages=torch.zeros(1, 18432, dtype=torch.uint8)),
+            "pages must be uint8 (pages, Hkv * 18432 = 36864)",
+        ),
+        (dict(k_global_scale=0.0), "k_global_scale must be a positive finite number"),
+        (dict(v_global_scale=float("inf")), "v_global_scale must be a positive finite number"),
+        (dict(), "quantize_write_kv_nvfp4 needs a CUDA device"),
+    ],
+)
+def test_write_arguments_are_checked_by_name(changes, words):
+    from sparseforge.msa_ops import quantize_write_kv_nvfp4
+
+    with pytest.raises(ValueError) as info:
+        quantize_write_kv_nvfp4(**write_args(**changes))
+    assert words in str(info.value), str(info.value)
+
+
+def test_write_refuses_pages_that_overlap_its_inputs():
+    from sparseforge.msa_ops import quantize_write_kv_nvfp4
+
+    args = write_args()
+    args["slots"] = args["pages"].view(torch.int32)[0, :10]
+    with pytest.raises(ValueError, match="the memory pages spans overlaps slots'"):
+        quantize_write_kv_nvfp4(**args)

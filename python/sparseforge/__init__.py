@@ -11,7 +11,7 @@ from sparseforge.errors import (
     UnsupportedArchError,
     VariantNotBuiltError,
 )
-from sparseforge.msa_ops import msa_proxy_score, msa_topk_select
+from sparseforge.msa_ops import msa_proxy_score, msa_topk_select, quantize_write_kv_nvfp4
 from sparseforge.sage import (
     SageFP8Tensors,
     quantize_bandwidth,
@@ -44,6 +44,7 @@ __all__ = [
     "token_sparse_kv_indices",
     "msa_proxy_score",
     "msa_topk_select",
+    "quantize_write_kv_nvfp4",
     "group_union_masks",
     "KernelLaunchError",
     "NoGPUError",

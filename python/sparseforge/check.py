@@ -12,6 +12,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   keys, more than 64 queries), GQA, causal with default and explicit query offsets and not,
   flat and paged keys, reduce_heads, a wider output than needed; scores within 1e-5 of the
   fp64 reference, -inf exactly where it has them;
+- nvfp4_kv_write: every scale range, E2M1 midpoints, zero and NaN groups, shuffled and
+  negative slots; the pages byte for byte equal to reference.nvfp4_write_slots';
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -40,6 +42,7 @@ ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
+NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
@@ -280,6 +283,53 @@ def check_proxy_score(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     return "causal / non-causal + reduce_heads vs the reference", ok
 
 
+def nvfp4_write_inputs(dtype, heads, tokens, pages, k_global_scale=2**-6, v_global_scale=2**-5,
+                       seed=0, device="cpu"):  # fmt: skip
+    """quantize_write_kv_nvfp4 arguments: k and v whose 16-channel groups span the scale
+    range (tiny, ordinary, saturating, all zero, E2M1 midpoints times a representable scale:
+    the global scales are powers of two, so bf16 holds the midpoints exactly; one group with
+    a NaN), slots in random order over the pages with every fifth one -1, pages poisoned
+    with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(tokens, heads, 128, generator=gen) for _ in "kv")
+    span = torch.logspace(-9, 4, 8)  # group magnitudes: subnormal e4m3 scales to saturation
+    for x, g in ((k, k_global_scale), (v, v_global_scale)):
+        x *= (
+            span[torch.randint(0, 8, (tokens, heads, 8, 1), generator=gen)]
+            .repeat_interleave(16, 2)
+            .flatten(2)
+        )
+        x[0, 0, :16] = 0.0
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] * 2)
+        x[1 % tokens, 0, :16] = mids * 2.0 * g  # scale 2 (e4m3-exact): ratios at the midpoints
+        x[1 % tokens, 0, 0] = 12.0 * g  # the group's amax: 6 * scale
+    k[2 % tokens, 0, 16:32] = float("nan")
+    slots = torch.randperm(pages * 128, generator=gen)[:tokens].to(torch.int32)
+    slots[::5] = -1
+    page_bytes = heads * reference.NVFP4_PAGE_BYTES_PER_HEAD
+    poisoned = torch.randint(0, 256, (pages, page_bytes), generator=gen, dtype=torch.uint8)
+    args = dict(k=k.to(dtype), v=v.to(dtype), slots=slots, pages=poisoned)
+    args = {name: t.to(device) for name, t in args.items()}
+    return dict(args, k_global_scale=k_global_scale, v_global_scale=v_global_scale)
+
+
+def check_nvfp4_write(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.msa_ops import quantize_write_kv_nvfp4
+
+    heads = 1 if small else 4
+    args = nvfp4_write_inputs(
+        BY_NAME[v["params"]["dtype"]], heads, tokens=20 if small else 500, pages=2 if small else 8,
+        seed=seed, device="cuda",
+    )  # fmt: skip
+    want = args["pages"].clone()
+    reference.nvfp4_write_slots(
+        want, args["k"], args["v"], args["slots"], heads, args["k_global_scale"],
+        args["v_global_scale"],
+    )  # fmt: skip
+    got = quantize_write_kv_nvfp4(**args)
+    return "pages byte for byte vs the reference", torch.equal(got, want)
+
+
 def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.msa_ops import msa_topk_select
 
@@ -327,6 +377,8 @@ def main(argv=None) -> int:
             runs = [check_topk_select(args.small)]
         elif v["family"] == PROXY_FAMILY:
             runs = [check_proxy_score(v, args.small)]
+        elif v["family"] == NVFP4_WRITE_FAMILY:
+            runs = [check_nvfp4_write(v, args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:
             runs = [check_token_sparse(v, args.small)]
         else:

@@ -4,17 +4,20 @@
                       over the keys the token may see
     msa_topk_select   per (token, query head), the 16 key blocks it attends to, from the
                       proxy scores
+    quantize_write_kv_nvfp4   new tokens' K and V into packed NVFP4 pages at their slots
 
 Each call is one launch on the current stream with no host synchronisation when the sizes
 it would otherwise read from the GPU are given (msa_proxy_score: max_seqlen_q and
 max_k_tiles), so it can be captured in a CUDA graph. Kernels:
-generator/kernels/portable/msa_{proxy_score,topk_select}.py (every arch); PyTorch
-references: sparseforge.reference.msa_proxy_score and .msa_topk_select.
+generator/kernels/portable/{msa_proxy_score,msa_topk_select,nvfp4_kv_write}.py (every arch);
+PyTorch references: sparseforge.reference.msa_proxy_score, .msa_topk_select and
+.nvfp4_write_slots.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -23,6 +26,7 @@ from sparseforge.checks import check_writable
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import msa_proxy_score as proxy_family
 from sparseforge.families import msa_topk_select as topk_family
+from sparseforge.families import nvfp4_kv_write as nvfp4_family
 
 
 def msa_proxy_score(
@@ -189,6 +193,70 @@ def msa_proxy_score(
     with torch.cuda.device(device):
         ops.launch(launch, tensors)
     return output
+
+
+def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_global_scale: float):
+    """Quantize the new tokens' k and v (T, Hkv, 128) bf16 / fp16 to NVFP4 and write token i
+    into the packed pages (P, Hkv * 18432) uint8 at slot slots[i] (int32 (T,): page
+    slots // 128, row slots % 128; negative: skipped), in place, in one launch. Returns pages.
+
+    The page layout is the MSA contract's (K data, K scales, V data, V scales with the 4x4
+    swizzle; reference.nvfp4_page_views). Each 16 channels get the scale
+    e4m3(min(amax / 6 / global scale, 448)) rounded to nearest even, and each value the E2M1
+    code nearest to x / (scale * global scale), ties to the even code, magnitudes beyond 5
+    to 6 (|x| beyond 2688 * scale * global saturates): bit for bit
+    reference.nvfp4_write_slots. A NaN in a group makes its scale NaN and its codes 0.
+    Global scales are the dequantization multipliers (positive, finite). Slots are not
+    checked on the GPU (a slot past the pages writes out of bounds); two tokens with one
+    slot leave either's values."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    head_dim = nvfp4_family.constant("head_dim")
+    if k.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"k must be bf16 or fp16, got {k.dtype}")
+    if v.dtype != k.dtype or v.shape != k.shape:
+        raise ValueError(f"v must match k ({k.dtype} {tuple(k.shape)}), got {_describe(v)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != 3 or x.shape[2] != head_dim or x.stride(2) != 1:
+            raise ValueError(
+                f"{name} must be (T, Hkv, {head_dim}) with unit stride on the last dim, got "
+                f"{_describe(x)}"
+            )
+    tokens, heads = k.shape[:2]
+    device = k.device
+    _index_vector("slots", slots, tokens, device)
+    page_bytes = heads * nvfp4_family.constant("page_bytes_per_head")
+    if (
+        not isinstance(pages, torch.Tensor)
+        or pages.dtype != torch.uint8
+        or pages.dim() != 2
+        or pages.shape[1] != page_bytes
+        or pages.stride(1) != 1
+        or pages.device != device
+    ):
+        raise ValueError(
+            f"pages must be uint8 (pages, Hkv * 18432 = {page_bytes}) on {device} with unit "
+            f"stride on the last dim, got {_describe(pages)}"
+        )
+    for name, value in (("k_global_scale", k_global_scale), ("v_global_scale", v_global_scale)):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    check_writable("pages", pages, (("k", k), ("v", v), ("slots", slots)))
+    if device.type != "cuda":
+        raise ValueError(f"k is on {device}; quantize_write_kv_nvfp4 needs a CUDA device")
+    if tokens and heads:
+        launch = nvfp4_family.launch(
+            device.index, NAME_OF[k.dtype], float(k_global_scale), float(v_global_scale)
+        )
+        with torch.cuda.device(device):
+            ops.launch(launch, (k, v, slots, pages))
+    return pages
 
 
 def _index_vector(name: str, t, length, device) -> int:
