@@ -6,8 +6,7 @@ before the write (untouched tokens keep their bytes), and a CUDA graph replay.""
 
 import pytest
 import torch
-from sparseforge import reference
-from sparseforge.check import nvfp4_write_inputs
+from sparseforge.check import nvfp4_write_inputs, nvfp4_written_pages
 from sparseforge.msa_ops import quantize_write_kv_nvfp4
 
 pytestmark = pytest.mark.gpu
@@ -17,11 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("heads", [1, 4])
 def test_matches_the_reference_byte_for_byte(dtype, heads):
     args = nvfp4_write_inputs(dtype, heads, tokens=300, pages=4, seed=heads, device="cuda")
-    want = args["pages"].clone()
-    reference.nvfp4_write_slots(
-        want, args["k"], args["v"], args["slots"], heads, args["k_global_scale"],
-        args["v_global_scale"],
-    )  # fmt: skip
+    want = nvfp4_written_pages(args)
     got = quantize_write_kv_nvfp4(**args)
     assert got is args["pages"]
     torch.cuda.synchronize()

@@ -321,13 +321,20 @@ def check_nvfp4_write(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
         BY_NAME[v["params"]["dtype"]], heads, tokens=20 if small else 500, pages=2 if small else 8,
         seed=seed, device="cuda",
     )  # fmt: skip
-    want = args["pages"].clone()
-    reference.nvfp4_write_slots(
-        want, args["k"], args["v"], args["slots"], heads, args["k_global_scale"],
-        args["v_global_scale"],
-    )  # fmt: skip
+    want = nvfp4_written_pages(args)
     got = quantize_write_kv_nvfp4(**args)
     return "pages byte for byte vs the reference", torch.equal(got, want)
+
+
+def nvfp4_written_pages(args: dict) -> torch.Tensor:
+    """The pages reference.nvfp4_write_slots leaves for nvfp4_write_inputs' arguments (a
+    copy: args' pages are untouched)."""
+    pages = args["pages"].clone()
+    reference.nvfp4_write_slots(
+        pages, args["k"], args["v"], args["slots"], args["k"].shape[1], args["k_global_scale"],
+        args["v_global_scale"],
+    )  # fmt: skip
+    return pages
 
 
 def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:

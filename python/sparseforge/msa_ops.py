@@ -71,11 +71,7 @@ def msa_proxy_score(
         )
     if k.dtype != q.dtype:
         raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
-    if q.dim() != 3 or q.shape[2] != head_dim or q.stride(2) != 1:
-        raise ValueError(
-            f"q must be (total_q, Hq, {head_dim}) with unit stride on the last dim, got "
-            f"{_describe(q)}"
-        )
+    _check_rows("q", q, "total_q, Hq", head_dim)
     total_q, heads = q.shape[:2]
     device = q.device
     paged = page_table is not None or seqused_k is not None
@@ -99,11 +95,7 @@ def msa_proxy_score(
     else:
         if cu_seqlens_k is None:
             raise ValueError("flat k needs cu_seqlens_k (or give page_table and seqused_k)")
-        if k.dim() != 3 or k.shape[2] != head_dim or k.stride(2) != 1:
-            raise ValueError(
-                f"flat k must be (total_k, Hkv, {head_dim}) with unit stride on the last dim, "
-                f"got {_describe(k)}"
-            )
+        _check_rows("flat k", k, "total_k, Hkv", head_dim)
         kv_heads = k.shape[1]
         kernel_k = k
     if kv_heads == 0 or heads % kv_heads:
@@ -218,11 +210,7 @@ def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_glob
     if v.dtype != k.dtype or v.shape != k.shape:
         raise ValueError(f"v must match k ({k.dtype} {tuple(k.shape)}), got {_describe(v)}")
     for name, x in (("k", k), ("v", v)):
-        if x.dim() != 3 or x.shape[2] != head_dim or x.stride(2) != 1:
-            raise ValueError(
-                f"{name} must be (T, Hkv, {head_dim}) with unit stride on the last dim, got "
-                f"{_describe(x)}"
-            )
+        _check_rows(name, x, "T, Hkv", head_dim)
     tokens, heads = k.shape[:2]
     device = k.device
     _index_vector("slots", slots, tokens, device)
@@ -257,6 +245,15 @@ def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_glob
         with torch.cuda.device(device):
             ops.launch(launch, (k, v, slots, pages))
     return pages
+
+
+def _check_rows(name: str, x: torch.Tensor, dims: str, head_dim: int) -> None:
+    """x must be 3-D (dims..., head_dim) with unit stride on its last dim."""
+    if x.dim() != 3 or x.shape[2] != head_dim or x.stride(2) != 1:
+        raise ValueError(
+            f"{name} must be ({dims}, {head_dim}) with unit stride on the last dim, got "
+            f"{_describe(x)}"
+        )
 
 
 def _index_vector(name: str, t, length, device) -> int:
