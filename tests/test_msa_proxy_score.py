@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from sparseforge import reference
+from sparseforge.check import paged_cache
 
 BLOCK = reference.MSA_BLOCK
 
@@ -39,29 +40,11 @@ def ragged_problem(seed=0, hq=4, hkv=2, d=16):
     return q, keys, cu_q, seq_q, seq_k
 
 
-def paged(keys, gen):
-    """The keys of each sequence in 128-token pages of one cache, pages in random order."""
-    hkv, d = keys[0].shape[1:]
-    counts = [-(-k.shape[0] // BLOCK) for k in keys]
-    order = torch.randperm(sum(counts) + 2, generator=gen)
-    cache = torch.randn(sum(counts) + 2, hkv, BLOCK, d, generator=gen)
-    table = torch.full((len(keys), max(counts) + 1), 99, dtype=torch.int32)
-    used = 0
-    for b, k in enumerate(keys):
-        for p in range(counts[b]):
-            page = int(order[used])
-            chunk = k[p * BLOCK : (p + 1) * BLOCK]
-            cache[page, :, : chunk.shape[0]] = chunk.transpose(0, 1)
-            table[b, p] = page
-            used += 1
-    return cache, table
-
-
 def test_flat_and_paged_read_the_contract():
     q, keys, cu_q, seq_q, seq_k = ragged_problem()
     cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32)
     flat = reference.msa_proxy_score(q, torch.cat(keys), cu_q, cu_k)
-    cache, table = paged(keys, torch.Generator().manual_seed(1))
+    cache, table = paged_cache(keys, torch.Generator().manual_seed(1))
     lens = torch.tensor(seq_k, dtype=torch.int32)
     from_pages = reference.msa_proxy_score(q, cache, cu_q, page_table=table, seqused_k=lens)
     right_aligned = [k - s for k, s in zip(seq_k, seq_q, strict=True)]

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from sparseforge import reference
+from sparseforge.check import paged_cache
 
 BLOCK = reference.MSA_BLOCK
 
@@ -57,19 +58,6 @@ def problem(seq_q, seq_k, hq, hkv, topk=4, d=16, seed=0):
     return q, keys, values, cu_q, q2k
 
 
-def paged(xs, gen):
-    """The sequences' rows in 128-row pages of one cache, in random order (a spare page, and
-    table entries past a sequence's pages, hold garbage): (cache, table)."""
-    hkv, d = xs[0].shape[1:]
-    counts = [-(-x.shape[0] // BLOCK) for x in xs]
-    order = torch.randperm(sum(counts) + 1, generator=gen).to(torch.int32)
-    table = torch.full((len(xs), max(counts) + 1), int(order[-1]), dtype=torch.int32)
-    for b, pages in enumerate(order[:-1].split(counts)):
-        table[b, : len(pages)] = pages
-    cache = torch.randn(sum(counts) + 1, hkv, BLOCK, d, generator=gen)
-    return paged_like(xs, table, cache), table
-
-
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (8, 2), (16, 1)])
 @pytest.mark.parametrize("causal, explicit_offsets", [(False, False), (True, False), (True, True)])
 def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
@@ -91,8 +79,8 @@ def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
         q, torch.cat(keys), torch.cat(values), q2k, cu_q, cu_k, **kwargs
     )
     gen = torch.Generator().manual_seed(1)
-    k_cache, table = paged(keys, gen)
-    v_cache = paged_like(values, table, torch.randn(k_cache.shape, generator=gen))
+    k_cache, table = paged_cache(keys, gen)
+    v_cache, _ = paged_cache(values, gen, table)
     by_pages = reference.msa_sparse_attention(
         q, k_cache, v_cache, q2k, cu_q, page_table=table,
         seqused_k=torch.tensor(seq_k, dtype=torch.int32), **kwargs,
@@ -103,12 +91,3 @@ def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
             torch.testing.assert_close(g[torch.isfinite(w)], w[torch.isfinite(w)])
     assert torch.equal(flat[0][0], torch.zeros_like(flat[0][0]))  # the empty selection
     assert torch.isinf(flat[1][0]).all()
-
-
-def paged_like(xs, table, cache):
-    """xs written into `cache` at the pages `table` gives (the layout of paged())."""
-    for b, x in enumerate(xs):
-        for p in range(-(-x.shape[0] // BLOCK)):
-            chunk = x[p * BLOCK : (p + 1) * BLOCK]
-            cache[int(table[b, p]), :, : chunk.shape[0]] = chunk.transpose(0, 1)
-    return cache

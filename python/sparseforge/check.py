@@ -222,13 +222,33 @@ def check_token_sparse(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     return "every output buffer vs the reference", same
 
 
+def paged_cache(xs, gen, table=None, garbage=1.0):
+    """Sequences' rows (each (n, Hkv, D)) in 128-row pages of one cache (pages, Hkv, 128, D)
+    of their dtype, pages in random order: (cache, page table (B, max pages + 1) int32). A
+    spare page, rows past a sequence's end and table entries past its pages hold garbage
+    (N(0, garbage^2)). Given a table (another tensor's), the rows go to its pages."""
+    hkv, d = xs[0].shape[1:]
+    counts = [-(-x.shape[0] // 128) for x in xs]
+    if table is None:
+        order = torch.randperm(sum(counts) + 1, generator=gen).to(torch.int32)
+        table = torch.full((len(xs), max(counts, default=0) + 1), int(order[-1]), dtype=torch.int32)
+        for b, pages in enumerate(order[:-1].split(counts)):
+            table[b, : len(pages)] = pages
+    cache = (torch.randn(sum(counts) + 1, hkv, 128, d, generator=gen) * garbage).to(xs[0].dtype)
+    for b, x in enumerate(xs):
+        for p in range(counts[b]):
+            chunk = x[p * 128 : (p + 1) * 128]
+            cache[int(table[b, p]), :, : chunk.shape[0]] = chunk.transpose(0, 1)
+    return cache, table
+
+
 def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, device="cpu"):
     """msa_proxy_score arguments (q, k, cu_seqlens_q, and cu_seqlens_k or page_table and
     seqused_k) for sequences of seq_q queries and seq_k keys; paged keys sit in 128-key pages
     of one cache in random order (a spare page, and page-table entries past a sequence's
     pages, point at garbage)."""
     gen = torch.Generator().manual_seed(seed)
-    d, block = 128, 128
+    d = 128
     q = torch.randn(sum(seq_q), hq, d, generator=gen).to(dtype)
     keys = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in seq_k]
     cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int32)
@@ -241,20 +261,7 @@ def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, de
             ),
         )
     else:
-        counts = [-(-n // block) for n in seq_k]
-        pages = sum(counts) + 1
-        cache = torch.randn(pages, hkv, block, d, generator=gen).to(dtype) * 100
-        order = torch.randperm(pages, generator=gen)
-        table = torch.full(
-            (len(seq_k), max(counts, default=0) + 1), int(order[-1]), dtype=torch.int32
-        )
-        used = 0
-        for b, key in enumerate(keys):
-            for p in range(counts[b]):
-                chunk = key[p * block : (p + 1) * block]
-                cache[order[used], :, : chunk.shape[0]] = chunk.transpose(0, 1)
-                table[b, p] = order[used]
-                used += 1
+        cache, table = paged_cache(keys, gen, garbage=100.0)
         args.update(k=cache, page_table=table, seqused_k=torch.tensor(seq_k, dtype=torch.int32))
     return {name: t.to(device) for name, t in args.items()}
 

@@ -132,19 +132,7 @@ def msa_proxy_score(
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     shape = (1 if reduce_heads else heads, max_k_tiles, total_q)
-    if output is None:
-        output = torch.empty(shape, dtype=torch.float32, device=device)
-    elif (
-        not isinstance(output, torch.Tensor)
-        or output.dtype != torch.float32
-        or tuple(output.shape) != shape
-        or output.device != device
-        or not output.is_contiguous()
-    ):
-        raise ValueError(
-            f"output must be a contiguous float32 tensor of shape {shape} on {device}, got "
-            f"{_describe(output)}"
-        )
+    output = _output(output, shape, torch.float32, device)
     index_inputs = [("cu_seqlens_q", cu_seqlens_q), ("q", q), ("k", k)]
     for name, t in (
         ("cu_seqlens_k", cu_seqlens_k),
@@ -247,6 +235,26 @@ def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_glob
     return pages
 
 
+def _output(output, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """`output` if it is a contiguous `dtype` tensor of `shape` on `device`; a new one for
+    None."""
+    if output is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if (
+        not isinstance(output, torch.Tensor)
+        or output.dtype != dtype
+        or tuple(output.shape) != shape
+        or output.device != device
+        or not output.is_contiguous()
+    ):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"output must be a contiguous {name} tensor of shape {shape} on {device}, got "
+            f"{_describe(output)}"
+        )
+    return output
+
+
 def _check_rows(name: str, x: torch.Tensor, dims: str, head_dim: int) -> None:
     """x must be 3-D (dims..., head_dim) with unit stride on its last dim."""
     if x.dim() != 3 or x.shape[2] != head_dim or x.stride(2) != 1:
@@ -315,19 +323,7 @@ def msa_topk_select(
             f"exceeds topk {want}"
         )
     num_valid = _num_valid(num_valid_pages, blocks, tokens, device)
-    if output is None:
-        output = torch.empty((tokens, heads, want), dtype=torch.int32, device=device)
-    elif (
-        not isinstance(output, torch.Tensor)
-        or output.dtype != torch.int32
-        or tuple(output.shape) != (tokens, heads, want)
-        or output.device != device
-        or not output.is_contiguous()
-    ):
-        raise ValueError(
-            f"output must be a contiguous int32 tensor of shape {(tokens, heads, want)} on "
-            f"{device}, got {_describe(output)}"
-        )
+    output = _output(output, (tokens, heads, want), torch.int32, device)
     check_writable("output", output, (("max_score", max_score), ("num_valid_pages", num_valid)))
     if device.type != "cuda":
         raise ValueError(f"max_score is on {device}; msa_topk_select needs a CUDA device")
