@@ -218,24 +218,9 @@ class BlockSparseFwdWarpMma:
         acc_O.fill(0.0)
         ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
         ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-        q_operand = self.smem_operand(
-            cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
-            tidx,
-            sQ,
-            thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
-        )
-        k_operand = self.smem_operand(
-            cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
-            tidx,
-            sK,
-            thr_mma.make_fragment_B(thr_mma.partition_B(sK)),
-        )
-        v_operand = self.smem_operand(
-            cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma),
-            tidx,
-            sVt,
-            thr_mma.make_fragment_B(thr_mma.partition_B(sVt)),
-        )
+        q_operand = self.operand_a(tiled_mma, tidx, cute.make_copy_atom(ldsm, self.dtype), sQ)
+        k_operand = self.operand_b(tiled_mma, tidx, cute.make_copy_atom(ldsm, self.dtype), sK)
+        v_operand = self.operand_b(tiled_mma, tidx, cute.make_copy_atom(ldsm_t, self.dtype), sVt)
         # Coordinates of this thread's score elements: (query row, key column) in the tile.
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
 
@@ -277,6 +262,20 @@ class BlockSparseFwdWarpMma:
             rP.store(acc_S.load().to(self.dtype))
             self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
         return acc_O, row_max, row_sum
+
+    @classmethod
+    def operand_a(cls, tiled_mma, tidx, atom, smem):
+        """The MMA's A operand read from `smem` by the copy `atom` (an ldmatrix)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        fragment = thr_mma.make_fragment_A(thr_mma.partition_A(smem))
+        return cls.smem_operand(cute.make_tiled_copy_A(atom, tiled_mma), tidx, smem, fragment)
+
+    @classmethod
+    def operand_b(cls, tiled_mma, tidx, atom, smem):
+        """The MMA's B operand read from `smem` by the copy `atom` (an ldmatrix)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        fragment = thr_mma.make_fragment_B(thr_mma.partition_B(smem))
+        return cls.smem_operand(cute.make_tiled_copy_B(atom, tiled_mma), tidx, smem, fragment)
 
     @staticmethod
     def smem_operand(s2r, tidx, smem, fragment):

@@ -127,17 +127,9 @@ class ProxyScore:
 
         thr_mma = tiled_mma.get_slice(tidx)
         ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
-        q_operand = self.smem_operand(
-            cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma),
-            tidx,
-            sQ,
-            thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
-        )
-        k_copy = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
-        k_operands = tuple(
-            self.smem_operand(k_copy, tidx, s, thr_mma.make_fragment_B(thr_mma.partition_B(s)))
-            for s in sK
-        )
+        atom = cute.make_copy_atom(ldsm, self.dtype)
+        q_operand = self.operand_a(tiled_mma, tidx, atom, sQ)
+        k_operands = tuple(self.operand_b(tiled_mma, tidx, atom, s) for s in sK)
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((QUERY_ROWS, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
         block_max = cute.make_rmem_tensor((rows,), cutlass.Float32)

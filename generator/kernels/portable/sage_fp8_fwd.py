@@ -263,17 +263,9 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         ldsm = cute.make_copy_atom(
             warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
-        s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
-        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
-        q_operand = self.smem_operand(
-            s2r_A, tidx, sQ, thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        )
-        k_operand = self.smem_operand(
-            s2r_B, tidx, sK, thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        )
-        vt_operand = self.smem_operand(
-            s2r_B, tidx, sVt, thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        )
+        q_operand = self.operand_a(tiled_mma, tidx, ldsm, sQ)
+        k_operand = self.operand_b(tiled_mma, tidx, ldsm, sK)
+        vt_operand = self.operand_b(tiled_mma, tidx, ldsm, sVt)
 
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
