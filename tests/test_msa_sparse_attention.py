@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from sparseforge import reference
+from sparseforge import msa_ops, reference
 from sparseforge.check import paged_cache
 
 BLOCK = reference.MSA_BLOCK
@@ -91,3 +91,103 @@ def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
             torch.testing.assert_close(g[torch.isfinite(w)], w[torch.isfinite(w)])
     assert torch.equal(flat[0][0], torch.zeros_like(flat[0][0]))  # the empty selection
     assert torch.isinf(flat[1][0]).all()
+
+
+def api_args(**change):
+    """Valid msa_sparse_attention arguments on the CPU (paged bf16 K/V, G 4, topk 16) with
+    `change` applied: every check runs before the device check, which then refuses."""
+    hq, hkv, pages = 16, 4, 3
+    args = dict(
+        q=torch.randn(5, hq, 128, dtype=torch.bfloat16),
+        k=torch.randn(pages, hkv, 128, 128, dtype=torch.bfloat16),
+        v=torch.randn(pages, hkv, 128, 128, dtype=torch.bfloat16),
+        q2k_indices=torch.zeros(hkv, 5, 16, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+        page_table=torch.zeros(1, pages, dtype=torch.int32),
+        seqused_k=torch.tensor([300], dtype=torch.int32),
+    )
+    return args | change
+
+
+NVFP4 = dict(
+    k=torch.zeros(3, 4, 128, 64, dtype=torch.uint8),
+    v=torch.zeros(3, 4, 128, 64, dtype=torch.uint8),
+    k_scale=torch.zeros(3, 4, 128, 8, dtype=torch.uint8),
+    v_scale=torch.zeros(3, 4, 128, 8, dtype=torch.uint8),
+    k_global_scale=0.5,
+    v_global_scale=0.5,
+)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({}, ValueError, "needs a CUDA device"),
+        (NVFP4, ValueError, "needs a CUDA device"),
+        ({"q": torch.randn(5, 16, 128)}, NotImplementedError, "q has dtype"),
+        ({"q": torch.randn(5, 16, 64, dtype=torch.bfloat16)}, ValueError, "q must be"),
+        ({"k": torch.randn(3, 4, 128, 128, dtype=torch.float16)}, ValueError, "k and v must have"),
+        ({"k_scale": 0.5}, ValueError, "k_scale applies to FP8 or NVFP4"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        ({"lse_temperature_scale": 0.0}, ValueError, "lse_temperature_scale"),
+        ({"v_global_scale": "2"}, TypeError, "v_global_scale"),
+        ({"q2k_indices": torch.zeros(4, 5, 33, dtype=torch.int32)}, ValueError, "1 <= topk"),
+        ({"q2k_indices": torch.zeros(4, 5, 16, dtype=torch.int64)}, ValueError, "q2k_indices"),
+        ({"q2k_indices": torch.zeros(2, 5, 16, dtype=torch.int32)}, ValueError, "q2k_indices"),
+        (
+            {"q": torch.randn(5, 32, 128, dtype=torch.bfloat16),
+             "k": torch.randn(3, 1, 128, 128, dtype=torch.bfloat16),
+             "v": torch.randn(3, 1, 128, 128, dtype=torch.bfloat16),
+             "q2k_indices": torch.zeros(1, 5, 16, dtype=torch.int32)},
+            ValueError, "at most 16 query heads per kv head",
+        ),
+        ({"k": torch.randn(3, 4, 64, 128, dtype=torch.bfloat16)}, ValueError, "paged k must be"),
+        ({"seqused_k": None}, ValueError, "page_table and seqused_k"),
+        ({"cu_seqlens_k": torch.tensor([0, 300], dtype=torch.int32)}, ValueError, "not both"),
+        ({"page_table": torch.zeros(1, 20000, dtype=torch.int32)}, ValueError, "at most 16384"),
+        ({"cu_seqlens_q": torch.tensor([0, 5])}, ValueError, "cu_seqlens_q"),
+        ({"q_offset": torch.zeros(2, dtype=torch.int32)}, ValueError, "q_offset"),
+        ({"workspace": object()}, TypeError, "workspace"),
+        ({"out": torch.empty(5, 16, 128)}, ValueError, "output must be"),
+        (NVFP4 | {"k_global_scale": None}, ValueError, "k_global_scale and v_global_scale"),
+        (NVFP4 | {"k_scale": torch.zeros(3, 4, 128, 4, dtype=torch.uint8)}, ValueError,
+         "k_scale must be the NVFP4 scales"),
+        ({"k": torch.zeros(3, 4, 128, 128, dtype=torch.float8_e4m3fn),
+          "v": torch.zeros(3, 4, 128, 128, dtype=torch.float8_e4m3fn),
+          "k_global_scale": 1.0}, ValueError, "k_global_scale applies to NVFP4"),
+        ({"k": torch.zeros(3, 4, 128, 128, dtype=torch.int8)}, ValueError,
+         "k and v must have one dtype"),
+    ],
+)  # fmt: skip
+def test_arguments_are_checked_by_name(change, error, words):
+    with pytest.raises(error, match=words):
+        msa_ops.msa_sparse_attention(**api_args(**change))
+
+
+def test_nvfp4_is_paged_only():
+    flat = dict(
+        k=torch.zeros(300, 4, 64, dtype=torch.uint8), v=torch.zeros(300, 4, 64, dtype=torch.uint8),
+        k_scale=None, v_scale=None, k_global_scale=1.0, v_global_scale=1.0,
+        cu_seqlens_k=torch.tensor([0, 300], dtype=torch.int32), page_table=None, seqused_k=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="paged only"):
+        msa_ops.msa_sparse_attention(**api_args(**flat))
+
+
+def test_out_may_not_alias_an_input():
+    args = api_args()
+    with pytest.raises(ValueError, match="alias"):
+        msa_ops.msa_sparse_attention(**args, out=args["q"])
+
+
+def test_decode_arguments():
+    args = api_args()
+    args.pop("cu_seqlens_q")
+    with pytest.raises(ValueError, match="seqlen_q must be an int >= 1"):
+        msa_ops.msa_sparse_decode_attention(**args, seqlen_q=0)
+    with pytest.raises(ValueError, match="B \\* seqlen_q"):
+        msa_ops.msa_sparse_decode_attention(**args, seqlen_q=2)
+    with pytest.raises(ValueError, match="partial_dtype"):
+        msa_ops.msa_sparse_decode_attention(**args, partial_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        msa_ops.msa_sparse_decode_attention(**args, seqlen_q=5)

@@ -11,7 +11,17 @@ from sparseforge.errors import (
     UnsupportedArchError,
     VariantNotBuiltError,
 )
-from sparseforge.msa_ops import msa_proxy_score, msa_topk_select, quantize_write_kv_nvfp4
+from sparseforge.msa_ops import (
+    MSASparseAttentionWorkspace,
+    msa_decode_nvfp4_specialized_stats,
+    msa_prefill_nvfp4_specialized_stats,
+    msa_proxy_score,
+    msa_sparse_attention,
+    msa_sparse_decode_attention,
+    msa_topk_select,
+    quantize_write_kv_nvfp4,
+    supports_packed_kv,
+)
 from sparseforge.sage import (
     SageFP8Tensors,
     quantize_bandwidth,
@@ -45,6 +55,12 @@ __all__ = [
     "msa_proxy_score",
     "msa_topk_select",
     "quantize_write_kv_nvfp4",
+    "msa_sparse_attention",
+    "msa_sparse_decode_attention",
+    "MSASparseAttentionWorkspace",
+    "supports_packed_kv",
+    "msa_prefill_nvfp4_specialized_stats",
+    "msa_decode_nvfp4_specialized_stats",
     "group_union_masks",
     "KernelLaunchError",
     "NoGPUError",

@@ -493,6 +493,131 @@ def proxy_score_time(iters: int) -> str:
     )
 
 
+def msa_kv(fmt: str, pages: int, hkv: int, gen):
+    """Random paged K/V of `pages` 128-token pages in one of the MSA formats: the kwargs of
+    msa_sparse_attention, and the bytes of one selected block (K and V, with scales)."""
+    from sparseforge import reference
+
+    device = torch.device("cuda")
+    if fmt == "nvfp4":
+        cache = torch.randint(0, 256, (pages, hkv * 18432), dtype=torch.uint8, device=device)
+        # Scales in [2^-7, 2^-2]: finite codes (a random byte may be NaN).
+        views = reference.nvfp4_page_views(cache, hkv)
+        for name in ("k_scales", "v_scales"):
+            views[name].copy_(torch.randint(0x08, 0x28, views[name].shape, device=device))
+        kwargs = dict(
+            k=views["k_data"], v=views["v_data"], k_scale=views["k_scales"],
+            v_scale=views["v_scales"], k_global_scale=1.0, v_global_scale=1.0,
+        )  # fmt: skip
+        return kwargs, 2 * 128 * (64 + 8)
+    dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
+    k, v = (
+        torch.randn(pages, hkv, 128, 128, device=device, generator=gen).to(dtype) for _ in range(2)
+    )
+    return dict(k=k, v=v), 2 * 128 * 128 * k.element_size()
+
+
+def msa_attention_times(iters: int = 10) -> list[str]:
+    """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
+    on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
+    (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted)."""
+    from sparseforge import msa_ops
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    i32 = dict(dtype=torch.int32, device=device)
+    lines = []
+
+    # MP1: one causal sequence of 32768 tokens, Hq 64, Hkv 4, top-16 blocks per token.
+    seq, hq, hkv, topk = 32768, 64, 4, 16
+    blocks = seq // 128
+    q = torch.randn(seq, hq, 128, device=device, generator=gen).to(torch.bfloat16)
+    dense = torch.randn(1, hq, seq, 128, device=device, generator=gen).to(torch.bfloat16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        dense_ms = cuda_time_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(
+                dense, dense, dense, is_causal=True
+            ),
+            iters=iters,
+        )
+    dense_tflops = 4 * hq * seq * (seq + 1) / 2 * 128 / dense_ms / 1e9
+    lines.append(
+        f"MP1 cuDNN dense causal (Hq {hq}, S {seq}): {dense_ms:.2f} ms, {dense_tflops:.0f} TFLOPS"
+    )
+    pos = torch.arange(seq, device=device)
+    own = pos // 128
+    cu = torch.tensor([0, seq], **i32)
+    table = torch.arange(blocks, **i32)[None]
+    used = torch.tensor([seq], **i32)
+    for mode in ("random", "chunked"):
+        # Block 0, the token's own block and 14 more visible ones: per token, or drawn once
+        # per 64-token chunk (the chunk's first token's visible blocks).
+        anchor = pos if mode == "random" else pos // 64 * 64
+        draw = torch.rand(hkv, seq, 14, device=device, generator=gen)
+        if mode == "chunked":
+            draw = draw[:, ::64].repeat_interleave(64, 1)
+        extra = (draw * (anchor // 128 + 1)).long()
+        ids = torch.cat(
+            [torch.zeros_like(extra[..., :1]), own.expand(hkv, seq)[..., None], extra], -1
+        )
+        chosen = torch.zeros(hkv, seq, blocks, dtype=torch.bool, device=device)
+        chosen.scatter_(2, ids, True)
+        ids = torch.where(chosen, torch.arange(blocks, device=device), blocks).sort(-1).values
+        ids = torch.where(ids < blocks, ids, -1)[..., :topk].int().contiguous()
+        # Keys attended: whole blocks below the own block, the own block up to the token.
+        below = chosen.sum(-1) - 1
+        useful = 4 * (hq // hkv) * 128 * float((below * 128 + (pos % 128 + 1)).sum())
+        for fmt in ("bf16", "e4m3", "nvfp4"):
+            kv, _ = msa_kv(fmt, blocks, hkv, gen)
+            ms = cuda_time_ms(
+                lambda kv=kv, ids=ids: msa_ops.msa_sparse_attention(
+                    q, q2k_indices=ids, cu_seqlens_q=cu, causal=True, page_table=table,
+                    seqused_k=used, **kv,
+                ),
+                warmup=2, iters=iters,
+            )  # fmt: skip
+            tflops = useful / ms / 1e9
+            lines.append(
+                f"MP1 {mode} selections, {fmt} K/V: {ms:.2f} ms, {tflops:.0f} useful TFLOPS "
+                f"({tflops / dense_tflops:.2f}x cuDNN dense)"
+            )
+        del kv
+
+    # MD1 / MD4: decode, 16 random blocks per (request, kv head[, token]), the last included.
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    flush_ms = cuda_time_ms(flush.zero_, iters=iters)
+    for name, batch, seqlen_q in (("MD1", 256, 1), ("MD4", 64, 4)):
+        ctx, pages = 65536, 512
+        qd = torch.randn(batch * seqlen_q, hq, 128, device=device, generator=gen).to(torch.bfloat16)
+        table = torch.arange(batch * pages, **i32).view(batch, pages)
+        used = torch.full((batch,), ctx, **i32)
+        rows = batch * seqlen_q
+        draw = torch.rand(hkv, rows, pages - 1, device=device, generator=gen).topk(15).indices
+        ids = torch.cat([draw, torch.full_like(draw[..., :1], pages - 1)], -1).sort(-1).values
+        ids = ids.int().contiguous()
+        distinct = rows if seqlen_q > 1 else batch  # selections per kv head
+        for fmt in ("bf16", "e4m3", "nvfp4"):
+            kv, block_bytes = msa_kv(fmt, batch * pages, hkv, gen)
+
+            def decode(kv=kv, qd=qd, ids=ids, table=table, used=used, seqlen_q=seqlen_q):
+                flush.zero_()
+                msa_ops.msa_sparse_decode_attention(
+                    qd, q2k_indices=ids, page_table=table, seqused_k=used, seqlen_q=seqlen_q, **kv
+                )
+
+            us = (cuda_time_ms(decode, warmup=2, iters=iters) - flush_ms) * 1e3
+            moved = hkv * distinct * 16 * block_bytes
+            lines.append(
+                f"{name} {fmt} K/V ({batch} x {ctx // 1024}k, seqlen_q {seqlen_q}): {us:.1f} us "
+                f"cold L2, {moved / us / 1e3:.0f} GB/s ({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) "
+                f"on {moved / 1e6:.0f} MB of selected K/V"
+            )
+            del kv
+    return lines
+
+
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
@@ -601,6 +726,11 @@ def main(argv=None) -> int:
         "token-sparse builders)",
     )
     parser.add_argument(
+        "--msa",
+        action="store_true",
+        help="also time MSA sparse attention (MP1 prefill, MD1 / MD4 decode)",
+    )
+    parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
     args = parser.parse_args(argv)
@@ -655,6 +785,8 @@ def main(argv=None) -> int:
         )
     if args.selection:
         report += "\n" + "\n".join(selection_times())
+    if args.msa:
+        report += "\n" + "\n".join(msa_attention_times())
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):

@@ -14,6 +14,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   fp64 reference, -inf exactly where it has them;
 - nvfp4_kv_write: every scale range, E2M1 midpoints, zero and NaN groups, shuffled and
   negative slots; the pages byte for byte equal to reference.nvfp4_write_slots';
+- msa_sparse_attention (16-bit, FP8 and NVFP4 K/V): ragged paged sequences, -1 and
+  repeated ids, an empty selection, GQA 4; output and LSE against the fp64 reference on the
+  dequantized K/V;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -43,6 +46,11 @@ QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
+MSA_ATTENTION_FAMILIES = (
+    "msa_sparse_attention",
+    "msa_sparse_attention_fp8kv",
+    "msa_sparse_attention_nvfp4",
+)
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
@@ -266,6 +274,96 @@ def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, de
     return {name: t.to(device) for name, t in args.items()}
 
 
+def msa_selections(seq_q, seq_k, hkv, topk, gen):
+    """(Hkv, total_q, topk) int32: random ids in [-1, blocks + 1) (so -1, repeats and ids
+    past the sequence occur), ascending; the first token selects nothing."""
+    rows = []
+    for n_q, n_k in zip(seq_q, seq_k, strict=True):
+        blocks = -(-n_k // 128)
+        ids = torch.randint(-1, blocks + 1, (hkv, n_q, topk), generator=gen, dtype=torch.int32)
+        rows.append(ids.sort(-1).values)
+    rows[0][:, 0] = -1
+    return torch.cat(rows, 1)
+
+
+def msa_attention_inputs(kv_format, paged, seq_q, seq_k, hq, hkv, topk=8, seed=0):
+    """msa_sparse_attention arguments and reference.msa_sparse_attention's (K/V as fp32
+    values: dequantized, for FP8 and NVFP4; "unquantized": the values before), on the GPU,
+    for sequences of seq_q queries and seq_k keys. K/V in kv_format (bf16, fp16 (q too),
+    e4m3, nvfp4: packed pages); paged K/V sit in shuffled pages with garbage past each
+    sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    q_dtype = torch.float16 if kv_format == "fp16" else torch.bfloat16
+    q = torch.randn(sum(seq_q), hq, 128, generator=gen).to(q_dtype)
+    keys = [torch.randn(n, hkv, 128, generator=gen) for n in seq_k]
+    values = [torch.randn(n, hkv, 128, generator=gen) for n in seq_k]
+    cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int32)
+    q2k = msa_selections(seq_q, seq_k, hkv, topk, gen)
+    kernel = dict(q=q, q2k_indices=q2k, cu_seqlens_q=cu_q)
+    ref = dict(q=q.float(), q2k_indices=q2k, cu_seqlens_q=cu_q)
+    if paged:
+        k_cache, table = paged_cache(keys, gen)
+        v_cache, _ = paged_cache(values, gen, table)
+        used = torch.tensor(seq_k, dtype=torch.int32)
+        kernel.update(page_table=table, seqused_k=used)
+        ref.update(page_table=table, seqused_k=used)
+        k_all, v_all = k_cache, v_cache
+    else:
+        cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int32)
+        kernel.update(cu_seqlens_k=cu_k)
+        ref.update(cu_seqlens_k=cu_k)
+        k_all, v_all = torch.cat(keys), torch.cat(values)
+    if kv_format in ("bf16", "fp16"):
+        kernel.update(k=k_all.to(q_dtype), v=v_all.to(q_dtype))
+        ref.update(k=k_all.to(q_dtype).float(), v=v_all.to(q_dtype).float())
+    elif kv_format == "e4m3":
+        k_scale, v_scale = 0.02, 0.03
+        k8 = (k_all / k_scale).to(torch.float8_e4m3fn)
+        v8 = (v_all / v_scale).to(torch.float8_e4m3fn)
+        kernel.update(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
+        ref.update(k=k8.float() * k_scale, v=v8.float() * v_scale)
+    else:
+        k_global, v_global = 0.01, 0.02
+        pages = reference.nvfp4_pack_pages(k_all, v_all, k_global, v_global)
+        views = reference.nvfp4_page_views(pages, hkv)
+        k_deq, v_deq = reference.nvfp4_unpack_pages(pages, hkv, k_global, v_global)
+        kernel.update(
+            k=views["k_data"], v=views["v_data"], k_scale=views["k_scales"],
+            v_scale=views["v_scales"], k_global_scale=k_global, v_global_scale=v_global,
+        )  # fmt: skip
+        ref.update(k=k_deq, v=v_deq)
+        ref["unquantized"] = (k_all.cuda(), v_all.cuda())
+    move = lambda d: {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in d.items()}  # noqa: E731
+    return move(kernel), move(ref)
+
+
+def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.msa_ops import msa_sparse_attention
+
+    kv_format = {
+        "msa_sparse_attention": v["params"]["dtype"],
+        "msa_sparse_attention_fp8kv": "e4m3",
+        "msa_sparse_attention_nvfp4": "nvfp4",
+    }[v["family"]]
+    seq_q, seq_k = ([5, 1], [200, 3]) if small else ([70, 1, 33], [700, 128, 200])
+    kernel, ref = msa_attention_inputs(kv_format, True, seq_q, seq_k, 16, 4, seed=seed)
+    if kv_format in ("e4m3", "nvfp4") and v["params"]["dtype"] == "fp16":
+        kernel["q"] = kernel["q"].half()
+    out = torch.full_like(kernel["q"], float("nan"))
+    got, lse = msa_sparse_attention(**kernel, causal=True, return_softmax_lse=True, out=out)
+    ref.pop("unquantized", None)
+    want, want_lse, _ = reference.msa_sparse_attention(
+        ref.pop("q"), ref.pop("k"), ref.pop("v"), ref.pop("q2k_indices"), ref.pop("cu_seqlens_q"),
+        causal=True, **ref,
+    )  # fmt: skip
+    err = float((got.double() - want).norm() / want.double().norm())
+    finite = torch.isfinite(want_lse)
+    ok = err < (5e-3 if kv_format in ("bf16", "fp16") else 1e-2)
+    ok &= torch.equal(torch.isfinite(lse), finite)
+    ok &= bool((lse[finite] - want_lse[finite]).abs().max() < 2e-2)
+    return f"{kv_format} paged K/V, causal, rel. L2 {err:.1e}", ok
+
+
 def check_proxy_score(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.msa_ops import msa_proxy_score
 
@@ -375,6 +473,8 @@ def main(argv=None) -> int:
             QUANTIZER_FAMILY,
             TOPK_FAMILY,
             PROXY_FAMILY,
+            NVFP4_WRITE_FAMILY,
+            *MSA_ATTENTION_FAMILIES,
             *TOKEN_SPARSE_FAMILIES,
         )
         and v["arch"] == arch
@@ -393,6 +493,8 @@ def main(argv=None) -> int:
             runs = [check_proxy_score(v, args.small)]
         elif v["family"] == NVFP4_WRITE_FAMILY:
             runs = [check_nvfp4_write(v, args.small)]
+        elif v["family"] in MSA_ATTENTION_FAMILIES:
+            runs = [check_msa_attention(v, args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:
             runs = [check_token_sparse(v, args.small)]
         else:

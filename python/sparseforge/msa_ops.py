@@ -5,13 +5,16 @@
     msa_topk_select   per (token, query head), the 16 key blocks it attends to, from the
                       proxy scores
     quantize_write_kv_nvfp4   new tokens' K and V into packed NVFP4 pages at their slots
+    msa_sparse_attention, msa_sparse_decode_attention
+                      each query token attends to the 128-key blocks it selected, K/V in
+                      q's dtype, FP8 or NVFP4, flat or paged
 
 Each call is one launch on the current stream with no host synchronisation when the sizes
 it would otherwise read from the GPU are given (msa_proxy_score: max_seqlen_q and
 max_k_tiles), so it can be captured in a CUDA graph. Kernels:
-generator/kernels/portable/{msa_proxy_score,msa_topk_select,nvfp4_kv_write}.py (every arch);
-PyTorch references: sparseforge.reference.msa_proxy_score, .msa_topk_select and
-.nvfp4_write_slots.
+generator/kernels/portable/{msa_proxy_score,msa_topk_select,nvfp4_kv_write,
+msa_sparse_attention}.py (every arch); PyTorch references: sparseforge.reference.msa_proxy_score,
+.msa_topk_select, .nvfp4_write_slots and .msa_sparse_attention.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from sparseforge import ops
 from sparseforge.checks import check_writable
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import msa_proxy_score as proxy_family
+from sparseforge.families import msa_sparse_attention as attention_family
 from sparseforge.families import msa_topk_select as topk_family
 from sparseforge.families import nvfp4_kv_write as nvfp4_family
 
@@ -374,3 +378,429 @@ def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}"
+
+
+class MSASparseAttentionWorkspace:
+    """Caller-owned storage for capturing MSA attention in a CUDA graph, accepted for call
+    compatibility. Our kernels need no scratch memory: msa_sparse_attention and
+    msa_sparse_decode_attention capture and replay as they are, with or without one."""
+
+    def __init__(self, device=None):
+        self.device = torch.device("cuda" if device is None else device)
+
+
+def supports_packed_kv(device=None) -> bool:
+    """Whether msa_sparse_attention / msa_sparse_decode_attention take packed NVFP4 paged
+    K/V (the four regions of one allocation as strided views) on `device`: True wherever
+    this build has the NVFP4 kernels for the device's arch (every arch it supports)."""
+    device = torch.device("cuda" if device is None else device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return attention_family.built_for(index, "nvfp4")
+
+
+def _nvfp4_route_stats(kind: str) -> dict:
+    return {
+        "route": f"msa_sparse_{kind}_attention, NVFP4 paged K/V",
+        "available": bool(torch.cuda.is_available() and supports_packed_kv()),
+        "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
+        "kernel": "portable mma.sync union tile: K/V dequantized into shared memory",
+        "head_dim": attention_family.constant("head_dim"),
+        "page_size": attention_family.constant("block_keys"),
+        "group_sizes": f"any Hq / Hkv <= {attention_family.constant('max_group')}",
+        "topk_range": (1, attention_family.constant("max_topk")),
+        "seqlen_q": "any (decode: seqlen_q tokens per request)",
+        "layouts": "packed pages (strided views) or separate tensors, paged only",
+        "causal": "causal and non-causal",
+        "lse": "lse and temperature lse",
+        "out": "out= accepted",
+        "q_offset": kind == "prefill",
+        "graph_capture": "no workspace or warm-up needed",
+        "toolkit_decline_reason": None,
+        "run_to_run_bitwise_reproducible_up_to_context": None,  # always: no atomics
+        "max_blocks_per_sequence": attention_family.constant("max_blocks"),
+    }
+
+
+def msa_prefill_nvfp4_specialized_stats() -> dict:
+    """What the NVFP4 prefill route accepts (msa_sparse_attention with packed pages)."""
+    return _nvfp4_route_stats("prefill")
+
+
+def msa_decode_nvfp4_specialized_stats() -> dict:
+    """What the NVFP4 decode route accepts (msa_sparse_decode_attention with packed pages)."""
+    return _nvfp4_route_stats("decode")
+
+
+def msa_sparse_attention(
+    q,
+    k,
+    v,
+    q2k_indices,
+    cu_seqlens_q,
+    cu_seqlens_k=None,
+    causal: bool = False,
+    softmax_scale=None,
+    page_table=None,
+    seqused_k=None,
+    return_softmax_lse: bool = False,
+    k_scale=None,
+    v_scale=None,
+    k_global_scale=None,
+    v_global_scale=None,
+    q_offset=None,
+    return_temperature_lse: bool = False,
+    lse_temperature_scale: float = 1.0,
+    workspace=None,
+    out=None,
+):
+    """MiniMax sparse attention: query i of sequence b, head h attends to the keys of the
+    128-key blocks listed in q2k_indices[h // G, i] (int32 (Hkv, total_q, topk), topk 1 to
+    32; -1 entries, repeats and ids past the sequence's blocks are ignored) that lie inside
+    the sequence and, with causal, at positions <= q_offset[b] + i (q_offset defaults to
+    seqlen_k - seqlen_q). out = softmax(softmax_scale * q.k) V * v_global_scale (scale
+    default 1/sqrt(128)); a query that sees no key gets 0 (and lse -inf).
+
+    q (total_q, Hq, 128) bf16 / fp16 with cu_seqlens_q (B + 1,); Hq = G * Hkv, G <= 16.
+    K/V, each of:
+      * q's dtype;
+      * float8_e4m3fn, times k_scale / v_scale (floats, default 1);
+      * NVFP4 (paged only): uint8 e2m1 data (pages, Hkv, 128, 64), two codes a byte with
+        the even element in the low nibble, with k_scale / v_scale the e4m3 scales
+        (pages, Hkv, 128, 8) (uint8 or float8_e4m3fn; V's in the 4x4 swizzle of the
+        packed page) and the required k_global_scale / v_global_scale: value = code x
+        scale x global scale. The regions of packed pages are strided views
+        (reference.nvfp4_page_views); separate tensors work the same.
+    Layout: flat (total_k, Hkv, X) with cu_seqlens_k, or paged (pages, Hkv, 128, X) with
+    page_table (B, W) and seqused_k (B,); unit stride on the last dim (strided views such
+    as the halves of an interleaved (pages, Hkv, 128, 256) FP8 cache are fine).
+
+    Returns out (total_q, Hq, 128) in q's dtype (into `out` if given), with
+    return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
+    return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
+    One launch, no host synchronisation: CUDA-graph capturable (`workspace`, an
+    MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
+    checked on the GPU: ids outside [0, blocks of the sequence) are skipped, but a page id
+    outside the cache or offsets past the tensors read out of bounds."""
+    return _attention(
+        q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
+        seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
+        q_offset, return_temperature_lse, lse_temperature_scale, workspace, out,
+    )  # fmt: skip
+
+
+def msa_sparse_decode_attention(
+    q,
+    k,
+    v,
+    q2k_indices,
+    *,
+    page_table=None,
+    seqused_k=None,
+    cu_seqlens_k=None,
+    seqlen_q: int = 1,
+    causal: bool = True,
+    softmax_scale=None,
+    return_softmax_lse: bool = False,
+    k_scale=None,
+    v_scale=None,
+    k_global_scale=None,
+    v_global_scale=None,
+    return_temperature_lse: bool = False,
+    lse_temperature_scale: float = 1.0,
+    partial_dtype=None,
+    force_fused: bool = False,
+    workspace=None,
+    out=None,
+):
+    """Sparse decode: q (B * seqlen_q, Hq, 128), request b's token j at position
+    seqlen_k - seqlen_q + j; otherwise msa_sparse_attention's contract (K/V formats and
+    layouts, q2k_indices (Hkv, B * seqlen_q, topk), returns). The kernel is the prefill's
+    union tile (a request's seqlen_q tokens and G heads share one tile), so there are no
+    split-K partials: partial_dtype (None or torch.float32) and force_fused are accepted
+    and change nothing."""
+    if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or seqlen_q < 1:
+        raise ValueError(f"seqlen_q must be an int >= 1, got {seqlen_q!r}")
+    if partial_dtype not in (None, torch.float32):
+        raise ValueError(f"partial_dtype must be None or torch.float32, got {partial_dtype}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {_describe(q)}")
+    if q.dim() != 3 or q.shape[0] % seqlen_q:
+        raise ValueError(
+            f"q must be (B * seqlen_q, Hq, 128) with seqlen_q = {seqlen_q}, got {_describe(q)}"
+        )
+    batch = q.shape[0] // seqlen_q
+    cu_seqlens_q = _uniform_offsets(q.device, batch, seqlen_q)
+    return _attention(
+        q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
+        seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
+        None, return_temperature_lse, lse_temperature_scale, workspace, out,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tensor:
+    return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_scales(device: torch.device) -> torch.Tensor:
+    """The NVFP4 scale arguments of the other K/V formats' kernels (never read)."""
+    return torch.zeros((1, 1, 1, 8), dtype=torch.uint8, device=device)
+
+
+def _positive(name: str, value, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _kv_view(name: str, x, paged: bool, width: int, block: int) -> torch.Tensor:
+    """x as the kernel's (pages, Hkv, rows, width) view: paged as is, flat as one page."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {_describe(x)}")
+    if paged:
+        if x.dim() != 4 or x.shape[2:] != (block, width) or x.stride(3) != 1:
+            raise ValueError(
+                f"paged {name} must be (pages, Hkv, {block}, {width}) with unit stride on the "
+                f"last dim, got {_describe(x)}"
+            )
+        view = x
+    else:
+        _check_rows(f"flat {name}", x, "total_k, Hkv", width)
+        tokens, heads = x.shape[:2]
+        view = x.as_strided(
+            (1, heads, tokens, width), (max(tokens, 1) * x.stride(0), x.stride(1), x.stride(0), 1)
+        )
+    vector = 16 if x.element_size() == 1 else 8  # elements of a 16-byte load
+    if any(s % vector for s in view.stride()[:3]) or x.data_ptr() % 16:
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of {vector} "
+            f"elements, got {_describe(x)}"
+        )
+    return view
+
+
+def _attention(
+    q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
+    seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
+    q_offset, return_temperature_lse, lse_temperature_scale, workspace, out,
+):  # fmt: skip
+    """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too)."""
+    head_dim = attention_family.constant("head_dim")
+    block = attention_family.constant("block_keys")
+    for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {_describe(x)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"q has dtype {q.dtype}: bf16 and fp16 are built")
+    _check_rows("q", q, "total_q, Hq", head_dim)
+    if any(s % 8 for s in q.stride()[:2]) or q.data_ptr() % 16:
+        raise ValueError(
+            f"q must be 16-byte aligned with strides in multiples of 8, got {_describe(q)}"
+        )
+    total_q, heads = q.shape[:2]
+    device = q.device
+    if workspace is not None and not isinstance(workspace, MSASparseAttentionWorkspace):
+        raise TypeError(
+            "workspace must be an MSASparseAttentionWorkspace or None, got "
+            f"{type(workspace).__name__}"
+        )
+
+    # K/V format.
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v must have one dtype, got {k.dtype} and {v.dtype}")
+    if k.dtype == q.dtype:
+        kv_format, width = "16bit", head_dim
+    elif k.dtype == torch.float8_e4m3fn:
+        kv_format, width = "e4m3", head_dim
+    elif k.dtype == torch.uint8:
+        kv_format, width = "nvfp4", head_dim // 2
+    else:
+        raise ValueError(
+            f"k and v have dtype {k.dtype}: give q's dtype {q.dtype}, float8_e4m3fn, or uint8 "
+            "NVFP4 data"
+        )
+    scale = _positive("softmax_scale", softmax_scale, 1.0 / math.sqrt(head_dim))
+    temperature = _positive("lse_temperature_scale", lse_temperature_scale, 1.0)
+    out_scale = _positive("v_global_scale", v_global_scale, 1.0)
+    key_scale = 1.0
+    k_scales = v_scales = _no_scales(device)
+    if kv_format == "16bit":
+        for name, value in (
+            ("k_scale", k_scale),
+            ("v_scale", v_scale),
+            ("k_global_scale", k_global_scale),
+        ):
+            if value is not None:
+                raise ValueError(f"{name} applies to FP8 or NVFP4 K/V; k and v are {k.dtype}")
+    elif kv_format == "e4m3":
+        if k_global_scale is not None:
+            raise ValueError("k_global_scale applies to NVFP4 K/V; give FP8 K's scale as k_scale")
+        key_scale = _positive("k_scale", k_scale, 1.0)
+        out_scale *= _positive("v_scale", v_scale, 1.0)
+    else:
+        if page_table is None:
+            raise ValueError("NVFP4 K/V are paged only: give page_table and seqused_k")
+        if k_global_scale is None or v_global_scale is None:
+            raise ValueError("NVFP4 K/V need k_global_scale and v_global_scale")
+        key_scale = _positive("k_global_scale", k_global_scale, 1.0)
+        k_scales = _nvfp4_scales("k_scale", k_scale, k, block, device)
+        v_scales = _nvfp4_scales("v_scale", v_scale, v, block, device)
+
+    paged = page_table is not None or seqused_k is not None
+    if paged:
+        if cu_seqlens_k is not None:
+            raise ValueError("give cu_seqlens_k (flat K/V) or page_table and seqused_k, not both")
+        if page_table is None or seqused_k is None:
+            raise ValueError("paged K/V need both page_table and seqused_k")
+    elif cu_seqlens_k is None:
+        raise ValueError("flat K/V need cu_seqlens_k (or give page_table and seqused_k)")
+    kernel_k = _kv_view("k", k, paged, width, block)
+    kernel_v = _kv_view("v", v, paged, width, block)
+    kv_heads = k.shape[1]
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if (
+        kv_heads == 0
+        or heads % kv_heads
+        or heads // kv_heads > attention_family.constant("max_group")
+    ):
+        raise ValueError(
+            f"Hq = {heads} must be a multiple of Hkv = {kv_heads} with at most "
+            f"{attention_family.constant('max_group')} query heads per kv head"
+        )
+    for name, x in (("k", k), ("v", v), ("q2k_indices", q2k_indices)):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, q on {device}")
+    max_topk = attention_family.constant("max_topk")
+    if (
+        q2k_indices.dtype != torch.int32
+        or q2k_indices.dim() != 3
+        or q2k_indices.shape[:2] != (kv_heads, total_q)
+        or not 1 <= q2k_indices.shape[2] <= max_topk
+        or q2k_indices.stride(2) != 1
+    ):
+        raise ValueError(
+            f"q2k_indices must be int32 (Hkv = {kv_heads}, total_q = {total_q}, topk) with "
+            f"1 <= topk <= {max_topk} and unit stride on the last dim, got "
+            f"{_describe(q2k_indices)}"
+        )
+    batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
+    if batch < 1:
+        raise ValueError(
+            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
+        )
+    max_blocks = attention_family.constant("max_blocks")
+    if paged:
+        _index_vector("seqused_k", seqused_k, batch, device)
+        if (
+            not isinstance(page_table, torch.Tensor)
+            or page_table.dtype != torch.int32
+            or page_table.dim() != 2
+            or page_table.shape[0] != batch
+            or page_table.device != device
+            or page_table.stride(1) != 1
+        ):
+            raise ValueError(
+                f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
+                f"its last dim, got {_describe(page_table)}"
+            )
+        if page_table.shape[1] > max_blocks:
+            raise ValueError(
+                f"page_table has {page_table.shape[1]} columns; at most {max_blocks} are supported"
+            )
+    else:
+        _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
+        if k.shape[0] > max_blocks * block:
+            raise ValueError(
+                f"flat K/V hold {k.shape[0]} keys; at most {max_blocks * block} are supported"
+            )
+    if q_offset is not None:
+        _index_vector("q_offset", q_offset, batch, device)
+
+    want_lse = bool(return_softmax_lse or return_temperature_lse)
+    out = _output(out, (total_q, heads, head_dim), q.dtype, device)
+    lse = torch.empty((total_q, heads), dtype=torch.float32, device=device)
+    lse_t = torch.empty_like(lse) if return_temperature_lse else lse
+    inputs = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("q2k_indices", q2k_indices),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ]
+    for name, t in (
+        ("cu_seqlens_k", cu_seqlens_k),
+        ("page_table", page_table),
+        ("seqused_k", seqused_k),
+        ("q_offset", q_offset),
+        ("k_scale", k_scale if kv_format == "nvfp4" else None),
+        ("v_scale", v_scale if kv_format == "nvfp4" else None),
+    ):
+        if t is not None:
+            inputs.append((name, t))
+    check_writable("out", out, inputs)
+    if device.type != "cuda":
+        raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
+
+    if total_q:
+        unused = _constant_count(device, 0)
+        launch = attention_family.launch(
+            device.index,
+            kv_format,
+            NAME_OF[q.dtype],
+            scale * key_scale * math.log2(math.e),
+            out_scale,
+            temperature,
+            heads // kv_heads,
+            paged,
+            bool(causal),
+            q_offset is not None,
+            want_lse,
+        )
+        tensors = (
+            q,
+            kernel_k,
+            kernel_v,
+            k_scales,
+            v_scales,
+            q2k_indices,
+            cu_seqlens_q,
+            unused if paged else cu_seqlens_k,
+            seqused_k if paged else unused,
+            page_table if paged else unused.view(1, 1),
+            unused if q_offset is None else q_offset,
+            out,
+            lse,
+            lse_t,
+        )
+        with torch.cuda.device(device):
+            ops.launch(launch, tensors)
+    if return_temperature_lse:
+        return out, lse, lse_t
+    if return_softmax_lse:
+        return out, lse
+    return out
+
+
+def _nvfp4_scales(name: str, scales, data, block: int, device) -> torch.Tensor:
+    """NVFP4 group scales (pages, Hkv, 128, 8) uint8 / float8_e4m3fn beside `data`, as uint8."""
+    groups = attention_family.constant("head_dim") // 16
+    if (
+        not isinstance(scales, torch.Tensor)
+        or scales.dtype not in (torch.uint8, torch.float8_e4m3fn)
+        or scales.dim() != 4
+        or scales.shape != (data.shape[0], data.shape[1], block, groups)
+        or scales.stride(3) != 1
+        or scales.device != device
+    ):
+        raise ValueError(
+            f"{name} must be the NVFP4 scales, uint8 or float8_e4m3fn "
+            f"(pages, Hkv, {block}, {groups}) with unit stride on the last dim on {device}, "
+            f"got {_describe(scales)}"
+        )
+    return scales.view(torch.uint8)

@@ -19,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 
 from generator.families.token_sparse import MASK_TILE, MAX_UNION_KEYS, PAGE_KEYS
+from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
 
 NUM_THREADS = 256
 WORDS = MAX_UNION_KEYS // 32
@@ -52,10 +53,10 @@ class GroupUnionMasks:
             for k in cutlass.range(tidx, keys_per_token, NUM_THREADS, unroll=2):
                 p = mPositions[token, k]
                 if p >= 0 and p < num_keys:
-                    cute.arch.atomic_or(sBits.iterator + p // 32, cutlass.Int32(1) << (p % 32))
+                    add_member(sBits, p)
         cute.arch.sync_threads()
 
-        union_size = self.scan(sBits, sBase, sWarpSums, words, tidx)
+        union_size = popcount_scan(sBits, sBase, sWarpSums, words, tidx, NUM_THREADS)
 
         union_row = args.mGroupUnions[group]
         if union_row >= 0:
@@ -94,43 +95,9 @@ class GroupUnionMasks:
     @cute.jit
     def set_mask_bit(self, mMask, row, p, sBits, sBase):
         """OR the bit of key p's union column into mask row `row`."""
-        below = (cutlass.Uint32(1) << cutlass.Uint32(p % 32)) - cutlass.Uint32(1)
-        bits = cutlass.Uint32(sBits[p // 32])
-        column = sBase[p // 32] + cutlass.Int32(cute.arch.popc(bits & below))
+        column = rank(sBits, sBase, p)
         word = mMask.iterator + cute.crd2idx((row, column // 32), mMask.layout)
         cute.arch.atomic_or(word, cutlass.Int32(1) << (column % 32))
-
-    @cute.jit
-    def scan(self, sBits, sBase, sWarpSums, words, tidx):
-        """sBase[w] = the set bits of words 0 .. w-1; returns the total (every thread).
-        Thread t owns a run of consecutive words: its sum, a warp scan of the sums, a scan
-        of the warps' totals, then the run again writing the bases."""
-        per_thread = cute.ceil_div(words, NUM_THREADS)
-        begin = cutlass.min(tidx * per_thread, words)
-        end = cutlass.min(begin + per_thread, words)
-        own = cutlass.Int32(0)
-        for w in cutlass.range(begin, end, unroll=1):
-            own = own + cute.arch.popc(sBits[w])
-        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        inclusive = own
-        for shift in cutlass.range_constexpr(5):
-            other = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
-            if lane >= (1 << shift):
-                inclusive = inclusive + other
-        if lane == 31:
-            sWarpSums[warp] = inclusive
-        cute.arch.sync_threads()
-        before = inclusive - own
-        total = cutlass.Int32(0)
-        for other_warp in cutlass.range_constexpr(NUM_THREADS // 32):
-            if other_warp < warp:
-                before = before + sWarpSums[other_warp]
-            total = total + sWarpSums[other_warp]
-        for w in cutlass.range(begin, end, unroll=1):
-            sBase[w] = before
-            before = before + cute.arch.popc(sBits[w])
-        cute.arch.sync_threads()
-        return total
 
 
 def make_kernel(variant):

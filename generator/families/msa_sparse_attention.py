@@ -1,0 +1,126 @@
+"""MSA sparse attention: every query token, per kv head, attends to its own list of 128-key
+blocks (msa_ops.msa_sparse_attention and msa_sparse_decode_attention).
+
+Query (i, h) of sequence b sees the keys of the blocks listed in q2k[h // G, i] (-1 entries,
+repeats and ids past the sequence's blocks ignored) that lie inside the sequence and, with
+causal, at positions <= q_offset[b] + i. out = softmax(scale * q.k) V * out_scale; lse and
+the temperature lse (scale * temperature) in natural log; a query that sees no key gets 0
+and -inf.
+
+K/V come in three formats, one family each (the ABI's K/V element types differ):
+    msa_sparse_attention          K/V in q's dtype (bf16 / fp16)
+    msa_sparse_attention_fp8kv    e4m3 K/V; their per-tensor scales fold into scale and
+                                  out_scale
+    msa_sparse_attention_nvfp4    e2m1 K/V data (two codes a byte, the even element in the
+                                  low nibble) with one e4m3 scale per 16 values (K scales
+                                  linear, V scales in the 4x4 swizzle of the packed page);
+                                  global scales fold into scale and out_scale
+and in one of two layouts, told apart at run time: paged, (pages, Hkv, 128, X) with a page
+table, or flat, the same view with one "page" (1, Hkv, total_k, X) and cu_seqlens_k.
+"""
+
+import functools
+
+from generator.abi import ScalarArg, TensorArg
+from generator.family import ALL_ARCHS, Family, Template
+
+BLOCK_KEYS = 128  # keys per selected block (= page size of the paged form)
+HEAD_DIM = 128
+TILE_ROWS = 64  # rows of a CTA: (tokens of one sequence) x (query heads of one kv head)
+MAX_TOPK = 32
+MAX_GROUP = 16  # query heads per kv head
+# A CTA keeps the union of its tokens' blocks as a bitmap over the sequence's blocks.
+MAX_BLOCKS = 16384  # per sequence: 2M keys
+NVFP4_GROUP = 16  # values per e4m3 scale
+Q_DTYPES = ("bf16", "fp16")
+KV_FORMATS = {  # family -> (K/V element type, bytes of a 128-value row)
+    "msa_sparse_attention": ("input", 256),
+    "msa_sparse_attention_fp8kv": ("e4m3", 128),
+    "msa_sparse_attention_nvfp4": ("u8", 64),
+}
+
+
+def abi(head_dim=HEAD_DIM, kv_dtype="input"):
+    """mQ          (total_q, Hq, D)
+    mK, mV      (pages, Hkv, rows, X): paged (rows = 128) or flat (one page of total_k rows);
+                X = D, or D / 2 bytes for NVFP4
+    mKScale, mVScale   (pages, Hkv, rows, D / 16) u8: the NVFP4 scales' e4m3 bytes (any
+                one-row tensor otherwise)
+    mIdx        (Hkv, total_q, topk) i32: each token's blocks, -1 for none
+    mCuQ        (B + 1,) i32: query offsets of the sequences
+    mCuK        (B + 1,) i32: key offsets (flat; any one-element tensor when paged)
+    mSeqUsedK   (B,)     i32: keys of each sequence (paged; one element when flat)
+    mPageTable  (B, W)   i32: page ids (paged; one element when flat)
+    mQOffset    (B,)     i32: position of each sequence's first query (if has_q_offset)
+    mO          (total_q, Hq, D) out, q's dtype
+    mLSE, mLSET (total_q, Hq) f32 out: lse and temperature lse (written if want_lse)
+    scale_log2  softmax scale (times the K dequantization scale) times log2(e)
+    out_scale   the V dequantization scale times v_global_scale
+    temperature the temperature lse's factor on the scale
+    group, paged, causal, has_q_offset, want_lse   ints (flags 0 or 1)"""
+    x = head_dim // 2 if kv_dtype == "u8" else head_dim
+    rows = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
+    vector = dict(shape=(None,), stride=(1,))
+    kv = dict(shape=(None, None, None, x), stride=(None, None, None, 1), divisibility=16)
+    scales = dict(shape=(None, None, None, head_dim // NVFP4_GROUP), stride=(None, None, None, 1))
+    stats = dict(shape=(None, None), stride=(None, 1), output=True)
+    return (
+        TensorArg("mQ", "input", **rows),
+        TensorArg("mK", kv_dtype, **kv),
+        TensorArg("mV", kv_dtype, **kv),
+        TensorArg("mKScale", "u8", **scales),
+        TensorArg("mVScale", "u8", **scales),
+        TensorArg("mIdx", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mCuQ", "i32", **vector),
+        TensorArg("mCuK", "i32", **vector),
+        TensorArg("mSeqUsedK", "i32", **vector),
+        TensorArg("mPageTable", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mQOffset", "i32", **vector),
+        TensorArg("mO", "input", **rows, output=True),
+        TensorArg("mLSE", "f32", **stats),
+        TensorArg("mLSET", "f32", **stats),
+        ScalarArg("scale_log2", "f32"),
+        ScalarArg("out_scale", "f32"),
+        ScalarArg("temperature", "f32"),
+        ScalarArg("group", "i32"),
+        ScalarArg("paged", "i32"),
+        ScalarArg("causal", "i32"),
+        ScalarArg("has_q_offset", "i32"),
+        ScalarArg("want_lse", "i32"),
+    )
+
+
+def _family(name: str, doc: str) -> Family:
+    kv_dtype, _ = KV_FORMATS[name]
+    return Family(
+        name=name,
+        doc=doc,
+        abi=functools.partial(abi, kv_dtype=kv_dtype),
+        dtypes=Q_DTYPES,
+        constants={
+            "block_keys": BLOCK_KEYS,
+            "head_dim": HEAD_DIM,
+            "tile_rows": TILE_ROWS,
+            "max_topk": MAX_TOPK,
+            "max_group": MAX_GROUP,
+            "max_blocks": MAX_BLOCKS,
+        },
+        templates=(
+            # mma.sync on every arch, K/V dequantized into shared memory in q's dtype; the
+            # sm_90a wgmma / TMA-gather template is to come.
+            Template(
+                "warp_mma",
+                "generator.kernels.portable.msa_sparse_attention",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
+                portable=True,
+            ),
+        ),
+    )
+
+
+FAMILIES = (
+    _family("msa_sparse_attention", "MSA sparse attention, bf16 / fp16 K/V"),
+    _family("msa_sparse_attention_fp8kv", "MSA sparse attention, e4m3 K/V"),
+    _family("msa_sparse_attention_nvfp4", "MSA sparse attention, NVFP4 K/V (e2m1 + e4m3 scales)"),
+)

@@ -1,0 +1,469 @@
+"""MSA sparse attention with warp-level MMA (mma.sync m16n8k16), every arch: the union tile.
+
+One CTA (4 warps, 16 rows each) owns 64 rows of one kv head: T = 64 // G consecutive tokens
+of one sequence times the G query heads that share the kv head (row r is token r // G, head
+r % G), so a block that several of the tokens select is loaded once for all of them. A
+CTA finds its (sequence, token tile) from cu_seqlens_q (the grid bounds their number by
+total_q / T + B: no host synchronisation).
+
+1. union: the tokens' block ids mark a bitmap over the sequence's blocks (-1, repeats and
+   ids past the sequence drop out); a popcount scan ranks them, giving the ascending list
+   of the union's blocks and, per block, a 64-bit mask of the tokens that selected it.
+2. Q: the 64 rows through registers into shared memory (rows past the tile's tokens zero).
+3. per 64-key half of each union block: K and V are loaded into registers one step ahead
+   (while the tensor cores work on the previous tile) and written to shared memory in q's
+   dtype, dequantized on the way (e4m3 -> q's dtype exactly; NVFP4: e2m1 code x its e4m3
+   group scale, exact in bf16 and fp16); per-tensor and global scales fold into the softmax
+   scale and the output scale. S = Q K^T; a row keeps the keys of blocks its token selected,
+   inside the sequence and, with causal, at positions <= its own; online softmax (and the
+   temperature lse's running sum when asked); O += P V.
+       load K[0]                          (registers)
+       for each tile u:  K[u] -> smem; wait        load V[u]; S = Q K[u]^T
+                         V[u] -> smem; wait        load K[u + 1]; mask; softmax; O += P V[u]
+4. O / rowsum x out_scale through shared memory to the rows' own addresses; lse (natural log).
+Keys past the sequence are zero in shared memory (and masked), so a NaN cannot come from
+memory no row may read.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from generator.families.msa_sparse_attention import (
+    BLOCK_KEYS,
+    HEAD_DIM,
+    MAX_BLOCKS,
+    MAX_TOPK,
+    NVFP4_GROUP,
+    TILE_ROWS,
+)
+from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.softmax import (
+    LN_2,
+    acc_mn_view,
+    new_softmax_state,
+    quad_max,
+    quad_sum,
+    saturated,
+    softmax_finalize,
+    softmax_update,
+)
+from generator.kernels.portable.block_sparse_fwd import (
+    NUM_THREADS,
+    TILE_M,
+    TILE_N,
+    BlockSparseFwdWarpMma,
+)
+
+assert TILE_ROWS == TILE_M
+HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles per block
+WORDS = MAX_BLOCKS // 32
+UNION_CAPACITY = TILE_ROWS * MAX_TOPK  # tokens of a CTA (<= 64) x topk
+NEG_INF = -cutlass.Float32.inf
+# Elements of one 16-byte shared-memory chunk (8 values of q's dtype) as stored in memory:
+RAW_ELEMENTS = {"16bit": 8, "e4m3": 8, "nvfp4": 4}  # nvfp4: 4 bytes of two codes each
+
+
+class MsaSparseAttention(BlockSparseFwdWarpMma):
+    def __init__(self, dtype, kv_format: str):
+        super().__init__(dtype, HEAD_DIM)
+        self.kv_format = kv_format
+        self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
+            kv_format
+        ]
+
+    def shared_storage(self, sQ_layout, sKV_layout):
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
+            sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
+            sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
+            sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
+            # Two words per union block: bit t of word t // 32 = token t selected it.
+            sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * UNION_CAPACITY], 16]
+
+        return SharedStorage
+
+    @cute.jit
+    def launch(self, args, stream):
+        sQ_layout, sKV_layout, _ = self.shared_tiles()
+        SharedStorage = self.shared_storage(sQ_layout, sKV_layout)
+        rows_copy = self.load_copy(cute.nvgpu.CopyUniversalOp())
+        tiled_mma = self.tiled_mma()
+        tokens_per_cta = TILE_ROWS // args.group
+        tiles_bound = args.mQ.shape[0] // tokens_per_cta + args.mCuQ.shape[0] - 1
+        self.kernel(args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage).launch(
+            grid=[tiles_bound, args.mK.shape[1], 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        args,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        rows_copy: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, kv_head, _ = cute.arch.block_idx()
+        group = args.group
+        tokens_per_cta = TILE_ROWS // group
+        # This CTA's sequence and token tile: the tiles of the sequences in order.
+        seq = cutlass.Int32(-1)
+        chunk = cutlass.Int32(0)
+        tiles_before = cutlass.Int32(0)
+        for b in cutlass.range(args.mCuQ.shape[0] - 1, unroll=1):
+            tiles = cute.ceil_div(args.mCuQ[b + 1] - args.mCuQ[b], tokens_per_cta)
+            if (seq < 0) & (cta < tiles_before + tiles):
+                seq = b
+                chunk = cta - tiles_before
+            tiles_before = tiles_before + tiles
+        if seq >= 0:
+            self.attend_tile(
+                args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage, tidx,
+                kv_head, seq, chunk,
+            )  # fmt: skip
+
+    @cute.jit
+    def attend_tile(
+        self, args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage, tidx,
+        kv_head, seq, chunk,
+    ):  # fmt: skip
+        group = args.group
+        tokens_per_cta = TILE_ROWS // group
+        q_start = args.mCuQ[seq]
+        seqlen_q = args.mCuQ[seq + 1] - q_start
+        first_token = q_start + chunk * tokens_per_cta
+        tokens = cutlass.min(tokens_per_cta, seqlen_q - chunk * tokens_per_cta)
+        seqlen_k = cutlass.Int32(0)
+        key_start = cutlass.Int32(0)  # flat: the sequence's first row of the one "page"
+        blocks = cutlass.Int32(0)
+        if args.paged != 0:
+            seqlen_k = args.mSeqUsedK[seq]
+            blocks = cutlass.min(cute.ceil_div(seqlen_k, BLOCK_KEYS), args.mPageTable.shape[1])
+        else:
+            key_start = args.mCuK[seq]
+            seqlen_k = args.mCuK[seq + 1] - key_start
+            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+        blocks = cutlass.min(blocks, MAX_BLOCKS)
+        first_pos = seqlen_k - seqlen_q + chunk * tokens_per_cta  # position of token 0
+        if args.has_q_offset != 0:
+            first_pos = args.mQOffset[seq] + chunk * tokens_per_cta
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = cute.composition(sV, cute.make_layout((HEAD_DIM, TILE_N), stride=(TILE_N, 1)))
+        sBits = storage.sBits.get_tensor(cute.make_layout(WORDS))
+        sIds = storage.sIds.get_tensor(cute.make_layout(UNION_CAPACITY))
+        sMask = storage.sMask.get_tensor(cute.make_layout(2 * UNION_CAPACITY))
+        num_union = self.block_union(
+            args, storage, sBits, sIds, sMask, tidx, kv_head, first_token, tokens, blocks
+        )
+
+        # Rows of this thread's 16-byte chunks of a (64, 128) tile: Q / O rows, K / V keys.
+        thr_rows = rows_copy.get_slice(tidx)
+        tXcX = thr_rows.partition_S(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
+        tQsQ = thr_rows.partition_D(sQ)
+        tKsK = thr_rows.partition_D(sK)
+        tVsV = thr_rows.partition_D(sV)
+        rQ = cute.make_fragment_like(tQsQ)
+        for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
+                token = row // group
+                if token < tokens:
+                    src = args.mQ[first_token + token, kv_head * group + row % group, None]
+                    chunk8(rQ, m, k).store(cute.local_tile(src, (8,), (col // 8,)).load())
+                else:
+                    chunk8(rQ, m, k).fill(0)
+        cute.copy(rows_copy, rQ, tQsQ)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc_O = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((TILE_M, HEAD_DIM)), cutlass.Float32
+        )
+        acc_O.fill(0.0)
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        q_operand = self.operand_a(tiled_mma, tidx, cute.make_copy_atom(ldsm, self.dtype), sQ)
+        k_operand = self.operand_b(tiled_mma, tidx, cute.make_copy_atom(ldsm, self.dtype), sK)
+        v_operand = self.operand_b(tiled_mma, tidx, cute.make_copy_atom(ldsm_t, self.dtype), sVt)
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        rows = cute.size(tScS_mn, mode=[0])
+        # Per row of this thread: its token, and the keys it may see end before `key_end`.
+        row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)
+        key_end = cute.make_rmem_tensor((rows,), cutlass.Int32)
+        for r in cutlass.range_constexpr(rows):
+            row_token[r] = tScS_mn[r, 0][0] // group
+            key_end[r] = seqlen_k
+            if args.causal != 0:
+                key_end[r] = cutlass.min(seqlen_k, first_pos + row_token[r] + 1)
+            if row_token[r] >= tokens:
+                key_end[r] = 0
+
+        raw_shape = (RAW_ELEMENTS[self.kv_format],) + tKsK.shape[1:]
+        rawK = cute.make_rmem_tensor(raw_shape, self.raw_type)
+        rawV = cute.make_rmem_tensor(raw_shape, self.raw_type)
+        scaleK = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
+        scaleV = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
+        rKV = cute.make_fragment_like(tKsK)
+        tiles = num_union * HALVES
+        if tiles > 0:
+            self.fetch(args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, 0, seqlen_k, key_start)
+
+        row_max, row_sum = new_softmax_state(rows)
+        t_max, t_sum = new_softmax_state(rows)  # the temperature lse's
+        with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
+        t_scale_log2 = args.scale_log2 * args.temperature
+        for u in cutlass.range(tiles, unroll=1):
+            self.dequantize(rawK, scaleK, rKV, tXcX, False)
+            cute.copy(rows_copy, rKV, tKsK)
+            self.barrier.arrive_and_wait()
+            self.fetch(args, rawV, scaleV, tXcX, True, seq, kv_head, sIds, u, seqlen_k, key_start)
+            acc_S = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
+            )
+            acc_S.fill(0.0)
+            self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
+            self.dequantize(rawV, scaleV, rKV, tXcX, True)
+            cute.copy(rows_copy, rKV, tVsV)
+            self.barrier.arrive_and_wait()
+            if u + 1 < tiles:
+                self.fetch(
+                    args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, u + 1, seqlen_k, key_start
+                )
+
+            # Each row keeps the keys of its token's blocks, before its key_end.
+            j = u // HALVES
+            first_key = sIds[j] * BLOCK_KEYS + (u % HALVES) * TILE_N
+            acc_S_mn = acc_mn_view(acc_S)
+            for r in cutlass.range_constexpr(rows):
+                token = row_token[r]
+                selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
+                limit = key_end[r] - first_key
+                if selected == 0:
+                    limit = 0
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    if tScS_mn[r, c][1] >= limit:
+                        acc_S_mn[r, c] = NEG_INF
+            if with_temperature:
+                self.temperature_update(t_max, t_sum, t_scale_log2, acc_S_mn)
+            softmax_update(
+                row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
+            )
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
+
+        self.store_rows(
+            args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum, with_temperature,
+            sQ, sQ_layout, tXcX, tidx, kv_head, first_token, tokens,
+        )  # fmt: skip
+
+    @cute.jit
+    def block_union(
+        self, args, storage, sBits, sIds, sMask, tidx, kv_head, first_token, tokens, blocks
+    ):
+        """The union of the tile's tokens' blocks: its ascending ids into sIds and each
+        block's token mask into sMask; returns its size."""
+        sBase = storage.sBase.get_tensor(cute.make_layout(WORDS))
+        sWarpSums = storage.sWarpSums.get_tensor(cute.make_layout(4))
+        topk = args.mIdx.shape[2]
+        words = cute.ceil_div(blocks, 32)
+        for w in cutlass.range(tidx, words, NUM_THREADS, unroll=1):
+            sBits[w] = 0
+        for w in cutlass.range(tidx, 2 * tokens * topk, NUM_THREADS, unroll=1):
+            sMask[w] = 0
+        cute.arch.sync_threads()
+        for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
+            block = args.mIdx[kv_head, first_token + e // topk, e % topk]
+            if (block >= 0) & (block < blocks):
+                add_member(sBits, block)
+        cute.arch.sync_threads()
+        num_union = popcount_scan(sBits, sBase, sWarpSums, words, tidx, NUM_THREADS)
+        for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
+            token = e // topk
+            block = args.mIdx[kv_head, first_token + token, e % topk]
+            if (block >= 0) & (block < blocks):
+                place = rank(sBits, sBase, block)
+                sIds[place] = block
+                bit = cutlass.Int32(1) << (token % 32)
+                cute.arch.atomic_or(sMask.iterator + 2 * place + token // 32, bit)
+        cute.arch.sync_threads()
+        return num_union
+
+    @cute.jit
+    def fetch(self, args, raw, scales, tXcX, is_v, seq, kv_head, sIds, u, seqlen_k, key_start):
+        """Issue the loads of tile u's K (or V) chunks of this thread into registers, as
+        stored (keys past the sequence: zero)."""
+        mX = args.mK
+        mScale = args.mKScale
+        if cutlass.const_expr(is_v):
+            mX = args.mV
+            mScale = args.mVScale
+        block = sIds[u // HALVES]
+        first_key = block * BLOCK_KEYS + (u % HALVES) * TILE_N
+        page = cutlass.Int32(0)
+        page_row = (u % HALVES) * TILE_N  # row of the tile's first key in its page
+        if args.paged != 0:
+            page = args.mPageTable[seq, block]
+        else:
+            page_row = key_start + first_key
+        for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
+                if first_key + row < seqlen_k:
+                    src = mX[page, kv_head, page_row + row, None]
+                    chunk = cute.local_tile(src, (raw.shape[0],), (col // 8,))
+                    raw[None, m, k].store(chunk.load())
+                    if cutlass.const_expr(self.kv_format == "nvfp4"):
+                        scales[0, m, k] = self.group_scale(
+                            mScale, page, kv_head, page_row + row, col // NVFP4_GROUP, is_v
+                        )
+                else:
+                    raw[None, m, k].fill(0)
+                    if cutlass.const_expr(self.kv_format == "nvfp4"):
+                        scales[0, m, k] = cutlass.Uint8(0)
+
+    @cute.jit
+    def group_scale(self, mScale, page, kv_head, row, group, is_v):
+        """The e4m3 scale of (key row, 16-value group): K scales linear, V scales in the 4x4
+        swizzle, (row, group) stored at ((row // 4) * 4 + group // 2, (group % 2) * 4 +
+        row % 4) of the page."""
+        if cutlass.const_expr(is_v):
+            stored_row = row - row % 4 + group // 2
+            return mScale[page, kv_head, stored_row, group % 2 * 4 + row % 4]
+        return mScale[page, kv_head, row, group]
+
+    @cute.jit
+    def dequantize(self, raw, scales, rKV, tXcX, is_v):
+        """The fetched chunks in q's dtype, into rKV (a 16-byte chunk of the shared tile
+        each)."""
+        if cutlass.const_expr(self.kv_format == "16bit"):
+            rKV.store(raw.load())
+        elif cutlass.const_expr(self.kv_format == "e4m3"):
+            rKV.store(raw.load().to(cutlass.Float32).to(self.dtype))
+        else:
+            for i in cutlass.range_constexpr(cute.size(scales, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(scales, mode=[2])):
+                    scales[1, i, j] = scales[0, i, j]
+            scale_f32 = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
+            as_e4m3 = cute.recast_tensor(scales, cutlass.Float8E4M3FN)
+            scale_f32.store(as_e4m3.load().to(cutlass.Float32))
+            values = cute.make_rmem_tensor((8,), cutlass.Float32)
+            for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
+                    for b in cutlass.range_constexpr(4):
+                        byte = cutlass.Int32(raw[b, m, k])
+                        values[2 * b] = e2m1_value(byte & 15) * scale_f32[0, m, k]
+                        values[2 * b + 1] = e2m1_value(byte >> 4) * scale_f32[0, m, k]
+                    chunk8(rKV, m, k).store(values.load().to(self.dtype))
+
+    @cute.jit
+    def temperature_update(self, t_max, t_sum, t_scale_log2, acc_S_mn):
+        """Running max and sum of exp2(temperature x scale x s), per row (this thread's
+        columns; the quad's sums meet at the end)."""
+        for r in cutlass.range_constexpr(cute.size(t_max)):
+            tile_max = quad_max(acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, t_max[r], 0))
+            if tile_max > NEG_INF:
+                correction = cutlass.Float32(0.0)
+                if t_max[r] > NEG_INF:
+                    correction = cute.math.exp2((t_max[r] - tile_max) * t_scale_log2, fastmath=True)
+                probs = cute.math.exp2(
+                    (acc_S_mn[r, None].load() - tile_max) * t_scale_log2, fastmath=True
+                )
+                t_sum[r] = t_sum[r] * correction + probs.reduce(
+                    cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+                )
+                t_max[r] = tile_max
+
+    @cute.jit
+    def store_rows(
+        self, args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum,
+        with_temperature, sQ, sQ_layout, tXcX, tidx, kv_head, first_token, tokens,
+    ):  # fmt: skip
+        """O / rowsum x out_scale (saturated to q's dtype) through shared memory to each row's
+        (token, head); lse and the temperature lse when asked."""
+        group = args.group
+        self.barrier.arrive_and_wait()  # every warp is done with sQ (and wrote its Q rows)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM))))
+        row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
+        acc_O_mn = acc_mn_view(acc_O)
+        softmax_finalize(row_max, row_sum, args.scale_log2, acc_O_mn, row_lse, self.p_offset)
+        acc_O.store(acc_O.load() * args.out_scale)
+        if args.want_lse != 0:
+            for r in cutlass.range_constexpr(cute.size(row_lse)):
+                row = tOcO_mn[r, 0][0]
+                lse_t = row_lse[r]
+                if with_temperature:
+                    total = quad_sum(t_sum[r])
+                    lse_t = NEG_INF
+                    if total > 0.0:
+                        log_total = cute.math.log2(total, fastmath=True)
+                        lse_t = (t_max[r] * args.scale_log2 * args.temperature + log_total) * LN_2
+                if (tidx % 4 == 0) & (row // group < tokens):
+                    head = kv_head * group + row % group
+                    args.mLSE[first_token + row // group, head] = row_lse[r]
+                    args.mLSET[first_token + row // group, head] = lse_t
+
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(saturated(acc_O.load(), self.dtype).to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        self.barrier.arrive_and_wait()
+        thr_rows = rows_copy.get_slice(tidx)
+        tOsO = thr_rows.partition_S(sO)
+        rOut = cute.make_fragment_like(tOsO)
+        cute.copy(rows_copy, tOsO, rOut)
+        for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
+                token = row // group
+                if token < tokens:
+                    dst = args.mO[first_token + token, kv_head * group + row % group, None]
+                    cute.local_tile(dst, (8,), (col // 8,)).store(chunk8(rOut, m, k).load())
+
+
+def chunk8(fragment, m, k):
+    """The 8 values (one 16-byte shared-memory chunk) of a row-copy fragment at (m, k)."""
+    return cute.make_tensor(fragment[None, m, k].iterator, cute.make_layout(8))
+
+
+@cute.jit
+def e2m1_value(code):
+    """The value of a 4-bit E2M1 code (sign in bit 3): 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    magnitude = code & 7
+    as_float = cutlass.Float32(magnitude)
+    value = as_float * 0.5
+    if magnitude > 4:
+        value = as_float - 2.0
+    if magnitude == 7:
+        value = cutlass.Float32(6.0)
+    if code >= 8:
+        value = -value
+    return value
+
+
+def make_kernel(variant):
+    kv_format = {
+        "msa_sparse_attention": "16bit",
+        "msa_sparse_attention_fp8kv": "e4m3",
+        "msa_sparse_attention_nvfp4": "nvfp4",
+    }[variant.family.name]
+    return MsaSparseAttention(element_type(variant.params["dtype"]), kv_format)

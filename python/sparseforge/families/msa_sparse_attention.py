@@ -1,0 +1,66 @@
+"""msa_sparse_attention: the launch of sparseforge.msa_ops.msa_sparse_attention and
+msa_sparse_decode_attention (that module has the contract). One family per K/V format."""
+
+from __future__ import annotations
+
+import functools
+
+from sparseforge import families
+from sparseforge.arch import arch_for_device
+from sparseforge.errors import VariantNotBuiltError
+
+FAMILIES = ("msa_sparse_attention", "msa_sparse_attention_fp8kv", "msa_sparse_attention_nvfp4")
+FAMILY_OF_FORMAT = dict(zip(("16bit", "e4m3", "nvfp4"), FAMILIES, strict=True))
+CONSTANTS = ("block_keys", "head_dim", "tile_rows", "max_topk", "max_group", "max_blocks")
+CONSTRAINTS = ()
+
+
+def constant(key: str):
+    return families.spec(FAMILIES[0]).constant(key)
+
+
+def built_for(device_index: int, kv_format: str) -> bool:
+    """Whether this build has the K/V format's kernels for the device's arch."""
+    try:
+        families.choose(
+            FAMILY_OF_FORMAT[kv_format],
+            arch_for_device(device_index),
+            dtype="bf16",
+            head_dim=constant("head_dim"),
+        )
+    except VariantNotBuiltError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def launch(
+    device_index: int,
+    kv_format: str,
+    dtype: str,
+    scale_log2: float,
+    out_scale: float,
+    temperature: float,
+    group: int,
+    paged: bool,
+    causal: bool,
+    has_q_offset: bool,
+    want_lse: bool,
+):
+    kernel = families.choose(
+        FAMILY_OF_FORMAT[kv_format],
+        arch_for_device(device_index),
+        dtype=dtype,
+        head_dim=constant("head_dim"),
+    )
+    kernel.prepare()
+    return kernel.bind(
+        scale_log2,
+        out_scale,
+        temperature,
+        group,
+        int(paged),
+        int(causal),
+        int(has_q_offset),
+        int(want_lse),
+    )

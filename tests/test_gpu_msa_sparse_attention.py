@@ -1,0 +1,185 @@
+"""msa_sparse_attention / msa_sparse_decode_attention on the GPU against the fp64 reference
+(reference.msa_sparse_attention, which gathers each token's selected keys), on fresh random
+inputs with poisoned outputs: K/V in q's dtype, FP8 (separate and the halves of one
+interleaved cache) and NVFP4 (packed pages and separate tensors; the reference runs on the
+dequantized values), flat and paged (pages shuffled, garbage past each sequence), ragged
+batches with a partial last block, -1 entries, repeats and ids past the sequence, empty
+selections (0 and LSE -inf), causal with default and explicit offsets and non-causal, GQA
+1 / 4 / 16, topk 1 to 32, LSE and temperature LSE, decode with 1 and 4 tokens, graph
+replay."""
+
+import math
+
+import pytest
+import torch
+from sparseforge import msa_ops, reference
+from sparseforge.check import msa_attention_inputs
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+D = 128
+TOLERANCE = {"bf16": 5e-3, "fp16": 5e-3, "e4m3": 1e-2, "nvfp4": 1e-2}
+
+
+def run_reference(ref, causal, q_offset=None, softmax_scale=None, v_global_scale=1.0, temp=1.0):
+    args = {n: t for n, t in ref.items() if n != "unquantized"}
+    return reference.msa_sparse_attention(
+        args.pop("q"), args.pop("k"), args.pop("v"), args.pop("q2k_indices"),
+        args.pop("cu_seqlens_q"), args.pop("cu_seqlens_k", None), causal=causal,
+        softmax_scale=softmax_scale, q_offset=q_offset, v_global_scale=v_global_scale,
+        lse_temperature_scale=temp, **args,
+    )  # fmt: skip
+
+
+def rel_l2(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def check_lse(got, want):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert torch.equal(got[~finite], want[~finite])
+    assert (got[finite] - want[finite]).abs().max() < 2e-2
+
+
+def poisoned_out(q):
+    return torch.full_like(q, float("nan"))
+
+
+FORMATS = [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
+FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
+
+
+@pytest.mark.parametrize("kv_format, paged", FORMATS)
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (16, 4), (16, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_the_reference(kv_format, paged, hq, hkv, causal):
+    seq_q, seq_k = [70, 1, 33], [700, 128, 200]
+    kernel, ref = msa_attention_inputs(
+        kv_format, paged, seq_q, seq_k, hq, hkv, seed=hq + hkv + causal
+    )
+    scale, v_global, temp = 0.07, 1.5, 0.7
+    if kv_format == "nvfp4":
+        v_global = kernel["v_global_scale"]
+    out = poisoned_out(kernel["q"])
+    got, lse, lse_t = msa_ops.msa_sparse_attention(
+        **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
+        causal=causal, softmax_scale=scale, return_softmax_lse=True,
+        return_temperature_lse=True, lse_temperature_scale=temp, out=out,
+        **({"v_global_scale": v_global} | kernel),
+    )  # fmt: skip
+    assert got is out
+    want, want_lse, want_lse_t = run_reference(
+        ref, causal, softmax_scale=scale, temp=temp,
+        v_global_scale=1.0 if kv_format == "nvfp4" else v_global,
+    )  # fmt: skip
+    assert not got.isnan().any()
+    err = rel_l2(got, want)
+    assert err < TOLERANCE[kv_format], err
+    check_lse(lse, want_lse)
+    check_lse(lse_t, want_lse_t)
+    # Tokens that select nothing: 0 and -inf.
+    empty = torch.isinf(want_lse)
+    assert empty.any() and (got[empty] == 0).all()
+
+
+def test_errors_against_the_unquantized_values_are_reported():
+    """FP8 and NVFP4 K/V against the reference on the unquantized K/V (printed, loosely
+    bounded: the quantization error, not the kernel's)."""
+    for kv_format in ("e4m3", "nvfp4"):
+        kernel, ref = msa_attention_inputs(kv_format, True, [64], [1000], 16, 4, seed=5)
+        got = msa_ops.msa_sparse_attention(**kernel, causal=True)
+        want, _, _ = run_reference(ref, True)
+        exact_k, exact_v = ref.get("unquantized", (None, None))
+        if exact_k is None:
+            continue
+        plain, _, _ = run_reference(ref | {"k": exact_k, "v": exact_v}, True)
+        print(f"{kv_format}: rel L2 vs dequantized {rel_l2(got, want):.2e}, "
+              f"vs unquantized {rel_l2(got, plain):.2e}")  # fmt: skip
+        assert rel_l2(got, plain) < 0.2
+
+
+def test_explicit_q_offset_and_topk_range():
+    for topk, offsets in ((1, [700, 5, 190]), (32, [100, 0, 170]), (17, [640, 127, 0])):
+        kernel, ref = msa_attention_inputs(
+            "bf16", True, [70, 1, 33], [700, 128, 200], 16, 4, topk, topk
+        )
+        q_offset = torch.tensor(offsets, dtype=torch.int32, device=DEV)
+        got = msa_ops.msa_sparse_attention(**kernel, causal=True, q_offset=q_offset)
+        want, _, _ = run_reference(ref, True, q_offset=q_offset)
+        assert rel_l2(got, want) < 5e-3
+
+
+def test_fp8_halves_of_an_interleaved_cache():
+    kernel, ref = msa_attention_inputs("e4m3", True, [40, 3], [300, 129], 16, 4, seed=3)
+    k, v = kernel.pop("k"), kernel.pop("v")
+    cache = torch.cat([k, v], -1)  # (pages, Hkv, 128, 256)
+    got = msa_ops.msa_sparse_attention(k=cache[..., :D], v=cache[..., D:], **kernel, causal=True)
+    want, _, _ = run_reference(ref, True)
+    assert rel_l2(got, want) < 1e-2
+
+
+def test_nvfp4_separate_tensors_give_the_packed_pages_result():
+    kernel, _ = msa_attention_inputs("nvfp4", True, [40, 3], [300, 129], 16, 4, seed=4)
+    packed = msa_ops.msa_sparse_attention(**kernel, causal=True)
+    separate = {n: kernel[n].contiguous() for n in ("k", "v", "k_scale", "v_scale")}
+    got = msa_ops.msa_sparse_attention(**(kernel | separate), causal=True)
+    assert torch.equal(got, packed)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_decode(kv_format, seqlen_q):
+    batch, hq, hkv = 5, 16, 4
+    seq_k = [1000, 129, 128, 4000, seqlen_q]
+    kernel, ref = msa_attention_inputs(kv_format, True, [seqlen_q] * batch, seq_k, hq, hkv, 16, 6)
+    kernel.pop("cu_seqlens_q")
+    q, k, v, q2k = (kernel.pop(n) for n in ("q", "k", "v", "q2k_indices"))
+    got, lse = msa_ops.msa_sparse_decode_attention(
+        q, k, v, q2k, seqlen_q=seqlen_q, return_softmax_lse=True, **kernel
+    )
+    want, want_lse, _ = run_reference(ref, True)
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+    check_lse(lse, want_lse)
+
+
+def test_graph_replay_is_bit_equal_to_eager():
+    kernel, _ = msa_attention_inputs("nvfp4", True, [64, 5], [900, 300], 16, 4, seed=7)
+    out = torch.empty_like(kernel["q"])
+    eager = msa_ops.msa_sparse_attention(**kernel, causal=True).clone()
+    workspace = msa_ops.MSASparseAttentionWorkspace(DEV)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        msa_ops.msa_sparse_attention(**kernel, causal=True, out=out, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        msa_ops.msa_sparse_attention(**kernel, causal=True, out=out, workspace=workspace)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_runs_are_deterministic_and_need_no_host_sync():
+    kernel, _ = msa_attention_inputs("bf16", True, [64, 5], [900, 300], 16, 4, seed=8)
+    first = msa_ops.msa_sparse_attention(**kernel, causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = msa_ops.msa_sparse_attention(**kernel, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, second)
+
+
+def test_stats_describe_the_routes():
+    assert msa_ops.supports_packed_kv(DEV) is True
+    for stats in (
+        msa_ops.msa_prefill_nvfp4_specialized_stats(),
+        msa_ops.msa_decode_nvfp4_specialized_stats(),
+    ):
+        assert stats["available"] is True
+        assert stats["topk_range"] == (1, 32)
+        assert math.isfinite(stats["head_dim"])
