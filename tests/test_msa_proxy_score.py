@@ -96,7 +96,7 @@ def proxy_args(paged=False, **changes):
             "q must be (total_q, Hq, 128)",
         ),
         (dict(k=torch.zeros(400, 3, 128, dtype=torch.bfloat16)), ValueError, "multiple of Hkv = 3"),
-        (dict(cu_seqlens_k=None), ValueError, "flat k needs cu_seqlens_k"),
+        (dict(cu_seqlens_k=None), ValueError, "flat k: give cu_seqlens_k"),
         (
             dict(cu_seqlens_q=torch.tensor([0, 3, 73])),
             ValueError,
@@ -134,7 +134,7 @@ def test_paged_proxy_score_arguments_are_checked_by_name():
     from sparseforge.msa_ops import msa_proxy_score
 
     args = proxy_args(paged=True)
-    with pytest.raises(ValueError, match="paged k needs both page_table and seqused_k"):
+    with pytest.raises(ValueError, match="paged k: give both page_table and seqused_k"):
         msa_proxy_score(**{**args, "seqused_k": None})
     with pytest.raises(ValueError, match="not both"):
         msa_proxy_score(**args, cu_seqlens_k=torch.tensor([0, 300, 400], dtype=torch.int32))

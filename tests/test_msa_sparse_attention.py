@@ -142,7 +142,7 @@ NVFP4 = dict(
             ValueError, "at most 16 query heads per kv head",
         ),
         ({"k": torch.randn(3, 4, 64, 128, dtype=torch.bfloat16)}, ValueError, "paged k must be"),
-        ({"seqused_k": None}, ValueError, "page_table and seqused_k"),
+        ({"seqused_k": None}, ValueError, "paged K/V: give both page_table and seqused_k"),
         ({"cu_seqlens_k": torch.tensor([0, 300], dtype=torch.int32)}, ValueError, "not both"),
         ({"page_table": torch.zeros(1, 20000, dtype=torch.int32)}, ValueError, "at most 16384"),
         ({"cu_seqlens_q": torch.tensor([0, 5])}, ValueError, "cu_seqlens_q"),

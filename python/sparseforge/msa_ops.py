@@ -78,12 +78,8 @@ def msa_proxy_score(
     _check_rows("q", q, "total_q, Hq", head_dim)
     total_q, heads = q.shape[:2]
     device = q.device
-    paged = page_table is not None or seqused_k is not None
+    paged = _key_layout(cu_seqlens_k, page_table, seqused_k, "k")
     if paged:
-        if cu_seqlens_k is not None:
-            raise ValueError("give cu_seqlens_k (flat k) or page_table and seqused_k, not both")
-        if page_table is None or seqused_k is None:
-            raise ValueError("paged k needs both page_table and seqused_k")
         if k.dim() != 4 or k.shape[2:] != (block, head_dim) or k.stride(3) != 1:
             raise ValueError(
                 f"paged k must be (pages, Hkv, {block}, {head_dim}) with unit stride on the "
@@ -97,36 +93,12 @@ def msa_proxy_score(
         kv_heads = k.shape[1]
         kernel_k = k.flatten(0, 1)
     else:
-        if cu_seqlens_k is None:
-            raise ValueError("flat k needs cu_seqlens_k (or give page_table and seqused_k)")
         _check_rows("flat k", k, "total_k, Hkv", head_dim)
         kv_heads = k.shape[1]
         kernel_k = k
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"Hq = {heads} must be a multiple of Hkv = {kv_heads}")
-    batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
-    if batch < 1:
-        raise ValueError(
-            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
-        )
-    if paged:
-        _index_vector("seqused_k", seqused_k, batch, device)
-        if (
-            not isinstance(page_table, torch.Tensor)
-            or page_table.dtype != torch.int32
-            or page_table.dim() != 2
-            or page_table.shape[0] != batch
-            or page_table.device != device
-            or page_table.stride(1) != 1
-        ):
-            raise ValueError(
-                f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
-                f"its last dim, got {_describe(page_table)}"
-            )
-    else:
-        _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
-    if q_offset is not None:
-        _index_vector("q_offset", q_offset, batch, device)
+    _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset, device)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_k_tiles is None:
@@ -266,6 +238,47 @@ def _check_rows(name: str, x: torch.Tensor, dims: str, head_dim: int) -> None:
             f"{name} must be ({dims}, {head_dim}) with unit stride on the last dim, got "
             f"{_describe(x)}"
         )
+
+
+def _key_layout(cu_seqlens_k, page_table, seqused_k, what: str) -> bool:
+    """Whether the keys are paged (page_table and seqused_k) or flat (cu_seqlens_k)."""
+    paged = page_table is not None or seqused_k is not None
+    if paged and cu_seqlens_k is not None:
+        raise ValueError(f"give cu_seqlens_k (flat {what}) or page_table and seqused_k, not both")
+    if paged and (page_table is None or seqused_k is None):
+        raise ValueError(f"paged {what}: give both page_table and seqused_k")
+    if not paged and cu_seqlens_k is None:
+        raise ValueError(f"flat {what}: give cu_seqlens_k (or page_table and seqused_k)")
+    return paged
+
+
+def _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset, device):
+    """The per-sequence index tensors: cu_seqlens_q (B + 1,), then cu_seqlens_k (B + 1,) for
+    flat keys or page_table (B, W) and seqused_k (B,) for paged ones, and q_offset (B,) if
+    given; int32 on `device`."""
+    batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
+    if batch < 1:
+        raise ValueError(
+            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
+        )
+    if page_table is not None:
+        _index_vector("seqused_k", seqused_k, batch, device)
+        if (
+            not isinstance(page_table, torch.Tensor)
+            or page_table.dtype != torch.int32
+            or page_table.dim() != 2
+            or page_table.shape[0] != batch
+            or page_table.device != device
+            or page_table.stride(1) != 1
+        ):
+            raise ValueError(
+                f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
+                f"its last dim, got {_describe(page_table)}"
+            )
+    else:
+        _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
+    if q_offset is not None:
+        _index_vector("q_offset", q_offset, batch, device)
 
 
 def _index_vector(name: str, t, length, device) -> int:
@@ -651,14 +664,7 @@ def _attention(
         k_scales = _nvfp4_scales("k_scale", k_scale, k, block, device)
         v_scales = _nvfp4_scales("v_scale", v_scale, v, block, device)
 
-    paged = page_table is not None or seqused_k is not None
-    if paged:
-        if cu_seqlens_k is not None:
-            raise ValueError("give cu_seqlens_k (flat K/V) or page_table and seqused_k, not both")
-        if page_table is None or seqused_k is None:
-            raise ValueError("paged K/V need both page_table and seqused_k")
-    elif cu_seqlens_k is None:
-        raise ValueError("flat K/V need cu_seqlens_k (or give page_table and seqused_k)")
+    paged = _key_layout(cu_seqlens_k, page_table, seqused_k, "K/V")
     kernel_k = _kv_view("k", k, paged, width, block)
     kernel_v = _kv_view("v", v, paged, width, block)
     kv_heads = k.shape[1]
@@ -689,38 +695,17 @@ def _attention(
             f"1 <= topk <= {max_topk} and unit stride on the last dim, got "
             f"{_describe(q2k_indices)}"
         )
-    batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
-    if batch < 1:
-        raise ValueError(
-            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
-        )
+    _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset, device)
     max_blocks = attention_family.constant("max_blocks")
     if paged:
-        _index_vector("seqused_k", seqused_k, batch, device)
-        if (
-            not isinstance(page_table, torch.Tensor)
-            or page_table.dtype != torch.int32
-            or page_table.dim() != 2
-            or page_table.shape[0] != batch
-            or page_table.device != device
-            or page_table.stride(1) != 1
-        ):
-            raise ValueError(
-                f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
-                f"its last dim, got {_describe(page_table)}"
-            )
         if page_table.shape[1] > max_blocks:
             raise ValueError(
                 f"page_table has {page_table.shape[1]} columns; at most {max_blocks} are supported"
             )
-    else:
-        _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
-        if k.shape[0] > max_blocks * block:
-            raise ValueError(
-                f"flat K/V hold {k.shape[0]} keys; at most {max_blocks * block} are supported"
-            )
-    if q_offset is not None:
-        _index_vector("q_offset", q_offset, batch, device)
+    elif k.shape[0] > max_blocks * block:
+        raise ValueError(
+            f"flat K/V hold {k.shape[0]} keys; at most {max_blocks * block} are supported"
+        )
 
     want_lse = bool(return_softmax_lse or return_temperature_lse)
     out = _output(out, (total_q, heads, head_dim), q.dtype, device)
