@@ -361,14 +361,15 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             scale_f32 = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
             as_e4m3 = cute.recast_tensor(scales, cutlass.Float8E4M3FN)
             scale_f32.store(as_e4m3.load().to(cutlass.Float32))
-            values = cute.make_rmem_tensor((8,), cutlass.Float32)
+            halves = cute.make_rmem_tensor((4,), cutlass.Int32)
             for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
                 for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
                     for b in cutlass.range_constexpr(4):
-                        byte = cutlass.Int32(raw[b, m, k])
-                        values[2 * b] = e2m1_value(byte & 15) * scale_f32[0, m, k]
-                        values[2 * b + 1] = e2m1_value(byte >> 4) * scale_f32[0, m, k]
-                    chunk8(rKV, m, k).store(values.load().to(self.dtype))
+                        halves[b] = e2m1_pair_as_fp16(cutlass.Int32(raw[b, m, k]))
+                    values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
+                    # x 2^14: the fp16 bits of e2m1_pair_as_fp16 are the values / 2^14.
+                    step = scale_f32[0, m, k] * E2M1_FP16_FACTOR
+                    chunk8(rKV, m, k).store((values * step).to(self.dtype))
 
     @cute.jit
     def temperature_update(self, t_max, t_sum, t_scale_log2, acc_S_mn):
@@ -445,19 +446,19 @@ def chunk8(fragment, m, k):
     return cute.make_tensor(fragment[None, m, k].iterator, cute.make_layout(8))
 
 
+# An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the fp16 bits as s.00e1e0.m0..
+# reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: one shift and
+# mask per code, no table.
+E2M1_FP16_FACTOR = 2.0**14
+
+
 @cute.jit
-def e2m1_value(code):
-    """The value of a 4-bit E2M1 code (sign in bit 3): 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    magnitude = code & 7
-    as_float = cutlass.Float32(magnitude)
-    value = as_float * 0.5
-    if magnitude > 4:
-        value = as_float - 2.0
-    if magnitude == 7:
-        value = cutlass.Float32(6.0)
-    if code >= 8:
-        value = -value
-    return value
+def e2m1_pair_as_fp16(byte):
+    """The two E2M1 codes of a byte (the even element in the low nibble) as two fp16 in one
+    32-bit word (the even element in the low half), each its value / 2^14."""
+    low = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+    high = ((byte & 0x70) << 21) | ((byte & 0x80) << 24)
+    return low | high
 
 
 def make_kernel(variant):
