@@ -517,7 +517,7 @@ def msa_kv(fmt: str, pages: int, hkv: int, gen):
     return dict(k=k, v=v), 2 * 128 * 128 * k.element_size()
 
 
-def msa_attention_times(iters: int = 10) -> list[str]:
+def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> list[str]:
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted)."""
@@ -558,7 +558,7 @@ def msa_attention_times(iters: int = 10) -> list[str]:
         draw = torch.rand(hkv, seq, 14, device=device, generator=gen)
         if mode == "chunked":
             draw = draw[:, ::64].repeat_interleave(64, 1)
-        extra = (draw * (anchor // 128 + 1)).long()
+        extra = (draw * (anchor // 128 + 1)[None, :, None]).long()
         ids = torch.cat(
             [torch.zeros_like(extra[..., :1]), own.expand(hkv, seq)[..., None], extra], -1
         )
@@ -569,7 +569,7 @@ def msa_attention_times(iters: int = 10) -> list[str]:
         # Keys attended: whole blocks below the own block, the own block up to the token.
         below = chosen.sum(-1) - 1
         useful = 4 * (hq // hkv) * 128 * float((below * 128 + (pos % 128 + 1)).sum())
-        for fmt in ("bf16", "e4m3", "nvfp4"):
+        for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
             ms = cuda_time_ms(
                 lambda kv=kv, ids=ids: msa_ops.msa_sparse_attention(
@@ -597,8 +597,11 @@ def msa_attention_times(iters: int = 10) -> list[str]:
         draw = torch.rand(hkv, rows, pages - 1, device=device, generator=gen).topk(15).indices
         ids = torch.cat([draw, torch.full_like(draw[..., :1], pages - 1)], -1).sort(-1).values
         ids = ids.int().contiguous()
-        distinct = rows if seqlen_q > 1 else batch  # selections per kv head
-        for fmt in ("bf16", "e4m3", "nvfp4"):
+        # Bytes: each (request, kv head)'s distinct selected blocks once.
+        chosen = torch.zeros(hkv, batch, pages, dtype=torch.bool, device=device)
+        chosen.scatter_(2, ids.view(hkv, batch, -1).long(), True)
+        distinct = int(chosen.sum())
+        for fmt in formats:
             kv, block_bytes = msa_kv(fmt, batch * pages, hkv, gen)
 
             def decode(kv=kv, qd=qd, ids=ids, table=table, used=used, seqlen_q=seqlen_q):
@@ -608,7 +611,7 @@ def msa_attention_times(iters: int = 10) -> list[str]:
                 )
 
             us = (cuda_time_ms(decode, warmup=2, iters=iters) - flush_ms) * 1e3
-            moved = hkv * distinct * 16 * block_bytes
+            moved = distinct * block_bytes
             lines.append(
                 f"{name} {fmt} K/V ({batch} x {ctx // 1024}k, seqlen_q {seqlen_q}): {us:.1f} us "
                 f"cold L2, {moved / us / 1e3:.0f} GB/s ({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) "
