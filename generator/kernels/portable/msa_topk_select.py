@@ -89,7 +89,6 @@ class MsaTopkSelect:
         end_start = cutlass.max(valid - args.force_end, begin_end)  # forced: [end_start, valid)
         keep = TOPK - args.force_begin - args.force_end
         segments = cute.ceil_div(blocks, SEGMENT)
-        row = mScore[head, None, token]
 
         scores = cute.make_rmem_tensor((PER_LANE,), cutlass.Float32)
         best = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
@@ -97,7 +96,7 @@ class MsaTopkSelect:
         best.fill(NEG_INF)
         for segment in cutlass.range(segments, unroll=1):
             first = segment * SEGMENT + quarter * PER_LANE
-            self.load_middle(row, first, begin_end, end_start, scores)
+            self.load_middle(mScore, head, token, first, begin_end, end_start, scores)
             for g in cutlass.range_constexpr(PER_LANE // GROUP):
                 if (first + g * GROUP < end_start) & (first + (g + 1) * GROUP > begin_end):
                     for i in cutlass.range_constexpr(GROUP):
@@ -133,7 +132,7 @@ class MsaTopkSelect:
         for segment in cutlass.range(segments, unroll=1):
             first = segment * SEGMENT + quarter * PER_LANE
             if segments > 1:
-                self.load_middle(row, first, begin_end, end_start, scores)
+                self.load_middle(mScore, head, token, first, begin_end, end_start, scores)
             above = cutlass.Uint64(0)
             equal = cutlass.Uint64(0)
             for j in cutlass.range_constexpr(PER_LANE):
@@ -173,16 +172,13 @@ class MsaTopkSelect:
                 mOut[token, head, j] = -1
 
     @cute.jit
-    def load_middle(self, row, first, begin_end, end_start, scores):
-        """scores[j] = score of block first + j (of the row's scores, mScore[head, :, token])
-        if it is a middle block, else -inf; NaN becomes -inf (fmax drops it), which the
-        networks' fmax / fmin need. The lane's 64 blocks as one tile: its address once, then
-        a constant multiple of the stride per load."""
-        blocks = cute.local_tile(row, (PER_LANE,), (first // PER_LANE,))
+    def load_middle(self, mScore, head, token, first, begin_end, end_start, scores):
+        """scores[j] = score of block first + j if it is a middle block, else -inf; NaN
+        becomes -inf (fmax drops it), which the networks' fmax / fmin need."""
         for j in cutlass.range_constexpr(PER_LANE):
             scores[j] = NEG_INF
             if (first + j >= begin_end) & (first + j < end_start):
-                scores[j] = cute.arch.fmax(blocks[j], NEG_INF)
+                scores[j] = cute.arch.fmax(mScore[head, first + j, token], NEG_INF)
 
     @cute.jit
     def exclusive_prefix(self, value, quarter):
