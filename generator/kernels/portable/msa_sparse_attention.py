@@ -10,16 +10,16 @@ total_q / T + B: no host synchronisation).
    ids past the sequence drop out); a popcount scan ranks them, giving the ascending list
    of the union's blocks and, per block, a 64-bit mask of the tokens that selected it.
 2. Q: the 64 rows through registers into shared memory (rows past the tile's tokens zero).
-3. per 64-key half of each union block: K and V are loaded into registers one tile ahead
-   (while the tensor cores work on the current tile) and written to shared memory in q's
+3. per 64-key half of each union block: K and V are loaded into registers one step ahead
+   (while the tensor cores work on the previous tile) and written to shared memory in q's
    dtype, dequantized on the way (e4m3 -> q's dtype exactly; NVFP4: e2m1 code x its e4m3
    group scale, exact in bf16 and fp16); per-tensor and global scales fold into the softmax
    scale and the output scale. S = Q K^T; a row keeps the keys of blocks its token selected,
    inside the sequence and, with causal, at positions <= its own; online softmax (and the
    temperature lse's running sum when asked); O += P V.
-       load K[0], V[0]                    (registers)
-       for each tile u:  wait; K[u], V[u] -> smem; wait
-                         load K[u + 1], V[u + 1]; S = Q K[u]^T; mask; softmax; O += P V[u]
+       load K[0]                          (registers)
+       for each tile u:  K[u] -> smem; wait        load V[u]; S = Q K[u]^T
+                         V[u] -> smem; wait        load K[u + 1]; mask; softmax; O += P V[u]
 4. O / rowsum x out_scale through shared memory to the rows' own addresses; lse (natural log).
 Keys past the sequence are zero in shared memory (and masked), so a NaN cannot come from
 memory no row may read.
@@ -221,32 +221,28 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         tiles = num_union * HALVES
         if tiles > 0:
             self.fetch(args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, 0, seqlen_k, key_start)
-            self.fetch(args, rawV, scaleV, tXcX, True, seq, kv_head, sIds, 0, seqlen_k, key_start)
 
         row_max, row_sum = new_softmax_state(rows)
         t_max, t_sum = new_softmax_state(rows)  # the temperature lse's
         with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
         t_scale_log2 = args.scale_log2 * args.temperature
         for u in cutlass.range(tiles, unroll=1):
-            self.barrier.arrive_and_wait()  # every warp is done with the previous tile
             self.dequantize(rawK, scaleK, rKV, tXcX, False)
             cute.copy(rows_copy, rKV, tKsK)
-            self.dequantize(rawV, scaleV, rKV, tXcX, True)
-            cute.copy(rows_copy, rKV, tVsV)
             self.barrier.arrive_and_wait()
-            # The next tile's loads fly during this one's MMAs and softmax.
-            if u + 1 < tiles:
-                self.fetch(
-                    args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, u + 1, seqlen_k, key_start
-                )
-                self.fetch(
-                    args, rawV, scaleV, tXcX, True, seq, kv_head, sIds, u + 1, seqlen_k, key_start
-                )
+            self.fetch(args, rawV, scaleV, tXcX, True, seq, kv_head, sIds, u, seqlen_k, key_start)
             acc_S = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
             )
             acc_S.fill(0.0)
             self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
+            self.dequantize(rawV, scaleV, rKV, tXcX, True)
+            cute.copy(rows_copy, rKV, tVsV)
+            self.barrier.arrive_and_wait()
+            if u + 1 < tiles:
+                self.fetch(
+                    args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, u + 1, seqlen_k, key_start
+                )
 
             # Each row keeps the keys of its token's blocks, before its key_end.
             j = u // HALVES
