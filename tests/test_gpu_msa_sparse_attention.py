@@ -183,3 +183,16 @@ def test_stats_describe_the_routes():
         assert stats["available"] is True
         assert stats["topk_range"] == (1, 32)
         assert math.isfinite(stats["head_dim"])
+
+
+def test_prepared_nvfp4_decode_runner():
+    kernel, ref = msa_attention_inputs("nvfp4", True, [2] * 3, [700, 129, 300], 16, 4, 16, 9)
+    kernel.pop("cu_seqlens_q")
+    q, k, v, q2k = (kernel.pop(n) for n in ("q", "k", "v", "q2k_indices"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
+    run = msa_ops.prepare_msa_nvfp4_sparse_decode(q, k, v, q2k, seqlen_q=2, lse=lse, **kernel)
+    q.mul_(0.5)  # the runner reads the tensors as they are at the call
+    got = run()
+    want, want_lse, _ = run_reference(ref | {"q": q.float()}, True)
+    assert rel_l2(got, want) < 1e-2
+    check_lse(lse, want_lse)

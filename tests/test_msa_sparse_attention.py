@@ -191,3 +191,14 @@ def test_decode_arguments():
         msa_ops.msa_sparse_decode_attention(**args, partial_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         msa_ops.msa_sparse_decode_attention(**args, seqlen_q=5)
+
+
+def test_prepared_decode_arguments():
+    args = api_args() | NVFP4
+    args.pop("cu_seqlens_q")
+    with pytest.raises(ValueError, match="seqlen_q must be an int in \\[1, 32\\]"):
+        msa_ops.prepare_msa_nvfp4_sparse_decode(**args, seqlen_q=33)
+    with pytest.raises(ValueError, match="uint8 NVFP4 data"):
+        msa_ops.prepare_msa_nvfp4_sparse_decode(**(args | {"k": api_args()["k"]}))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        msa_ops.prepare_msa_nvfp4_sparse_decode(**args, seqlen_q=5)

@@ -19,6 +19,7 @@ from sparseforge.msa_ops import (
     msa_sparse_attention,
     msa_sparse_decode_attention,
     msa_topk_select,
+    prepare_msa_nvfp4_sparse_decode,
     quantize_write_kv_nvfp4,
     supports_packed_kv,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "quantize_write_kv_nvfp4",
     "msa_sparse_attention",
     "msa_sparse_decode_attention",
+    "prepare_msa_nvfp4_sparse_decode",
     "MSASparseAttentionWorkspace",
     "supports_packed_kv",
     "msa_prefill_nvfp4_specialized_stats",

@@ -524,13 +524,14 @@ def msa_sparse_decode_attention(
     force_fused: bool = False,
     workspace=None,
     out=None,
+    lse=None,
 ):
     """Sparse decode: q (B * seqlen_q, Hq, 128), request b's token j at position
     seqlen_k - seqlen_q + j; otherwise msa_sparse_attention's contract (K/V formats and
     layouts, q2k_indices (Hkv, B * seqlen_q, topk), returns). The kernel is the prefill's
     union tile (a request's seqlen_q tokens and G heads share one tile), so there are no
     split-K partials: partial_dtype (None or torch.float32) and force_fused are accepted
-    and change nothing."""
+    and change nothing. `lse`: a buffer (B * seqlen_q, Hq) fp32 for the lse (natural log)."""
     if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or seqlen_q < 1:
         raise ValueError(f"seqlen_q must be an int >= 1, got {seqlen_q!r}")
     if partial_dtype not in (None, torch.float32):
@@ -546,7 +547,7 @@ def msa_sparse_decode_attention(
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
-        None, return_temperature_lse, lse_temperature_scale, workspace, out,
+        None, return_temperature_lse, lse_temperature_scale, workspace, out, lse,
     )  # fmt: skip
 
 
@@ -600,9 +601,10 @@ def _kv_view(name: str, x, paged: bool, width: int, block: int) -> torch.Tensor:
 def _attention(
     q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
     seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
-    q_offset, return_temperature_lse, lse_temperature_scale, workspace, out,
+    q_offset, return_temperature_lse, lse_temperature_scale, workspace, out, lse=None,
 ):  # fmt: skip
-    """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too)."""
+    """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
+    the caller's buffer for the lse (implies return_softmax_lse)."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
@@ -707,9 +709,13 @@ def _attention(
             f"flat K/V hold {k.shape[0]} keys; at most {max_blocks * block} are supported"
         )
 
-    want_lse = bool(return_softmax_lse or return_temperature_lse)
+    want_lse = bool(return_softmax_lse or return_temperature_lse or lse is not None)
     out = _output(out, (total_q, heads, head_dim), q.dtype, device)
-    lse = torch.empty((total_q, heads), dtype=torch.float32, device=device)
+    if lse is not None:
+        lse = _output(lse, (total_q, heads), torch.float32, device)
+        check_writable("lse", lse, [("out", out)])
+    else:
+        lse = torch.empty((total_q, heads), dtype=torch.float32, device=device)
     lse_t = torch.empty_like(lse) if return_temperature_lse else lse
     inputs = [
         ("q", q),
@@ -770,6 +776,50 @@ def _attention(
     if return_softmax_lse:
         return out, lse
     return out
+
+
+def prepare_msa_nvfp4_sparse_decode(
+    q,
+    k,
+    v,
+    q2k_indices,
+    *,
+    page_table,
+    seqused_k,
+    k_scale,
+    v_scale,
+    k_global_scale: float,
+    v_global_scale: float,
+    seqlen_q: int = 1,
+    causal: bool = True,
+    softmax_scale=None,
+    out=None,
+    lse=None,
+    use_cache_hit: bool = False,
+):
+    """A runner of msa_sparse_decode_attention over packed NVFP4 pages: the arguments are
+    checked now, and each call of the runner launches the decode on the tensors given here
+    (update their contents in place between calls) and returns `out` (allocated here if not
+    given; `lse`, if given, receives the natural-log lse). Preparing runs it once. seqlen_q
+    1 to 32, G <= 16, topk 1 to 32. use_cache_hit is accepted and changes nothing: the
+    kernel always processes a request's tokens as one union tile."""
+    if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or not 1 <= seqlen_q <= 32:
+        raise ValueError(f"seqlen_q must be an int in [1, 32], got {seqlen_q!r}")
+    if not isinstance(k, torch.Tensor) or k.dtype != torch.uint8:
+        raise ValueError(f"k must be the uint8 NVFP4 data of packed pages, got {_describe(k)}")
+    kwargs = dict(
+        page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q, causal=causal,
+        softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
+        k_global_scale=k_global_scale, v_global_scale=v_global_scale,
+    )  # fmt: skip
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    msa_sparse_decode_attention(q, k, v, q2k_indices, **kwargs, out=out, lse=lse)
+
+    def run():
+        return msa_sparse_decode_attention(q, k, v, q2k_indices, **kwargs, out=out, lse=lse)
+
+    return run
 
 
 def _nvfp4_scales(name: str, scales, data, block: int, device) -> torch.Tensor:
