@@ -322,6 +322,7 @@ def msa_attention_inputs(kv_format, paged, seq_q, seq_k, hq, hkv, topk=8, seed=0
         v8 = (v_all / v_scale).to(torch.float8_e4m3fn)
         kernel.update(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
         ref.update(k=k8.float() * k_scale, v=v8.float() * v_scale)
+        ref["unquantized"] = (k_all.cuda(), v_all.cuda())
     else:
         k_global, v_global = 0.01, 0.02
         pages = reference.nvfp4_pack_pages(k_all, v_all, k_global, v_global)
