@@ -9,6 +9,10 @@ from importlib import metadata
 from pathlib import Path
 
 PINNED_DSL_VERSION = "4.8.1"
+# The DSL's libraries come in a package per CUDA major; only the CUDA 13 one compiles our
+# archs (with the CUDA 12 one the kernels come out for "sm_13").
+DSL_LIBS = "nvidia-cutlass-dsl-libs-cu13"
+OTHER_DSL_LIBS = ("nvidia-cutlass-dsl-libs-cu12",)
 
 
 def dsl_root() -> Path:
@@ -30,6 +34,27 @@ def dsl_version() -> str:
     return metadata.version("nvidia-cutlass-dsl")
 
 
+def installed(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def dsl_libs_problem() -> str | None:
+    """Why the installed DSL libraries cannot build this package, or None."""
+    others = [p for p in OTHER_DSL_LIBS if installed(p)]
+    if installed(DSL_LIBS) != PINNED_DSL_VERSION or others:
+        return (
+            f"the build needs {DSL_LIBS}=={PINNED_DSL_VERSION} and no other DSL libraries "
+            f"(found {DSL_LIBS} {installed(DSL_LIBS)}, {', '.join(others) or 'no others'}): "
+            f"pip uninstall -y {' '.join(OTHER_DSL_LIBS)}; pip install "
+            f"{DSL_LIBS}=={PINNED_DSL_VERSION}; then delete the build directory (objects "
+            "compiled with other libraries stay there)"
+        )
+    return None
+
+
 def main(argv=None) -> int:
     what = (argv or sys.argv[1:] or ["dsl-runtime"])[0]
     if what == "dsl-runtime":
@@ -40,6 +65,10 @@ def main(argv=None) -> int:
             print(
                 f"nvidia-cutlass-dsl {version} found, {PINNED_DSL_VERSION} pinned", file=sys.stderr
             )
+            return 1
+        problem = dsl_libs_problem()
+        if problem:
+            print(problem, file=sys.stderr)
             return 1
         print(version)
     else:

@@ -131,3 +131,21 @@ def test_export_is_deterministic(tmp_path, arch):
         a = (tmp_path / "a" / f"{v.name}{suffix}").read_bytes()
         b = (tmp_path / "b" / f"{v.name}{suffix}").read_bytes()
         assert a == b, suffix
+
+
+def test_the_build_refuses_other_dsl_libraries(monkeypatch):
+    """With the CUDA 12 DSL libraries the kernels come out for "sm_13": configure says so."""
+    from generator import toolchain
+
+    if toolchain.installed("nvidia-cutlass-dsl"):
+        assert toolchain.dsl_libs_problem() is None  # this environment's
+    versions = {
+        toolchain.DSL_LIBS: toolchain.PINNED_DSL_VERSION,
+        "nvidia-cutlass-dsl-libs-cu12": "4.8.1",
+    }
+    monkeypatch.setattr(toolchain, "installed", versions.get)
+    problem = toolchain.dsl_libs_problem()
+    assert "pip uninstall -y nvidia-cutlass-dsl-libs-cu12" in problem
+    assert "delete the build directory" in problem
+    monkeypatch.setattr(toolchain, "installed", {}.get)
+    assert f"found {toolchain.DSL_LIBS} None" in toolchain.dsl_libs_problem()
