@@ -658,3 +658,183 @@ def nvfp4_unpack_pages(pages, num_kv_heads: int, k_global_scale: float, v_global
             scales = unswizzle_v_scales(scales)
         out.append(nvfp4_dequantize(unpack_e2m1(views[f"{name}_data"]), scales, g))
     return tuple(out)
+
+
+# SDSA (the simplified DSA indexer, flashinfer.sdsa): one query head, scores are fp32 q.k over
+# 64-key pages of 128-dim keys, BF16 or NVFP4 (the encoding above with no global scale).
+SDSA_PAGE = 64
+SDSA_TILE_ROWS = 128  # query rows of an indexer_threshold_select tile
+
+
+def sdsa_nvfp4_quantize(x: torch.Tensor):
+    """(packed codes uint8 (..., 64), scales float8_e4m3fn (..., 8)) of x (..., 128):
+    scale = e4m3(amax / 6) (clamped to 448), codes E2M1 nearest (ties to even), 0 where the
+    scale is 0; |x| beyond 2688 saturates."""
+    codes, scales = nvfp4_quantize(x, 1.0)
+    return pack_e2m1(codes), scales
+
+
+def sdsa_dequantize(data: torch.Tensor, scales=None) -> torch.Tensor:
+    """float32 values of BF16 rows (scales None) or of NVFP4 rows (data uint8 (..., 64),
+    scales e4m3 or uint8 (..., 8))."""
+    if scales is None:
+        return data.float()
+    if scales.dtype == torch.uint8:
+        scales = scales.view(torch.float8_e4m3fn)
+    return nvfp4_dequantize(unpack_e2m1(data), scales, 1.0)
+
+
+def quantize_write_index_qk_nvfp4(
+    key, slots, query, query_rows, *, key_cache, key_scales, packed_query, query_scales
+):
+    """In place: key row i (bf16 / fp16 (T, 128)) quantized into key_cache / key_scales
+    [pages, 64, ...] at slot slots[i] (page s // 64, row s % 64), query row j into
+    packed_query / query_scales at row query_rows[j]; negative slots and rows are skipped."""
+    keep = slots >= 0
+    codes, scales = sdsa_nvfp4_quantize(key[keep])
+    at = slots[keep].long()
+    key_cache[at // SDSA_PAGE, at % SDSA_PAGE] = codes
+    key_scales[at // SDSA_PAGE, at % SDSA_PAGE] = scales.view(key_scales.dtype)
+    keep = query_rows >= 0
+    codes, scales = sdsa_nvfp4_quantize(query[keep])
+    packed_query[query_rows[keep].long()] = codes
+    query_scales[query_rows[keep].long()] = scales.view(query_scales.dtype)
+
+
+def sdsa_request_keys(key_cache, block_table, row: int, length: int, key_scales=None):
+    """float32 (length, 128): the first `length` keys of table row `row`."""
+    pages = block_table[row, : -(-length // SDSA_PAGE)].long()
+    data = key_cache[pages].flatten(0, 1)[:length]
+    scales = None if key_scales is None else key_scales[pages].flatten(0, 1)[:length]
+    return sdsa_dequantize(data, scales)
+
+
+def indexer_scores(
+    query, key_cache, block_table, context_lengths, *, requests, scores, query_scales=None,
+    key_scales=None,
+):  # fmt: skip
+    """In place: G = len(requests) groups of R = rows / G consecutive query rows; group g's
+    rows get scores[q, k] = q . k (fp32 of the dequantized values, accumulated in fp64 here)
+    for k < context_lengths[g], keys from table row requests[g]; other entries untouched."""
+    groups = requests.shape[0]
+    per_group = scores.shape[0] // groups
+    q = sdsa_dequantize(query, query_scales).double()
+    for g in range(groups):
+        length = int(context_lengths[g])
+        if length == 0:
+            continue
+        keys = sdsa_request_keys(key_cache, block_table, int(requests[g]), length, key_scales)
+        rows = slice(g * per_group, (g + 1) * per_group)
+        scores[rows, :length] = (q[rows] @ keys.double().T).float()
+    return scores
+
+
+def float_order(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order float32 values by their bits as unsigned numbers after the
+    usual flip (negative: all bits inverted; positive: sign bit set), so -NaN < -inf < ... <
+    +inf < +NaN."""
+    bits = values.float().view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, 0xFFFFFFFF - bits, bits + 2**31)
+
+
+def stored_value(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """What indexer_threshold_select stores for a pair: score - thr where score <= 2 thr
+    (exact there), else the score itself; either keeps the order of the scores."""
+    t = thresholds[:, None].expand_as(scores)
+    return torch.where(scores <= 2 * t, scores - t, scores)
+
+
+def indexer_threshold_select(
+    query, key_cache, row_ends, tile_requests, block_table, *, thresholds, counters,
+    candidates, max_context: int, top_k: int, query_scales=None, key_scales=None,
+    arrivals=None, ranges=None,
+):  # fmt: skip
+    """In place, one valid outcome of flashinfer.sdsa.indexer_threshold_select (the order
+    within a class is free; this one is ascending by key). Row r of tile t = r // 128 scores
+    the keys < min(row_ends[r], max_context) of table row tile_requests[t]: a key is a
+    candidate when score > thresholds[r], a tie when neither above nor below (equal or
+    NaN). counters[r] += (candidates, ties); the n-th candidate goes to slot top_k + n (n <
+    cap = slots - top_k), the n-th tie to slot top_k - 1 - n (n < top_k), as (key, stored
+    value bits). With arrivals and ranges (repair), a row that does not fit takes the
+    exact min(row_end, top_k)-th largest score as its threshold, its counters restart and
+    it is selected again; ranges[:, r] = (top_k - min(ties, top_k), top_k + min(cands, cap))."""
+    slots = candidates.shape[1]
+    if not 0 <= top_k < slots:
+        raise ValueError(f"top_k = {top_k} must be in [0, {slots}) (candidate slots)")
+    if (arrivals is None) != (ranges is None):
+        raise ValueError("give both arrivals and ranges (repair mode) or neither")
+    cap = slots - top_k
+    q = sdsa_dequantize(query, query_scales).double()
+    for r in range(q.shape[0]):
+        end = min(int(row_ends[r]), max_context)
+        keys = sdsa_request_keys(
+            key_cache, block_table, int(tile_requests[r // SDSA_TILE_ROWS]), end, key_scales
+        )
+        score = (keys.double() @ q[r]).float()
+        for attempt in range(2):
+            thr = thresholds[r].float()
+            above = score > thr
+            tie = ~above & ~(score < thr)
+            cands, ties = int(above.sum()), int(tie.sum())
+            fits = cands <= cap and cands + min(ties, top_k) >= min(end, top_k)
+            if arrivals is None or fits or attempt:
+                break
+            want = min(end, top_k)
+            thresholds[r] = score.sort(descending=True).values[want - 1] if want else math.inf
+            counters[r] = 0
+        counters[r, 0] += cands
+        counters[r, 1] += ties
+        value = stored_value(score[None], thresholds[r : r + 1].float())[0]
+        pairs = torch.stack([torch.arange(end, device=score.device), value.view(torch.int32)], -1)
+        chosen = pairs[above][:cap]
+        candidates[r, top_k : top_k + chosen.shape[0]] = chosen.to(candidates.dtype)
+        tied = pairs[tie][:top_k]
+        candidates[r, top_k - tied.shape[0] : top_k] = tied.flip(0).to(candidates.dtype)
+        if ranges is not None:
+            ranges[0, r] = top_k - min(ties, top_k)
+            ranges[1, r] = top_k + min(cands, cap)
+
+
+def top_k_from_candidates(candidates, ranges, *, top_keys):
+    """In place: row r's pairs in slots [ranges[0, r], ranges[1, r]); at most K of them:
+    their keys in slot order, then -1; more: the exact top-K by stored value (float_order),
+    those strictly above the K-th value first, then ties up to K (here the earliest slots)."""
+    k = top_keys.shape[1]
+    if k >= 65536:
+        raise ValueError(f"top_keys has {k} columns; K must be < 65536")
+    top_keys.fill_(-1)
+    for r in range(candidates.shape[0]):
+        pairs = candidates[r, int(ranges[0, r]) : int(ranges[1, r])]
+        if pairs.shape[0] <= k:
+            top_keys[r, : pairs.shape[0]] = pairs[:, 0]
+            continue
+        order = float_order(pairs[:, 1].view(torch.float32))
+        kth = order.sort(descending=True).values[k - 1]
+        above = pairs[order > kth, 0]
+        equal = pairs[order == kth, 0][: k - above.shape[0]]
+        top_keys[r] = torch.cat([above, equal])
+
+
+def gather_key_sample(
+    key_cache, block_table, offsets, sample_ends, *, sample_keys, samples_per_run: int,
+    pages_per_run: int, key_scales=None, sample_scales=None,
+):  # fmt: skip
+    """In place: row r's slot s < sample_ends[r] gets logical key
+    (s // samples_per_run) * 64 * pages_per_run + offsets[s] of table row r (and its
+    scales); other slots are untouched."""
+    for r in range(sample_keys.shape[0]):
+        s = torch.arange(int(sample_ends[r]), device=sample_keys.device)
+        key = (s // samples_per_run) * SDSA_PAGE * pages_per_run + offsets[s].long()
+        pages = block_table[r, key // SDSA_PAGE].long()
+        sample_keys[r, s] = key_cache[pages, key % SDSA_PAGE]
+        if sample_scales is not None:
+            sample_scales[r, s] = key_scales[pages, key % SDSA_PAGE]
+
+
+def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
+    """In place: thresholds[r] = the min of sample_scores[r, p] over p in sample_top[r] (a
+    -1 position or a NaN score counts as -inf); counters[r] = 0."""
+    picked = sample_scores.float().gather(1, sample_top.long().clamp(min=0))
+    picked = torch.where((sample_top < 0) | picked.isnan(), -math.inf, picked)
+    thresholds.copy_(picked.min(1).values)
+    counters.zero_()
