@@ -1,0 +1,77 @@
+"""NVFP4 rounding for the kernels that quantize to it, the reference's step for step
+(sparseforge.reference.nvfp4_quantize), in fp32:
+    scale = e4m3(min(amax / 6 / global, 448))     cvt.rn.satfinite: nearest, ties to even
+    code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
+                                                  0 where that step is 0
+with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+GROUP = 16  # values per scale
+E4M3_MAX = 448.0
+# E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: the code is the number of these midpoints a
+# magnitude passes; at a midpoint it moves up only to an even code (strict > before an odd
+# code, >= before an even one).
+MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
+@cute.jit
+def group_scale(x, global_scale):
+    """(the e4m3 scale's byte, the step x is divided by: scale x global) of the 16 values in
+    the register tensor x."""
+    amax = abs(x[0])
+    has_nan = x[0] != x[0]
+    for i in cutlass.range_constexpr(1, GROUP):
+        amax = cute.arch.fmax(amax, abs(x[i]))  # (fmax drops NaN: has_nan keeps it)
+        has_nan = has_nan | (x[i] != x[i])
+    ideal = amax / 6.0 / global_scale
+    if ideal > E4M3_MAX:
+        ideal = cutlass.Float32(E4M3_MAX)
+    if has_nan:
+        ideal = cutlass.Float32(cutlass.Float32.nan)
+    # e4m3 conversions go in pairs (cvt.rn.satfinite.e4m3x2.f32).
+    pair = cute.make_rmem_tensor((2,), cutlass.Float32)
+    pair[0], pair[1] = ideal, cutlass.Float32(0.0)
+    codes8 = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+    codes8.store(pair.load().to(cutlass.Float8E4M3FN))
+    pair.store(codes8.load().to(cutlass.Float32))
+    return cute.recast_tensor(codes8, cutlass.Uint8)[0], pair[0] * global_scale
+
+
+@cute.jit
+def e2m1_code(value, step):
+    """The E2M1 code (sign in bit 3) nearest to value / step; 0 when step is not > 0."""
+    ratio = cutlass.Float32(0.0)
+    if step > 0.0:
+        ratio = value / step
+    magnitude = abs(ratio)
+    code = cutlass.Int32(0)
+    for m in cutlass.range_constexpr(len(MIDPOINTS)):
+        midpoint, up_to_even = MIDPOINTS[m]
+        if cutlass.const_expr(up_to_even):
+            code = code + cutlass.Int32(magnitude >= midpoint)
+        else:
+            code = code + cutlass.Int32(magnitude > midpoint)
+    return code + cutlass.Int32(ratio < 0.0) * 8
+
+
+def quantize_group(x, global_scale, write_byte):
+    """Quantize the 16 values of the register tensor x: write_byte(i, code byte) for the 8
+    code bytes (the even element in the low nibble); returns the scale's byte. (Traced
+    inline by the calling kernel: write_byte is a Python function.)"""
+    scale_byte, step = group_scale(x, global_scale)
+    for b in range(GROUP // 2):
+        low = e2m1_code(x[2 * b], step)
+        high = e2m1_code(x[2 * b + 1], step)
+        write_byte(b, cutlass.Uint8(low | (high << 4)))
+    return scale_byte
