@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Element types by short name. "input" in a TensorArg means the variant's own dtype.
-DTYPE_BITS = {"bf16": 16, "fp16": 16, "e4m3": 8, "f32": 32, "i32": 32, "u8": 8}
+DTYPE_BITS = {"bf16": 16, "fp16": 16, "e4m3": 8, "f32": 32, "i32": 32, "i64": 64, "u8": 8}
 
 
 @dataclass(frozen=True)

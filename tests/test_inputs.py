@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from sparseforge import reference
-from sparseforge.checks import overlaps_itself
+from sparseforge.checks import check_writable, overlaps_itself
 from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 WS = torch.empty(16, dtype=torch.uint8)
@@ -141,6 +141,20 @@ def test_overlaps_itself():
     assert overlaps_itself(torch.empty(4, 1).expand(4, 8))
     assert overlaps_itself(base.as_strided((4, 8), (1, 1)))
     assert not overlaps_itself(torch.empty(1, 5).expand(1, 5))
+
+
+def test_interleaved_regions_of_one_allocation_are_apart():
+    """Pages holding two regions (data, then scales) as strided views of one allocation: an
+    output in one region does not alias an input in the other; one reaching into the other
+    does."""
+    pages = torch.zeros(3, 64 * 72, dtype=torch.uint8)
+    data, scales = pages[:, : 64 * 64].view(3, 64, 64), pages[:, 64 * 64 :].view(3, 64, 8)
+    check_writable("scales", scales, [("data", data)])
+    check_writable("data", data, [("scales", scales)])
+    with pytest.raises(ValueError, match="overlaps data's"):
+        check_writable("scales", pages[:, 64 * 64 - 4 :], [("data", data)])
+    with pytest.raises(ValueError, match="overlaps pages's"):
+        check_writable("data", data, [("pages", pages)])
 
 
 def test_out_and_lse_may_not_alias_inputs_or_themselves():

@@ -29,6 +29,7 @@ from sparseforge.sage import (
     sage_fp8_quantize,
     sage_fp8_quantize_sm90,
 )
+from sparseforge.sdsa import quantize_write_index_qk_nvfp4
 from sparseforge.sparse import (
     BlockSparseAttentionWrapper,
     CakeVSAPlan,
@@ -64,6 +65,7 @@ __all__ = [
     "msa_prefill_nvfp4_specialized_stats",
     "msa_decode_nvfp4_specialized_stats",
     "group_union_masks",
+    "quantize_write_index_qk_nvfp4",
     "KernelLaunchError",
     "NoGPUError",
     "NotBuiltError",

@@ -17,6 +17,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - msa_sparse_attention (16-bit, FP8 and NVFP4 K/V): ragged paged sequences, -1 and
   repeated ids, an empty selection, GQA 4; output and LSE against the fp64 reference on the
   dequantized K/V;
+- sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
+  shuffled and negative slots and rows, cache and scales as views of one allocation; every
+  output byte equal to reference.quantize_write_index_qk_nvfp4's;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -46,6 +49,7 @@ QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
+SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",
@@ -443,6 +447,66 @@ def nvfp4_written_pages(args: dict) -> torch.Tensor:
     return pages
 
 
+def sdsa_quantize_inputs(dtype, keys, queries, pages, rows, seed=0, device="cpu"):
+    """quantize_write_index_qk_nvfp4 arguments: keys and queries whose 16-value groups span
+    the scale range (subnormal e4m3 scales to saturation beyond 2688), a zero group, a NaN
+    group and E2M1 midpoints at scale 2; slots in random order over the pages and query rows
+    shuffled, every fifth -1; outputs poisoned with random bytes (the key cache and its
+    scales as views of one allocation of 72-byte-per-key pages)."""
+    gen = torch.Generator().manual_seed(seed)
+    key, query = (torch.randn(n, 128, generator=gen) for n in (keys, queries))
+    span = torch.logspace(-9, 4, 8)
+    for x in (key, query):
+        x *= (
+            span[torch.randint(0, 8, (x.shape[0], 8, 1), generator=gen)]
+            .repeat_interleave(16, 1)
+            .flatten(1)
+        )
+        x[0, :16] = 0.0
+        x[min(1, x.shape[0] - 1), :16] = (
+            torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] * 2) * 2.0
+        )
+        x[min(1, x.shape[0] - 1), 0] = 12.0
+    key[min(2, keys - 1), 16:32] = float("nan")
+    slots = torch.randperm(pages * 64, generator=gen)[:keys]
+    slots[::5] = -1
+    query_rows = torch.randperm(rows, generator=gen)[:queries]
+    query_rows[::5] = -1
+    cache = torch.randint(0, 256, (pages, 64 * 72), generator=gen, dtype=torch.uint8)
+    packed = torch.randint(0, 256, (rows, 72), generator=gen, dtype=torch.uint8)
+    args = dict(
+        key=key.to(dtype), slots=slots, query=query.to(dtype), query_rows=query_rows,
+        key_cache=cache[:, : 64 * 64].view(pages, 64, 64),
+        key_scales=cache[:, 64 * 64 :].view(pages, 64, 8),
+        packed_query=packed[:, :64], query_scales=packed[:, 64:],
+    )  # fmt: skip
+    return {name: t.to(device) for name, t in args.items()}
+
+
+def sdsa_quantized(args: dict) -> dict:
+    """The outputs reference.quantize_write_index_qk_nvfp4 leaves for sdsa_quantize_inputs'
+    arguments (copies)."""
+    outputs = ("key_cache", "key_scales", "packed_query", "query_scales")
+    want = {name: args[name].clone() for name in outputs}
+    reference.quantize_write_index_qk_nvfp4(
+        args["key"], args["slots"], args["query"], args["query_rows"], **want
+    )
+    return want
+
+
+def check_sdsa_quantize(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    from sparseforge.sdsa import quantize_write_index_qk_nvfp4
+
+    keys, queries, pages, rows = (20, 6, 1, 8) if small else (3000, 300, 64, 512)
+    args = sdsa_quantize_inputs(
+        BY_NAME[v["params"]["dtype"]], keys, queries, pages, rows, seed=seed, device="cuda"
+    )
+    want = sdsa_quantized(args)
+    quantize_write_index_qk_nvfp4(**args)
+    same = all(torch.equal(args[name], want[name]) for name in want)
+    return "keys and queries byte for byte vs the reference", same
+
+
 def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.msa_ops import msa_topk_select
 
@@ -475,6 +539,7 @@ def main(argv=None) -> int:
             TOPK_FAMILY,
             PROXY_FAMILY,
             NVFP4_WRITE_FAMILY,
+            SDSA_QUANTIZE_FAMILY,
             *MSA_ATTENTION_FAMILIES,
             *TOKEN_SPARSE_FAMILIES,
         )
@@ -494,6 +559,8 @@ def main(argv=None) -> int:
             runs = [check_proxy_score(v, args.small)]
         elif v["family"] == NVFP4_WRITE_FAMILY:
             runs = [check_nvfp4_write(v, args.small)]
+        elif v["family"] == SDSA_QUANTIZE_FAMILY:
+            runs = [check_sdsa_quantize(v, args.small)]
         elif v["family"] in MSA_ATTENTION_FAMILIES:
             runs = [check_msa_attention(v, args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:

@@ -6,6 +6,14 @@ from __future__ import annotations
 import torch
 
 
+def describe(t) -> str:
+    """A tensor's dtype, shape, device and strides (or the type of anything else), for
+    error messages."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}"
+
+
 def reject(name: str, value, allowed=(None,), why: str = "is not supported by sparseforge") -> None:
     """NotImplementedError unless `value` is one of `allowed` (None only by identity)."""
     if not any(value is a or (a is not None and value == a) for a in allowed):
@@ -72,6 +80,23 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * t.element_size() - 1
 
 
+def _interleaved_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b interleave without sharing memory: the same byte stride P on their
+    first dim (pages, rows), each page's elements within P bytes, and the two pages' byte
+    ranges apart modulo P (e.g. the data and scale regions of one page allocation)."""
+    period = a.stride(0) * a.element_size()
+    if a.dim() < 2 or b.dim() < 2 or b.stride(0) * b.element_size() != period or period <= 0:
+        return False
+    ranges = []
+    for t in (a, b):
+        first, last = _span(t[0])
+        if last - first + 1 > period:
+            return False
+        ranges.append((first % period, last - first + 1))
+    (start_a, length_a), (start_b, length_b) = ranges
+    return (start_b - start_a) % period >= length_a and (start_a - start_b) % period >= length_b
+
+
 def overlaps_itself(t: torch.Tensor) -> bool:
     """True when two elements may share memory (e.g. a stride of 0 from expand()): walking
     the dimensions by stride, each must step past all the elements of the smaller ones."""
@@ -103,7 +128,7 @@ def check_writable(name: str, t: torch.Tensor, inputs) -> None:
             continue
         first, last = _span(t)
         a, b = _span(other)
-        if a <= last and first <= b:
+        if a <= last and first <= b and not _interleaved_apart(t, other):
             raise ValueError(
                 f"the memory {name} spans overlaps {other_name}'s: an output must not "
                 "alias an input"

@@ -10,6 +10,7 @@ BY_NAME = {
     "e4m3": torch.float8_e4m3fn,
     "f32": torch.float32,
     "i32": torch.int32,
+    "i64": torch.int64,
     "u8": torch.uint8,
 }
 NAME_OF = {dtype: name for name, dtype in BY_NAME.items()}

@@ -25,7 +25,7 @@ import math
 import torch
 
 from sparseforge import ops
-from sparseforge.checks import check_writable
+from sparseforge.checks import check_writable, describe
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import msa_proxy_score as proxy_family
 from sparseforge.families import msa_sparse_attention as attention_family
@@ -65,7 +65,7 @@ def msa_proxy_score(
     (that would need a host synchronisation): a page id outside the cache reads out of
     bounds. use_fp32_acc=False is accepted; the products are always summed in fp32."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        raise TypeError(f"q and k must be torch.Tensors, got {_describe(q)} and {_describe(k)}")
+        raise TypeError(f"q and k must be torch.Tensors, got {describe(q)} and {describe(k)}")
     head_dim = proxy_family.constant("head_dim")
     block = proxy_family.constant("block_keys")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
@@ -83,12 +83,12 @@ def msa_proxy_score(
         if k.dim() != 4 or k.shape[2:] != (block, head_dim) or k.stride(3) != 1:
             raise ValueError(
                 f"paged k must be (pages, Hkv, {block}, {head_dim}) with unit stride on the "
-                f"last dim, got {_describe(k)}"
+                f"last dim, got {describe(k)}"
             )
         if k.stride(0) != k.shape[1] * k.stride(1):
             raise ValueError(
                 f"paged k's pages must hold their heads contiguously (stride(0) = Hkv * "
-                f"stride(1)), got {_describe(k)}"
+                f"stride(1)), got {describe(k)}"
             )
         kv_heads = k.shape[1]
         kernel_k = k.flatten(0, 1)
@@ -172,7 +172,7 @@ def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_glob
     if k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"k must be bf16 or fp16, got {k.dtype}")
     if v.dtype != k.dtype or v.shape != k.shape:
-        raise ValueError(f"v must match k ({k.dtype} {tuple(k.shape)}), got {_describe(v)}")
+        raise ValueError(f"v must match k ({k.dtype} {tuple(k.shape)}), got {describe(v)}")
     for name, x in (("k", k), ("v", v)):
         _check_rows(name, x, "T, Hkv", head_dim)
     tokens, heads = k.shape[:2]
@@ -189,7 +189,7 @@ def quantize_write_kv_nvfp4(k, v, slots, pages, *, k_global_scale: float, v_glob
     ):
         raise ValueError(
             f"pages must be uint8 (pages, Hkv * 18432 = {page_bytes}) on {device} with unit "
-            f"stride on the last dim, got {_describe(pages)}"
+            f"stride on the last dim, got {describe(pages)}"
         )
     for name, value in (("k_global_scale", k_global_scale), ("v_global_scale", v_global_scale)):
         if (
@@ -226,7 +226,7 @@ def _output(output, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         name = str(dtype).removeprefix("torch.")
         raise ValueError(
             f"output must be a contiguous {name} tensor of shape {shape} on {device}, got "
-            f"{_describe(output)}"
+            f"{describe(output)}"
         )
     return output
 
@@ -236,7 +236,7 @@ def _check_rows(name: str, x: torch.Tensor, dims: str, head_dim: int) -> None:
     if x.dim() != 3 or x.shape[2] != head_dim or x.stride(2) != 1:
         raise ValueError(
             f"{name} must be ({dims}, {head_dim}) with unit stride on the last dim, got "
-            f"{_describe(x)}"
+            f"{describe(x)}"
         )
 
 
@@ -258,9 +258,7 @@ def _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset
     given; int32 on `device`."""
     batch = _index_vector("cu_seqlens_q", cu_seqlens_q, None, device) - 1
     if batch < 1:
-        raise ValueError(
-            f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {_describe(cu_seqlens_q)}"
-        )
+        raise ValueError(f"cu_seqlens_q must hold B + 1 >= 2 offsets, got {describe(cu_seqlens_q)}")
     if page_table is not None:
         _index_vector("seqused_k", seqused_k, batch, device)
         if (
@@ -273,7 +271,7 @@ def _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset
         ):
             raise ValueError(
                 f"page_table must be int32 (B = {batch}, W) on {device} with unit stride on "
-                f"its last dim, got {_describe(page_table)}"
+                f"its last dim, got {describe(page_table)}"
             )
     else:
         _index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, device)
@@ -293,7 +291,7 @@ def _index_vector(name: str, t, length, device) -> int:
     ):
         want = "" if length is None else f" of length {length}"
         raise ValueError(
-            f"{name} must be a contiguous int32 vector{want} on {device}, got {_describe(t)}"
+            f"{name} must be a contiguous int32 vector{want} on {device}, got {describe(t)}"
         )
     return t.shape[0]
 
@@ -375,7 +373,7 @@ def _num_valid(num_valid_pages, blocks: int, tokens: int, device) -> torch.Tenso
     ):
         raise ValueError(
             f"num_valid_pages must be a contiguous int32 tensor of shape ({tokens},) (S) on "
-            f"{device}, got {_describe(num_valid_pages)}"
+            f"{device}, got {describe(num_valid_pages)}"
         )
     return num_valid_pages
 
@@ -385,12 +383,6 @@ def _constant_count(device: torch.device, value: int) -> torch.Tensor:
     """A one-element int32 tensor kept per (device, value): a call per layer with the same
     count launches no fill kernel and allocates nothing."""
     return torch.full((1,), value, dtype=torch.int32, device=device)
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}"
 
 
 class MSASparseAttentionWorkspace:
@@ -537,10 +529,10 @@ def msa_sparse_decode_attention(
     if partial_dtype not in (None, torch.float32):
         raise ValueError(f"partial_dtype must be None or torch.float32, got {partial_dtype}")
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {_describe(q)}")
+        raise TypeError(f"q must be a torch.Tensor, got {describe(q)}")
     if q.dim() != 3 or q.shape[0] % seqlen_q:
         raise ValueError(
-            f"q must be (B * seqlen_q, Hq, 128) with seqlen_q = {seqlen_q}, got {_describe(q)}"
+            f"q must be (B * seqlen_q, Hq, 128) with seqlen_q = {seqlen_q}, got {describe(q)}"
         )
     batch = q.shape[0] // seqlen_q
     cu_seqlens_q = _uniform_offsets(q.device, batch, seqlen_q)
@@ -575,12 +567,12 @@ def _positive(name: str, value, default: float) -> float:
 def _kv_view(name: str, x, paged: bool, width: int, block: int) -> torch.Tensor:
     """x as the kernel's (pages, Hkv, rows, width) view: paged as is, flat as one page."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {_describe(x)}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {describe(x)}")
     if paged:
         if x.dim() != 4 or x.shape[2:] != (block, width) or x.stride(3) != 1:
             raise ValueError(
                 f"paged {name} must be (pages, Hkv, {block}, {width}) with unit stride on the "
-                f"last dim, got {_describe(x)}"
+                f"last dim, got {describe(x)}"
             )
         view = x
     else:
@@ -593,7 +585,7 @@ def _kv_view(name: str, x, paged: bool, width: int, block: int) -> torch.Tensor:
     if any(s % vector for s in view.stride()[:3]) or x.data_ptr() % 16:
         raise ValueError(
             f"{name} must be 16-byte aligned with strides that are multiples of {vector} "
-            f"elements, got {_describe(x)}"
+            f"elements, got {describe(x)}"
         )
     return view
 
@@ -609,13 +601,13 @@ def _attention(
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {_describe(x)}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {describe(x)}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q has dtype {q.dtype}: bf16 and fp16 are built")
     _check_rows("q", q, "total_q, Hq", head_dim)
     if any(s % 8 for s in q.stride()[:2]) or q.data_ptr() % 16:
         raise ValueError(
-            f"q must be 16-byte aligned with strides in multiples of 8, got {_describe(q)}"
+            f"q must be 16-byte aligned with strides in multiples of 8, got {describe(q)}"
         )
     total_q, heads = q.shape[:2]
     device = q.device
@@ -695,7 +687,7 @@ def _attention(
         raise ValueError(
             f"q2k_indices must be int32 (Hkv = {kv_heads}, total_q = {total_q}, topk) with "
             f"1 <= topk <= {max_topk} and unit stride on the last dim, got "
-            f"{_describe(q2k_indices)}"
+            f"{describe(q2k_indices)}"
         )
     _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset, device)
     max_blocks = attention_family.constant("max_blocks")
@@ -806,7 +798,7 @@ def prepare_msa_nvfp4_sparse_decode(
     if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or not 1 <= seqlen_q <= 32:
         raise ValueError(f"seqlen_q must be an int in [1, 32], got {seqlen_q!r}")
     if not isinstance(k, torch.Tensor) or k.dtype != torch.uint8:
-        raise ValueError(f"k must be the uint8 NVFP4 data of packed pages, got {_describe(k)}")
+        raise ValueError(f"k must be the uint8 NVFP4 data of packed pages, got {describe(k)}")
     kwargs = dict(
         page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q, causal=causal,
         softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale,
@@ -836,6 +828,6 @@ def _nvfp4_scales(name: str, scales, data, block: int, device) -> torch.Tensor:
         raise ValueError(
             f"{name} must be the NVFP4 scales, uint8 or float8_e4m3fn "
             f"(pages, Hkv, {block}, {groups}) with unit stride on the last dim on {device}, "
-            f"got {_describe(scales)}"
+            f"got {describe(scales)}"
         )
     return scales.view(torch.uint8)

@@ -24,6 +24,7 @@ ELEMENT_TYPES = {
     "e4m3": cutlass.Float8E4M3FN,
     "f32": cutlass.Float32,
     "i32": cutlass.Int32,
+    "i64": cutlass.Int64,
     "u8": cutlass.Uint8,
 }
 
