@@ -54,3 +54,80 @@ def test_outputs_may_not_alias_each_other():
         sdsa.quantize_write_index_qk_nvfp4(
             **quantize_args(packed_query=shared, query_scales=shared[:, :8])
         )
+
+
+def scores_args(nvfp4=False, **change):
+    if nvfp4:
+        keys = dict(
+            query=torch.zeros(4, 64, dtype=torch.uint8),
+            query_scales=torch.zeros(4, 8, dtype=torch.uint8),
+            key_cache=torch.zeros(3, 64, 64, dtype=torch.uint8),
+            key_scales=torch.zeros(3, 64, 8, dtype=torch.float8_e4m3fn),
+        )
+    else:
+        keys = dict(
+            query=torch.zeros(4, 128, dtype=torch.bfloat16),
+            key_cache=torch.zeros(3, 64, 128, dtype=torch.bfloat16),
+        )
+    args = dict(
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        context_lengths=torch.tensor([100, 3], dtype=torch.int32),
+        requests=torch.tensor([1, 0], dtype=torch.int32),
+        scores=torch.zeros(4, 128),
+        **keys,
+    )
+    return args | change
+
+
+@pytest.mark.parametrize(
+    "nvfp4, change, words",
+    [
+        (False, {}, "needs a CUDA device"),
+        (True, {}, "needs a CUDA device"),
+        (False, {"query_scales": torch.zeros(4, 8, dtype=torch.uint8)}, "give both scale tensors"),
+        (False, {"query": torch.zeros(4, 128)}, "query must be bf16"),
+        (True, {"key_cache": torch.zeros(3, 64, 128, dtype=torch.bfloat16)}, "NVFP4 codes"),
+        (False, {"requests": torch.tensor([1, 0, 0], dtype=torch.int32),
+                 "context_lengths": torch.tensor([1, 2, 3], dtype=torch.int32)}, "1 to 8 rows"),
+        (False, {"context_lengths": torch.tensor([100], dtype=torch.int32)}, "context_lengths"),
+        (False, {"scores": torch.zeros(4, 129)}, "at most 128 keys"),
+        (False, {"scores": torch.zeros(4, 128, dtype=torch.float64)}, "scores must be float32"),
+        (True, {"key_scales": torch.zeros(2, 64, 8, dtype=torch.uint8)}, "key_scales must be"),
+        (False, {"block_table": torch.zeros(2, 2, dtype=torch.int64)}, "block_table"),
+    ],
+)  # fmt: skip
+def test_scores_arguments(nvfp4, change, words):
+    with pytest.raises(ValueError, match=words):
+        sdsa.indexer_scores(**scores_args(nvfp4, **change))
+
+
+def test_sample_and_threshold_arguments():
+    cache = torch.zeros(3, 64, 128, dtype=torch.bfloat16)
+    sample = dict(
+        key_cache=cache, block_table=torch.zeros(2, 2, dtype=torch.int32),
+        offsets=torch.zeros(128, dtype=torch.uint8), sample_ends=torch.zeros(2, dtype=torch.int32),
+        sample_keys=torch.zeros(2, 128, 128, dtype=torch.bfloat16), samples_per_run=16,
+        pages_per_run=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.gather_key_sample(**sample)
+    with pytest.raises(ValueError, match="cap a multiple of 128"):
+        sdsa.gather_key_sample(
+            **(sample | {"sample_keys": torch.zeros(2, 100, 128, dtype=torch.bfloat16)})
+        )
+    with pytest.raises(ValueError, match="offsets must be"):
+        sdsa.gather_key_sample(**(sample | {"offsets": torch.zeros(128, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match="samples_per_run must be a positive int"):
+        sdsa.gather_key_sample(**(sample | {"samples_per_run": 0}))
+    thresholds = dict(
+        sample_scores=torch.zeros(3, 128), sample_top=torch.zeros(3, 8, dtype=torch.int32),
+        thresholds=torch.zeros(3), counters=torch.zeros(3, 2, dtype=torch.int32),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.thresholds_from_sample(**thresholds)
+    with pytest.raises(ValueError, match="sample_top must have 3 rows"):
+        sdsa.thresholds_from_sample(
+            **(thresholds | {"sample_top": torch.zeros(2, 8, dtype=torch.int32)})
+        )
+    with pytest.raises(ValueError, match="counters must be int32"):
+        sdsa.thresholds_from_sample(**(thresholds | {"counters": torch.zeros(3, 2)}))

@@ -10,28 +10,14 @@ import math
 import pytest
 import torch
 from sparseforge import reference
+from sparseforge.check import sdsa_paged_keys
 
 PAGE = reference.SDSA_PAGE
 
 
 def paged_keys(lengths, nvfp4: bool, seed=0):
-    """(key_cache, key_scales or None, block_table, per-request float keys) with pages in
-    random order and one spare."""
-    gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // PAGE) for n in lengths]
-    pages = sum(counts) + 1
-    order = torch.randperm(pages, generator=gen)
-    table = torch.full((len(lengths), max(counts) + 1), int(order[-1]), dtype=torch.int32)
-    start = 0
-    for r, c in enumerate(counts):
-        table[r, :c] = order[start : start + c]
-        start += c
-    values = torch.randn(pages, PAGE, 128, generator=gen)
-    if nvfp4:
-        data, scales = reference.sdsa_nvfp4_quantize(values)
-        cache, key_scales = data, scales.view(torch.uint8)
-    else:
-        cache, key_scales = values.to(torch.bfloat16), None
+    """check.sdsa_paged_keys' cache, scales and table, and each request's keys as fp32."""
+    cache, key_scales, table = sdsa_paged_keys(lengths, nvfp4, seed)
     keys = [
         reference.sdsa_request_keys(cache, table, r, n, key_scales) for r, n in enumerate(lengths)
     ]

@@ -5,15 +5,24 @@ global scale).
     sdsa_quantize   quantize_write_index_qk_nvfp4: keys into a paged NVFP4 key cache at
                     int64 slots, queries into NVFP4 rows, one launch (negative slots / rows
                     skipped)
+    sdsa_scores     indexer_scores: scores[q, k] = q . k in fp32 for k < the group's context,
+                    groups of R consecutive rows sharing a table row (dtype "bf16": BF16 keys
+                    and queries; "u8": NVFP4 keys and queries with their scales)
+    sdsa_sample     gather_key_sample: slot s of sample row r copies logical key
+                    (s // samples_per_run) * 64 * pages_per_run + offsets[s] of table row r
+                    (and its scales)
+    sdsa_thresholds thresholds_from_sample: each row's min sample score over its top
+                    positions (-1 or NaN: -inf); its counters zeroed
 """
 
-from generator.abi import TensorArg
+from generator.abi import ScalarArg, TensorArg
 from generator.family import ALL_ARCHS, Family, Template
 
 PAGE_KEYS = 64
 KEY_DIM = 128
 NVFP4_GROUP = 16
 DTYPES = ("bf16", "fp16")
+KEY_DTYPES = ("bf16", "u8")  # BF16 keys, or NVFP4 codes (two a byte) with e4m3 scales
 
 
 def quantize_abi(head_dim=KEY_DIM):
@@ -56,6 +65,90 @@ def quantize_abi(head_dim=KEY_DIM):
     )
 
 
+def key_width(dtype) -> int:
+    """Elements of one stored key row: 128 BF16 values or 64 bytes of NVFP4 codes."""
+    return KEY_DIM // 2 if dtype == "u8" else KEY_DIM
+
+
+def scores_abi(head_dim=KEY_DIM):
+    """mQuery      (rows, X)         queries (X = key_width: 128 BF16 or 64 NVFP4 bytes)
+    mQueryScales (rows, 8)  u8     their e4m3 scales (NVFP4; any one-row tensor otherwise)
+    mKeyCache   (pages, 64, X)      keys
+    mKeyScales  (pages, 64, 8) u8  their e4m3 scales (NVFP4; any one-page tensor otherwise)
+    mBlockTable (B, W)   i32       page ids
+    mContext    (G,)     i32       keys of each group
+    mRequests   (G,)     i32       table row of each group
+    mScores     (rows, C) f32 out  scores of keys < the group's context (others untouched)"""
+    scales = dict(shape=(None, KEY_DIM // NVFP4_GROUP), stride=(None, 1))
+    return (
+        TensorArg("mQuery", "input", shape=(None, None), stride=(None, 1), divisibility=16),
+        TensorArg("mQueryScales", "u8", **scales),
+        TensorArg("mKeyCache", "input", shape=(None, PAGE_KEYS, None), stride=(None, None, 1),
+                  divisibility=16),
+        TensorArg("mKeyScales", "u8", shape=(None, PAGE_KEYS, KEY_DIM // NVFP4_GROUP),
+                  stride=(None, KEY_DIM // NVFP4_GROUP, 1)),
+        TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mContext", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mRequests", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mScores", "f32", shape=(None, None), stride=(None, 1), output=True),
+    )  # fmt: skip
+
+
+def sample_abi(head_dim=KEY_DIM):
+    """mKeyCache   (pages, 64, X)      keys (BF16 or NVFP4 bytes)
+    mKeyScales  (pages, 64, 8) u8  their scales (NVFP4; any one-page tensor otherwise)
+    mBlockTable (R, W)   i32       page ids of each sample row's request
+    mOffsets    (cap,)   u8        key offset of each slot within its run
+    mSampleEnds (R,)     i32       slots filled per row
+    mSampleKeys (R, cap, X) out, mSampleScales (R, cap, 8) u8 out (NVFP4)
+    samples_per_run, pages_per_run   slots per run, pages a run spans"""
+    return (
+        TensorArg("mKeyCache", "input", shape=(None, PAGE_KEYS, None), stride=(None, None, 1),
+                  divisibility=16),
+        TensorArg("mKeyScales", "u8", shape=(None, PAGE_KEYS, KEY_DIM // NVFP4_GROUP),
+                  stride=(None, KEY_DIM // NVFP4_GROUP, 1)),
+        TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mOffsets", "u8", shape=(None,), stride=(1,)),
+        TensorArg("mSampleEnds", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mSampleKeys", "input", shape=(None, None, None), stride=(None, None, 1),
+                  divisibility=16, output=True),
+        TensorArg("mSampleScales", "u8", shape=(None, None, KEY_DIM // NVFP4_GROUP),
+                  stride=(None, KEY_DIM // NVFP4_GROUP, 1), output=True),
+        ScalarArg("samples_per_run", "i32"),
+        ScalarArg("pages_per_run", "i32"),
+    )  # fmt: skip
+
+
+def thresholds_abi(head_dim=None):
+    """mSampleScores (rows, S) f32, mSampleTop (rows, K) i32 (positions, -1: none),
+    mThresholds (rows,) f32 out, mCounters (rows, 2) i32 out"""
+    return (
+        TensorArg("mSampleScores", "f32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mSampleTop", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mThresholds", "f32", shape=(None,), stride=(1,), output=True),
+        TensorArg("mCounters", "i32", shape=(None, 2), stride=(None, 1), output=True),
+    )
+
+
+def _key_family(name, doc, abi, module):
+    return Family(
+        name=name,
+        doc=doc,
+        abi=abi,
+        dtypes=KEY_DTYPES,
+        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM},
+        templates=(
+            Template(
+                name,
+                module,
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=KEY_DIM) for t in KEY_DTYPES),
+                portable=True,
+            ),
+        ),
+    )
+
+
 FAMILIES = (
     Family(
         name="sdsa_quantize",
@@ -69,6 +162,31 @@ FAMILIES = (
                 "generator.kernels.portable.sdsa_quantize",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(dtype=t, head_dim=KEY_DIM) for t in DTYPES),
+                portable=True,
+            ),
+        ),
+    ),
+    _key_family(
+        "sdsa_scores",
+        "SDSA scores q . k over paged BF16 / NVFP4 keys (indexer_scores)",
+        scores_abi,
+        "generator.kernels.portable.sdsa_scores",
+    ),
+    _key_family(
+        "sdsa_sample",
+        "SDSA key sample rows (gather_key_sample)",
+        sample_abi,
+        "generator.kernels.portable.sdsa_sample",
+    ),
+    Family(
+        name="sdsa_thresholds",
+        doc="SDSA thresholds from a scored sample (thresholds_from_sample)",
+        abi=thresholds_abi,
+        templates=(
+            Template(
+                "sdsa_thresholds",
+                "generator.kernels.portable.sdsa_thresholds",
+                archs=ALL_ARCHS,
                 portable=True,
             ),
         ),

@@ -19,7 +19,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   dequantized K/V;
 - sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
   shuffled and negative slots and rows, cache and scales as views of one allocation; every
-  output byte equal to reference.quantize_write_index_qk_nvfp4's;
+  output byte equal to reference.quantize_write_index_qk_nvfp4's; sdsa_scores,
+  sdsa_sample, sdsa_thresholds: paged BF16 / NVFP4 keys (an empty request), sample rows,
+  NaN and -1 positions, against the reference;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -50,6 +52,7 @@ TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
+SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds")
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",
@@ -507,6 +510,93 @@ def check_sdsa_quantize(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
     return "keys and queries byte for byte vs the reference", same
 
 
+def sdsa_paged_keys(lengths, nvfp4: bool, seed=0, device="cpu"):
+    """(key_cache, key_scales or None, block_table) for requests of `lengths` keys: 64-key
+    pages in random order (and a spare), BF16 or NVFP4 (reference.sdsa_nvfp4_quantize)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // 64) for n in lengths]
+    pages = sum(counts) + 1
+    ids = torch.randperm(pages, generator=gen)[: sum(counts)].split(counts)
+    table = torch.zeros(len(lengths), max(counts) + 1, dtype=torch.int32)
+    for r, row in enumerate(ids):
+        table[r, : len(row)] = row
+    values = torch.randn(pages, 64, 128, generator=gen)
+    if not nvfp4:
+        return values.to(torch.bfloat16).to(device), None, table.to(device)
+    data, scales = reference.sdsa_nvfp4_quantize(values)
+    return data.to(device), scales.view(torch.uint8).to(device), table.to(device)
+
+
+def sdsa_queries(rows: int, nvfp4: bool, seed=1, device="cpu"):
+    """(query, query_scales or None): random rows, BF16 or NVFP4."""
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed))
+    if not nvfp4:
+        return x.to(torch.bfloat16).to(device), None
+    data, scales = reference.sdsa_nvfp4_quantize(x)
+    return data.to(device), scales.view(torch.uint8).to(device)
+
+
+def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    """sdsa_scores / sdsa_sample / sdsa_thresholds against the reference."""
+    from sparseforge import sdsa
+
+    nvfp4 = v["params"].get("dtype") == "u8"
+    lengths = [300, 0, 64] if small else [5000, 0, 64, 4097]
+    cache, key_scales, table = sdsa_paged_keys(lengths, nvfp4, seed, "cuda")
+    if v["family"] == "sdsa_scores":
+        query, query_scales = sdsa_queries(2 * len(lengths), nvfp4, seed + 1, "cuda")
+        args = dict(
+            requests=torch.arange(len(lengths) - 1, -1, -1, dtype=torch.int32, device="cuda"),
+            query_scales=query_scales, key_scales=key_scales,
+        )  # fmt: skip
+        context = torch.tensor(lengths[::-1], dtype=torch.int32, device="cuda")
+        got = torch.full((2 * len(lengths), max(lengths)), float("nan"), device="cuda")
+        want = got.clone()
+        sdsa.indexer_scores(query, cache, table, context, scores=got, **args)
+        reference.indexer_scores(query, cache, table, context, scores=want, **args)
+        same = torch.equal(got.isnan(), want.isnan())
+        close = bool((got - want).nan_to_num().abs().max() <= 1e-4 * want.nan_to_num().abs().max())
+        return "scores vs the reference", same and close
+    if v["family"] == "sdsa_sample":
+        cap = 128
+        offsets = torch.randint(0, 64, (cap,), dtype=torch.uint8, device="cuda")
+        ends = torch.tensor(
+            [cap, 0, 50][: len(lengths)] + [cap] * (len(lengths) - 3),
+            dtype=torch.int32,
+            device="cuda",
+        )
+        width = 64 if nvfp4 else 128
+        got = torch.full((len(lengths), cap, width), 7, dtype=cache.dtype, device="cuda")
+        scales = (
+            torch.full((len(lengths), cap, 8), 7, dtype=torch.uint8, device="cuda")
+            if nvfp4
+            else None
+        )
+        want, want_scales = got.clone(), None if scales is None else scales.clone()
+        kw = dict(samples_per_run=16, pages_per_run=1, key_scales=key_scales)
+        sdsa.gather_key_sample(
+            cache, table, offsets, ends, sample_keys=got, sample_scales=scales, **kw
+        )
+        reference.gather_key_sample(
+            cache, table, offsets, ends, sample_keys=want, sample_scales=want_scales, **kw
+        )
+        same = torch.equal(got, want) and (scales is None or torch.equal(scales, want_scales))
+        return "sample rows byte for byte vs the reference", same
+    rows = 70 if small else 3000
+    scores = torch.randn(rows, 256, device="cuda")
+    scores[0, 3] = float("nan")
+    top = torch.randint(-1, 256, (rows, 33), dtype=torch.int32, device="cuda")
+    thresholds, counters = (
+        torch.zeros(rows, device="cuda"),
+        torch.ones(rows, 2, dtype=torch.int32, device="cuda"),
+    )
+    want, want_counters = thresholds.clone(), counters.clone()
+    sdsa.thresholds_from_sample(scores, top, thresholds=thresholds, counters=counters)
+    reference.thresholds_from_sample(scores, top, thresholds=want, counters=want_counters)
+    same = torch.equal(thresholds, want) and torch.equal(counters, want_counters)
+    return "thresholds and counters vs the reference", same
+
+
 def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.msa_ops import msa_topk_select
 
@@ -540,6 +630,7 @@ def main(argv=None) -> int:
             PROXY_FAMILY,
             NVFP4_WRITE_FAMILY,
             SDSA_QUANTIZE_FAMILY,
+            *SDSA_FAMILIES,
             *MSA_ATTENTION_FAMILIES,
             *TOKEN_SPARSE_FAMILIES,
         )
@@ -561,6 +652,8 @@ def main(argv=None) -> int:
             runs = [check_nvfp4_write(v, args.small)]
         elif v["family"] == SDSA_QUANTIZE_FAMILY:
             runs = [check_sdsa_quantize(v, args.small)]
+        elif v["family"] in SDSA_FAMILIES:
+            runs = [check_sdsa(v, args.small)]
         elif v["family"] in MSA_ATTENTION_FAMILIES:
             runs = [check_msa_attention(v, args.small)]
         elif v["family"] in TOKEN_SPARSE_FAMILIES:

@@ -4,9 +4,16 @@ values, no global scale).
 
     quantize_write_index_qk_nvfp4   keys into a paged NVFP4 key cache and queries into NVFP4
                                     rows, one launch
+    indexer_scores                  FP32 q . k of groups of query rows over their request's
+                                    paged keys
+    gather_key_sample               strided samples of each request's keys as dense rows
+    thresholds_from_sample          each row's threshold from its sample's top scores
 
-Kernel: generator/kernels/portable/sdsa_quantize.py (every arch). PyTorch references of the
-whole indexer (scores, threshold select, top-K, sample, thresholds): sparseforge.reference.
+Each is one launch on the current stream, no host synchronisation (CUDA-graph capturable);
+index values (slots, page ids, offsets, positions) are not checked on the GPU, which would
+need a host synchronisation. Kernels: generator/kernels/portable/sdsa_*.py (every arch,
+CUDA cores). PyTorch references of the whole indexer (with the threshold select and the
+top-K from candidates, whose kernels are not written yet): sparseforge.reference.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from sparseforge import ops
-from sparseforge.checks import check_writable, describe
+from sparseforge.checks import check_writable, describe, positive_int
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import sdsa as sdsa_family
 
@@ -88,25 +95,280 @@ def quantize_write_index_qk_nvfp4(
             )
 
 
-def _bytes(name: str, t, shape: tuple, row_bytes_multiple: int, device) -> torch.Tensor:
-    """t as uint8: shape (None = any), the inner dims contiguous, the outer stride a multiple
-    of row_bytes_multiple bytes."""
+def indexer_scores(
+    query, key_cache, block_table, context_lengths, *, requests, scores, query_scales=None,
+    key_scales=None,
+):  # fmt: skip
+    """scores[q, k] = q . k in fp32 (dequantized values; products summed in fp32 in channel
+    order) for the G = len(requests) groups of R = rows / G consecutive query rows (R in
+    1..8): group g's rows against the first context_lengths[g] keys of table row
+    requests[g]; other entries of `scores` (fp32 (rows, max_context), rows contiguous) are
+    untouched. BF16: query (rows, 128) bf16, key_cache (pages, 64, 128) bf16. NVFP4: query
+    (rows, 64) uint8 with query_scales (rows, 8), key_cache (pages, 64, 64) uint8 with
+    key_scales (pages, 64, 8) (uint8 or float8_e4m3fn). block_table (B, W), context_lengths
+    and requests (G,): int32. Needs max_context <= 64 x W. Returns scores."""
+    page = sdsa_family.constant("page_keys")
+    dim = sdsa_family.constant("key_dim")
+    nvfp4 = _key_format("indexer_scores", query_scales, key_scales)
+    width = dim // 2 if nvfp4 else dim
+    element = torch.uint8 if nvfp4 else torch.bfloat16
+    device = _device_of(key_cache, "key_cache")
+    cache = _keys("key_cache", key_cache, element, width, device)
+    q = _keys("query", query, element, width, device, paged=False)
+    groups = _int32_vector("requests", requests, None, device)
+    _int32_vector("context_lengths", context_lengths, groups, device)
+    table = _block_table(block_table, None, device)
+    rows = q.shape[0]
+    if groups == 0 or rows % groups or not 1 <= rows // groups <= 8:
+        raise ValueError(
+            f"query has {rows} rows for {groups} requests: each group must have 1 to 8 rows"
+        )
+    if (
+        not isinstance(scores, torch.Tensor)
+        or scores.dtype != torch.float32
+        or scores.dim() != 2
+        or scores.shape[0] != rows
+        or scores.stride(1) != 1
+        or scores.device != device
+    ):
+        raise ValueError(
+            f"scores must be float32 ({rows}, max_context) with unit stride on the last dim on "
+            f"{device}, got {describe(scores)}"
+        )
+    if scores.shape[1] > page * table.shape[1]:
+        raise ValueError(
+            f"scores has {scores.shape[1]} columns; the block table holds at most "
+            f"{page * table.shape[1]} keys (64 x W)"
+        )
+    query_scales, key_scales = _scales_pair(nvfp4, query_scales, key_scales, rows, cache, device)
+    inputs = (("query", query), ("key_cache", key_cache), ("block_table", block_table))
+    check_writable("scores", scores, inputs)
+    _need_cuda(device, "indexer_scores")
+    if rows and scores.shape[1]:
+        launch = sdsa_family.launch(device.index, "sdsa_scores", "u8" if nvfp4 else "bf16")
+        tensors = (q, query_scales, cache, key_scales, table, context_lengths, requests, scores)
+        with torch.cuda.device(device):
+            ops.launch(launch, tensors)
+    return scores
+
+
+def gather_key_sample(
+    key_cache, block_table, offsets, sample_ends, *, sample_keys, samples_per_run: int,
+    pages_per_run: int, key_scales=None, sample_scales=None,
+):  # fmt: skip
+    """Slot s < sample_ends[r] of sample row r gets logical key
+    (s // samples_per_run) * 64 * pages_per_run + offsets[s] of block_table row r (and, for
+    NVFP4 keys, its scales into sample_scales); other slots are untouched. sample_keys
+    (R, cap, 128) bf16 or (R, cap, 64) uint8 (the cache's dtype), cap a multiple of 128;
+    offsets uint8 (cap,); sample_ends int32 (R,). Viewed as 64-key pages, the sample is
+    scored by indexer_scores. Returns sample_keys."""
+    nvfp4 = _key_format("gather_key_sample", sample_scales, key_scales)
+    dim = sdsa_family.constant("key_dim")
+    width = dim // 2 if nvfp4 else dim
+    element = torch.uint8 if nvfp4 else torch.bfloat16
+    device = _device_of(key_cache, "key_cache")
+    cache = _keys("key_cache", key_cache, element, width, device)
+    if (
+        not isinstance(sample_keys, torch.Tensor)
+        or sample_keys.dtype != element
+        or sample_keys.dim() != 3
+        or sample_keys.shape[2] != width
+        or sample_keys.shape[1] % 128
+        or sample_keys.stride()[1:] != (width, 1)
+        or sample_keys.device != device
+    ):
+        raise ValueError(
+            f"sample_keys must be {element} (R, cap, {width}) with contiguous rows and cap a "
+            f"multiple of 128 on {device}, got {describe(sample_keys)}"
+        )
+    rows, cap = sample_keys.shape[:2]
+    table = _block_table(block_table, rows, device)
+    _int32_vector("sample_ends", sample_ends, rows, device)
+    if (
+        not isinstance(offsets, torch.Tensor)
+        or offsets.dtype != torch.uint8
+        or offsets.shape != (cap,)
+        or not offsets.is_contiguous()
+        or offsets.device != device
+    ):
+        raise ValueError(
+            f"offsets must be a contiguous uint8 vector of length {cap} (cap) on {device}, got "
+            f"{describe(offsets)}"
+        )
+    for name, value in (("samples_per_run", samples_per_run), ("pages_per_run", pages_per_run)):
+        positive_int(name, value)
+    _, key_scales = _scales_pair(nvfp4, None, key_scales, 0, cache, device)
+    scales_out = key_scales  # (BF16: a stand-in the kernel does not write)
+    if nvfp4:
+        scales_out = _bytes("sample_scales", sample_scales, (rows, cap, dim // 16), 8, device)
+    inputs = (("key_cache", key_cache), ("block_table", block_table), ("offsets", offsets))
+    check_writable("sample_keys", sample_keys, inputs)
+    _need_cuda(device, "gather_key_sample")
+    if rows and cap:
+        launch = sdsa_family.launch(
+            device.index, "sdsa_sample", "u8" if nvfp4 else "bf16", samples_per_run, pages_per_run
+        )
+        tensors = (cache, key_scales, table, offsets, sample_ends, sample_keys, scales_out)
+        with torch.cuda.device(device):
+            ops.launch(launch, tensors)
+    return sample_keys
+
+
+def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
+    """thresholds[r] = the min of sample_scores[r, p] (fp32 (rows, S)) over the positions p
+    in sample_top[r] (int32 (rows, K)); a position of -1 (or >= S) or a NaN score counts as
+    -inf, a row with K = 0 gets +inf. Sets counters[r] (int32 (rows, 2)) to 0. One launch."""
+    device = _device_of(sample_scores, "sample_scores")
+    for name, t, dtype in (
+        ("sample_scores", sample_scores, torch.float32),
+        ("sample_top", sample_top, torch.int32),
+    ):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != dtype
+            or t.dim() != 2
+            or t.stride(1) != 1
+            or t.device != device
+        ):
+            raise ValueError(
+                f"{name} must be {dtype} (rows, n) with unit stride on the last dim on {device}, "
+                f"got {describe(t)}"
+            )
+    rows = sample_scores.shape[0]
+    if sample_top.shape[0] != rows:
+        raise ValueError(
+            f"sample_top must have {rows} rows (sample_scores'), got {sample_top.shape[0]}"
+        )
+    if (
+        not isinstance(thresholds, torch.Tensor)
+        or thresholds.dtype != torch.float32
+        or thresholds.shape != (rows,)
+        or not thresholds.is_contiguous()
+        or thresholds.device != device
+    ):
+        raise ValueError(
+            f"thresholds must be a contiguous float32 vector of length {rows} on {device}, got "
+            f"{describe(thresholds)}"
+        )
+    if (
+        not isinstance(counters, torch.Tensor)
+        or counters.dtype != torch.int32
+        or counters.shape != (rows, 2)
+        or counters.stride(1) != 1
+        or counters.device != device
+    ):
+        raise ValueError(
+            f"counters must be int32 ({rows}, 2) with unit stride on the last dim on {device}, "
+            f"got {describe(counters)}"
+        )
+    inputs = (("sample_scores", sample_scores), ("sample_top", sample_top))
+    check_writable("thresholds", thresholds, inputs + (("counters", counters),))
+    check_writable("counters", counters, inputs)
+    _need_cuda(device, "thresholds_from_sample")
+    if rows:
+        launch = sdsa_family.launch(device.index, "sdsa_thresholds", None)
+        with torch.cuda.device(device):
+            ops.launch(launch, (sample_scores, sample_top, thresholds, counters))
+
+
+def _key_format(function: str, query_scales, key_scales) -> bool:
+    """True for NVFP4 (both scale tensors given), False for BF16 (neither)."""
+    if (query_scales is None) != (key_scales is None):
+        raise ValueError(f"{function}: give both scale tensors (NVFP4 keys) or neither (BF16 keys)")
+    return key_scales is not None
+
+
+def _device_of(t, name: str) -> torch.device:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {describe(t)}")
+    return t.device
+
+
+def _need_cuda(device, function: str) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"the tensors are on {device}; {function} needs a CUDA device")
+
+
+def _keys(name: str, t, element, width: int, device, paged: bool = True) -> torch.Tensor:
+    """A key cache (pages, 64, width) or query rows (rows, width) of `element` (bf16, or
+    uint8 NVFP4 codes), rows contiguous, the outer stride a multiple of 16 bytes."""
+    page = sdsa_family.constant("page_keys")
+    shape = (None, page, width) if paged else (None, width)
+    if not isinstance(t, torch.Tensor) or t.dtype != element:
+        kind = "NVFP4 codes (uint8)" if element == torch.uint8 else "bf16"
+        raise ValueError(f"{name} must be {kind}, got {describe(t)}")
+    return _layout(name, t, shape, 16, device)
+
+
+def _scales_pair(nvfp4: bool, first, keys, first_rows: int, cache, device):
+    """The two scale tensors as uint8 (NVFP4), or one-element stand-ins (BF16)."""
+    dim = sdsa_family.constant("key_dim")
+    page = sdsa_family.constant("page_keys")
+    if not nvfp4:
+        stand_in = torch.zeros(1, page, dim // 16, dtype=torch.uint8, device=device)
+        return stand_in[0, :1], stand_in
+    keys = _bytes("key_scales", keys, (cache.shape[0], page, dim // 16), 8, device)
+    if first is not None and first.dim() == 2:
+        first = _bytes("query_scales", first, (first_rows, dim // 16), 8, device)
+    return first, keys
+
+
+def _int32_vector(name: str, t, length, device) -> int:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != torch.int32
+        or t.dim() != 1
+        or (length is not None and t.shape[0] != length)
+        or not t.is_contiguous()
+        or t.device != device
+    ):
+        want = "" if length is None else f" of length {length}"
+        raise ValueError(
+            f"{name} must be a contiguous int32 vector{want} on {device}, got {describe(t)}"
+        )
+    return t.shape[0]
+
+
+def _block_table(t, rows, device) -> torch.Tensor:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != torch.int32
+        or t.dim() != 2
+        or (rows is not None and t.shape[0] != rows)
+        or t.stride(1) != 1
+        or t.device != device
+    ):
+        want = "B" if rows is None else str(rows)
+        raise ValueError(
+            f"block_table must be int32 ({want}, W) with unit stride on the last dim on {device}, "
+            f"got {describe(t)}"
+        )
+    return t
+
+
+def _bytes(name: str, t, shape: tuple, outer_bytes: int, device) -> torch.Tensor:
+    """t (uint8, or float8_e4m3fn scales) as uint8, laid out as _layout says."""
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise ValueError(f"{name} must be a uint8 (or float8_e4m3fn) tensor, got {describe(t)}")
-    inner = t.stride()[1:]
+    return _layout(name, t, shape, outer_bytes, device).view(torch.uint8)
+
+
+def _layout(name: str, t, shape: tuple, outer_bytes: int, device) -> torch.Tensor:
+    """t itself, checked: `shape` (None = any extent), the dims after the first contiguous,
+    the first stride a multiple of outer_bytes bytes, on `device`."""
     want_inner = tuple(
         int(torch.tensor(shape[i + 2 :] or (1,)).prod()) for i in range(len(shape) - 1)
     )
     if (
         t.dim() != len(shape)
         or any(s is not None and n != s for n, s in zip(t.shape, shape, strict=True))
-        or inner != want_inner
-        or t.stride(0) % row_bytes_multiple
+        or t.stride()[1:] != want_inner
+        or (t.stride(0) * t.element_size()) % outer_bytes
         or t.device != device
     ):
         want = ", ".join("N" if s is None else str(s) for s in shape)
         raise ValueError(
             f"{name} must be ({want}) with contiguous rows and a first stride that is a "
-            f"multiple of {row_bytes_multiple} bytes on {device}, got {describe(t)}"
+            f"multiple of {outer_bytes} bytes on {device}, got {describe(t)}"
         )
-    return t.view(torch.uint8)
+    return t

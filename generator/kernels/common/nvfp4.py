@@ -1,9 +1,10 @@
-"""NVFP4 rounding for the kernels that quantize to it, the reference's step for step
+"""NVFP4 for the kernels: the rounding of those that quantize to it, the reference's step for step
 (sparseforge.reference.nvfp4_quantize), in fp32:
     scale = e4m3(min(amax / 6 / global, 448))     cvt.rn.satfinite: nearest, ties to even
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
-with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does.
+with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
+and the decoding of those that read it (e2m1_pair_as_fp16).
 """
 
 import cutlass
@@ -75,3 +76,18 @@ def quantize_group(x, global_scale, write_byte):
         high = e2m1_code(x[2 * b + 1], step)
         write_byte(b, cutlass.Uint8(low | (high << 4)))
     return scale_byte
+
+
+# An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the fp16 bits as s.00e1e0.m0..
+# reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: one shift and
+# mask per code, no table.
+E2M1_FP16_FACTOR = 2.0**14
+
+
+@cute.jit
+def e2m1_pair_as_fp16(byte):
+    """The two E2M1 codes of a byte (the even element in the low nibble) as two fp16 in one
+    32-bit word (the even element in the low half), each its value / 2^14."""
+    low = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+    high = ((byte & 0x70) << 21) | ((byte & 0x80) << 24)
+    return low | high

@@ -39,6 +39,7 @@ from generator.families.msa_sparse_attention import (
 )
 from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_pair_as_fp16
 from generator.kernels.common.softmax import (
     LN_2,
     acc_mn_view,
@@ -444,21 +445,6 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
 def chunk8(fragment, m, k):
     """The 8 values (one 16-byte shared-memory chunk) of a row-copy fragment at (m, k)."""
     return cute.make_tensor(fragment[None, m, k].iterator, cute.make_layout(8))
-
-
-# An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the fp16 bits as s.00e1e0.m0..
-# reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: one shift and
-# mask per code, no table.
-E2M1_FP16_FACTOR = 2.0**14
-
-
-@cute.jit
-def e2m1_pair_as_fp16(byte):
-    """The two E2M1 codes of a byte (the even element in the low nibble) as two fp16 in one
-    32-bit word (the even element in the low half), each its value / 2^14."""
-    low = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
-    high = ((byte & 0x70) << 21) | ((byte & 0x80) << 24)
-    return low | high
 
 
 def make_kernel(variant):

@@ -7,7 +7,7 @@ import functools
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
-FAMILIES = ("sdsa_quantize",)
+FAMILIES = ("sdsa_quantize", "sdsa_scores", "sdsa_sample", "sdsa_thresholds")
 CONSTANTS = ("page_keys", "key_dim")
 CONSTRAINTS = ()
 
@@ -16,10 +16,10 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-@functools.lru_cache(maxsize=16)
-def quantize_launch(device_index: int, dtype: str):
-    kernel = families.choose(
-        "sdsa_quantize", arch_for_device(device_index), dtype=dtype, head_dim=constant("key_dim")
-    )
+@functools.lru_cache(maxsize=32)
+def launch(device_index: int, family: str, dtype: str | None, *scalars):
+    """The bound launch of one of FAMILIES (dtype None: the family has one variant)."""
+    params = {} if dtype is None else dict(dtype=dtype, head_dim=constant("key_dim"))
+    kernel = families.choose(family, arch_for_device(device_index), **params)
     kernel.prepare()
-    return kernel.bind()
+    return kernel.bind(*scalars)
