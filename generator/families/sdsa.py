@@ -182,6 +182,7 @@ FAMILIES = (
         name="sdsa_thresholds",
         doc="SDSA thresholds from a scored sample (thresholds_from_sample)",
         abi=thresholds_abi,
+        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM},
         templates=(
             Template(
                 "sdsa_thresholds",
