@@ -2,12 +2,20 @@
 byte (scale range, saturation, zero / NaN / midpoint groups, skipped slots and rows, the
 cache and its scales as views of one allocation), no rows at all, CUDA-graph replay; scores
 over paged BF16 and NVFP4 keys (groups of 1, 4, 8 rows, an empty request, untouched
-entries); the key sample; the thresholds from a sample (NaN and -1 positions)."""
+entries); the key sample; the thresholds from a sample (NaN and -1 positions); the top-K
+from candidates (ties, infinities, NaNs; K 1, 32, 200)."""
 
 import pytest
 import torch
 from sparseforge import reference, sdsa
-from sparseforge.check import sdsa_paged_keys, sdsa_quantize_inputs, sdsa_quantized, sdsa_queries
+from sparseforge.check import (
+    same_top_k,
+    sdsa_candidates,
+    sdsa_paged_keys,
+    sdsa_quantize_inputs,
+    sdsa_quantized,
+    sdsa_queries,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +128,13 @@ def test_thresholds_from_sample():
     sdsa.thresholds_from_sample(args[0], args[1], thresholds=args[2], counters=args[3])
     assert torch.equal(args[2].cpu(), want) and torch.equal(args[3].cpu(), want_counters)
     assert want[5] == -float("inf") and want[9] == -float("inf")
+
+
+def test_top_k_from_candidates():
+    candidates, ranges = sdsa_candidates(600, 300, device="cuda")
+    for k in (1, 32, 200):
+        got = torch.full((600, k), -9, dtype=torch.int32, device="cuda")
+        want = got.clone()
+        sdsa.top_k_from_candidates(candidates, ranges, top_keys=got)
+        reference.top_k_from_candidates(candidates, ranges, top_keys=want)
+        assert same_top_k(got, want, candidates, ranges), k

@@ -131,3 +131,24 @@ def test_sample_and_threshold_arguments():
         )
     with pytest.raises(ValueError, match="counters must be int32"):
         sdsa.thresholds_from_sample(**(thresholds | {"counters": torch.zeros(3, 2)}))
+
+
+def test_top_k_arguments():
+    candidates = torch.zeros(3, 40, 2, dtype=torch.int32)
+    ranges = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.top_k_from_candidates(
+            candidates, ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="K must be < 65536"):
+        sdsa.top_k_from_candidates(
+            candidates, ranges, top_keys=torch.zeros(3, 65536, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="ranges must be int32 \\(2, 3\\)"):
+        sdsa.top_k_from_candidates(
+            candidates, ranges[:, :2], top_keys=torch.zeros(3, 8, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="candidates must be int32"):
+        sdsa.top_k_from_candidates(
+            candidates.float(), ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
+        )

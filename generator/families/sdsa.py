@@ -13,6 +13,8 @@ global scale).
                     (and its scales)
     sdsa_thresholds thresholds_from_sample: each row's min sample score over its top
                     positions (-1 or NaN: -inf); its counters zeroed
+    sdsa_topk       top_k_from_candidates: each row's exact top-K keys from its range of
+                    candidate slots (radix select in float-bit order)
 """
 
 from generator.abi import ScalarArg, TensorArg
@@ -130,6 +132,17 @@ def thresholds_abi(head_dim=None):
     )
 
 
+def topk_abi(head_dim=None):
+    """mCandidates (rows, slots, 2) i32: (key, stored value bits) pairs
+    mRanges     (2, rows)  i32: each row's [first, end) slots
+    mTopKeys    (rows, K)  i32 out"""
+    return (
+        TensorArg("mCandidates", "i32", shape=(None, None, 2), stride=(None, 2, 1)),
+        TensorArg("mRanges", "i32", shape=(2, None), stride=(None, 1)),
+        TensorArg("mTopKeys", "i32", shape=(None, None), stride=(None, 1), output=True),
+    )
+
+
 def _key_family(name, doc, abi, module):
     return Family(
         name=name,
@@ -187,6 +200,20 @@ FAMILIES = (
             Template(
                 "sdsa_thresholds",
                 "generator.kernels.portable.sdsa_thresholds",
+                archs=ALL_ARCHS,
+                portable=True,
+            ),
+        ),
+    ),
+    Family(
+        name="sdsa_topk",
+        doc="SDSA top-K keys from candidates (top_k_from_candidates)",
+        abi=topk_abi,
+        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM, "max_top_k": 65535},
+        templates=(
+            Template(
+                "sdsa_topk",
+                "generator.kernels.portable.sdsa_topk",
                 archs=ALL_ARCHS,
                 portable=True,
             ),

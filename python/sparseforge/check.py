@@ -20,8 +20,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
   shuffled and negative slots and rows, cache and scales as views of one allocation; every
   output byte equal to reference.quantize_write_index_qk_nvfp4's; sdsa_scores,
-  sdsa_sample, sdsa_thresholds: paged BF16 / NVFP4 keys (an empty request), sample rows,
-  NaN and -1 positions, against the reference;
+  sdsa_sample, sdsa_thresholds, sdsa_topk: paged BF16 / NVFP4 keys (an empty request),
+  sample rows, NaN and -1 positions, ties, infinities and NaNs among the candidates,
+  against the reference;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -52,7 +53,7 @@ TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
-SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds")
+SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds", "sdsa_topk")
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",
@@ -536,6 +537,40 @@ def sdsa_queries(rows: int, nvfp4: bool, seed=1, device="cpu"):
     return data.to(device), scales.view(torch.uint8).to(device)
 
 
+def sdsa_candidates(rows: int, slots: int, seed=0, device="cpu"):
+    """(candidates (rows, slots, 2), ranges (2, rows)) int32: random keys and stored values
+    (ties, +-inf, NaN of both signs among them); per row a random range of slots, some with
+    fewer pairs than 32 and one empty."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, slots, generator=gen).round(decimals=1)  # ties
+    values[:, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")])
+    shift = torch.randint(0, 131, (rows, 1), generator=gen)
+    keys = (torch.arange(slots)[None] * 131 + shift).to(torch.int32)  # distinct within a row
+    candidates = torch.stack([keys, values.view(torch.int32)], -1)
+    first = torch.randint(0, slots // 2, (rows,), generator=gen)
+    end = first + torch.randint(0, slots // 2, (rows,), generator=gen)
+    end[0] = first[0]  # an empty row
+    ranges = torch.stack([first, end]).to(torch.int32)
+    return candidates.to(device), ranges.to(device)
+
+
+def same_top_k(got, want, candidates, ranges) -> bool:
+    """Both tops hold the same multiset of stored values (ties may pick other keys), each
+    key one of its row's range, and -1 exactly where the reference has it."""
+    if not torch.equal(got < 0, want < 0):
+        return False
+    for r in range(got.shape[0]):
+        pairs = candidates[r, int(ranges[0, r]) : int(ranges[1, r])]
+        value_of = {int(k): int(v) for k, v in pairs.tolist()}
+        keys_got = [int(k) for k in got[r] if k >= 0]
+        keys_want = [int(k) for k in want[r] if k >= 0]
+        if any(k not in value_of for k in keys_got) or len(set(keys_got)) != len(keys_got):
+            return False
+        if sorted(value_of[k] for k in keys_got) != sorted(value_of[k] for k in keys_want):
+            return False
+    return True
+
+
 def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     """sdsa_scores / sdsa_sample / sdsa_thresholds against the reference."""
     from sparseforge import sdsa
@@ -582,6 +617,15 @@ def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
         )
         same = torch.equal(got, want) and (scales is None or torch.equal(scales, want_scales))
         return "sample rows byte for byte vs the reference", same
+    if v["family"] == "sdsa_topk":
+        candidates, ranges = sdsa_candidates(40 if small else 600, 300, seed, "cuda")
+        got = torch.full((candidates.shape[0], 32), -9, dtype=torch.int32, device="cuda")
+        want = got.clone()
+        sdsa.top_k_from_candidates(candidates, ranges, top_keys=got)
+        reference.top_k_from_candidates(candidates, ranges, top_keys=want)
+        return "top-K keys as score multisets vs the reference", same_top_k(
+            got, want, candidates, ranges
+        )
     rows = 70 if small else 3000
     scores = torch.randn(rows, 256, device="cuda")
     scores[0, 3] = float("nan")

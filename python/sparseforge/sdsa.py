@@ -8,12 +8,13 @@ values, no global scale).
                                     paged keys
     gather_key_sample               strided samples of each request's keys as dense rows
     thresholds_from_sample          each row's threshold from its sample's top scores
+    top_k_from_candidates           each row's exact top-K keys from its candidate slots
 
 Each is one launch on the current stream, no host synchronisation (CUDA-graph capturable);
 index values (slots, page ids, offsets, positions) are not checked on the GPU, which would
 need a host synchronisation. Kernels: generator/kernels/portable/sdsa_*.py (every arch,
-CUDA cores). PyTorch references of the whole indexer (with the threshold select and the
-top-K from candidates, whose kernels are not written yet): sparseforge.reference.
+CUDA cores). PyTorch references of the whole indexer (with the threshold select, whose
+kernel is not written yet): sparseforge.reference.
 """
 
 from __future__ import annotations
@@ -269,6 +270,60 @@ def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
         launch = sdsa_family.launch(device.index, "sdsa_thresholds", None)
         with torch.cuda.device(device):
             ops.launch(launch, (sample_scores, sample_top, thresholds, counters))
+
+
+def top_k_from_candidates(candidates, ranges, *, top_keys):
+    """Row r's (key, stored value) pairs in slots [ranges[0, r], ranges[1, r]) of
+    candidates (int32 (rows, slots, 2), as indexer_threshold_select stores them): with at
+    most K = top_keys.shape[1] of them, their keys in slot order, then -1; otherwise the
+    exact top-K by stored value in float-bit order (a positive NaN above +inf): the keys
+    strictly above the K-th value first, then tied keys up to K (which ones, and the order
+    within each part, unspecified). K < 65536; ranges int32 (2, rows) within [0, slots] (not
+    checked on the GPU). One launch. Returns top_keys."""
+    device = _device_of(candidates, "candidates")
+    if (
+        candidates.dtype != torch.int32
+        or candidates.dim() != 3
+        or candidates.shape[2] != 2
+        or candidates.stride()[1:] != (2, 1)
+    ):
+        raise ValueError(
+            f"candidates must be int32 (rows, slots, 2) with contiguous rows, got "
+            f"{describe(candidates)}"
+        )
+    rows = candidates.shape[0]
+    if (
+        not isinstance(ranges, torch.Tensor)
+        or ranges.dtype != torch.int32
+        or ranges.shape != (2, rows)
+        or ranges.stride(1) != 1
+        or ranges.device != device
+    ):
+        raise ValueError(
+            f"ranges must be int32 (2, {rows}) with unit stride on the last dim on {device}, "
+            f"got {describe(ranges)}"
+        )
+    if (
+        not isinstance(top_keys, torch.Tensor)
+        or top_keys.dtype != torch.int32
+        or top_keys.dim() != 2
+        or top_keys.shape[0] != rows
+        or top_keys.stride(1) != 1
+        or top_keys.device != device
+    ):
+        raise ValueError(
+            f"top_keys must be int32 ({rows}, K) with unit stride on the last dim on {device}, "
+            f"got {describe(top_keys)}"
+        )
+    if top_keys.shape[1] >= 65536:
+        raise ValueError(f"top_keys has {top_keys.shape[1]} columns; K must be < 65536")
+    check_writable("top_keys", top_keys, (("candidates", candidates), ("ranges", ranges)))
+    _need_cuda(device, "top_k_from_candidates")
+    if rows and top_keys.shape[1]:
+        launch = sdsa_family.launch(device.index, "sdsa_topk", None)
+        with torch.cuda.device(device):
+            ops.launch(launch, (candidates, ranges, top_keys))
+    return top_keys
 
 
 def _key_format(function: str, query_scales, key_scales) -> bool:
