@@ -3,18 +3,21 @@ byte (scale range, saturation, zero / NaN / midpoint groups, skipped slots and r
 cache and its scales as views of one allocation), no rows at all, CUDA-graph replay; scores
 over paged BF16 and NVFP4 keys (groups of 1, 4, 8 rows, an empty request, untouched
 entries); the key sample; the thresholds from a sample (NaN and -1 positions); the top-K
-from candidates (ties, infinities, NaNs; K 1, 32, 200)."""
+from candidates (ties, infinities, NaNs; K 1, 32, 200); the threshold select (counters,
+slots, stored values; +inf, -inf and NaN thresholds)."""
 
 import pytest
 import torch
 from sparseforge import reference, sdsa
 from sparseforge.check import (
+    same_selection,
     same_top_k,
     sdsa_candidates,
     sdsa_paged_keys,
     sdsa_quantize_inputs,
     sdsa_quantized,
     sdsa_queries,
+    sdsa_select_inputs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -138,3 +141,12 @@ def test_top_k_from_candidates():
         sdsa.top_k_from_candidates(candidates, ranges, top_keys=got)
         reference.top_k_from_candidates(candidates, ranges, top_keys=want)
         assert same_top_k(got, want, candidates, ranges), k
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_threshold_select(nvfp4):
+    got = sdsa_select_inputs([5000, 64, 4097], nvfp4, device="cuda")
+    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    sdsa.indexer_threshold_select(**got)
+    reference.indexer_threshold_select(**want)
+    assert same_selection(got, want)

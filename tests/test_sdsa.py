@@ -152,3 +152,27 @@ def test_top_k_arguments():
         sdsa.top_k_from_candidates(
             candidates.float(), ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
         )
+
+
+def test_threshold_select_arguments():
+    from sparseforge.check import sdsa_select_inputs
+
+    args = sdsa_select_inputs([100], False, top_k=4, slots=8)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.indexer_threshold_select(**args)
+    with pytest.raises(ValueError, match="top_k = 8 must be an int in \\[0, 8\\)"):
+        sdsa.indexer_threshold_select(**(args | {"top_k": 8}))
+    with pytest.raises(ValueError, match="give both arrivals and ranges"):
+        sdsa.indexer_threshold_select(**args, arrivals=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="repair mode"):
+        sdsa.indexer_threshold_select(
+            **args,
+            arrivals=torch.zeros(1, dtype=torch.int32),
+            ranges=torch.zeros(2, 128, dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="128 per tile"):
+        sdsa.indexer_threshold_select(
+            **(args | {"tile_requests": torch.zeros(2, dtype=torch.int32)})
+        )
+    with pytest.raises(ValueError, match="max_context = 1000 exceeds"):
+        sdsa.indexer_threshold_select(**(args | {"max_context": 1000}))

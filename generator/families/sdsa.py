@@ -13,6 +13,8 @@ global scale).
                     (and its scales)
     sdsa_thresholds thresholds_from_sample: each row's min sample score over its top
                     positions (-1 or NaN: -inf); its counters zeroed
+    sdsa_select     indexer_threshold_select (without repair): each row's candidates (score >
+                    threshold) and ties (neither above nor below) into its slots, counted
     sdsa_topk       top_k_from_candidates: each row's exact top-K keys from its range of
                     candidate slots (radix select in float-bit order)
 """
@@ -132,6 +134,25 @@ def thresholds_abi(head_dim=None):
     )
 
 
+def select_abi(head_dim=KEY_DIM):
+    """The scores' query and key arguments (scores_abi), then
+    mBlockTable (B, W) i32, mRowEnds (rows,) i32, mTileRequests (tiles,) i32: table row of
+    each 128-row tile, mThresholds (rows,) f32, mCounters (rows, 2) i32 out (added to),
+    mCandidates (rows, slots, 2) i32 out; max_context, top_k"""
+    keys = scores_abi(head_dim)[:4]
+    return (
+        *keys,
+        TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
+        TensorArg("mRowEnds", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mTileRequests", "i32", shape=(None,), stride=(1,)),
+        TensorArg("mThresholds", "f32", shape=(None,), stride=(1,)),
+        TensorArg("mCounters", "i32", shape=(None, 2), stride=(None, 1), output=True),
+        TensorArg("mCandidates", "i32", shape=(None, None, 2), stride=(None, 2, 1), output=True),
+        ScalarArg("max_context", "i32"),
+        ScalarArg("top_k", "i32"),
+    )
+
+
 def topk_abi(head_dim=None):
     """mCandidates (rows, slots, 2) i32: (key, stored value bits) pairs
     mRanges     (2, rows)  i32: each row's [first, end) slots
@@ -204,6 +225,12 @@ FAMILIES = (
                 portable=True,
             ),
         ),
+    ),
+    _key_family(
+        "sdsa_select",
+        "SDSA threshold select over paged BF16 / NVFP4 keys",
+        select_abi,
+        "generator.kernels.portable.sdsa_select",
     ),
     Family(
         name="sdsa_topk",

@@ -20,7 +20,7 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
   shuffled and negative slots and rows, cache and scales as views of one allocation; every
   output byte equal to reference.quantize_write_index_qk_nvfp4's; sdsa_scores,
-  sdsa_sample, sdsa_thresholds, sdsa_topk: paged BF16 / NVFP4 keys (an empty request),
+  sdsa_sample, sdsa_thresholds, sdsa_topk, sdsa_select: paged BF16 / NVFP4 keys (an empty request),
   sample rows, NaN and -1 positions, ties, infinities and NaNs among the candidates,
   against the reference;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
@@ -53,7 +53,7 @@ TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
-SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds", "sdsa_topk")
+SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds", "sdsa_topk", "sdsa_select")
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",
@@ -571,6 +571,76 @@ def same_top_k(got, want, candidates, ranges) -> bool:
     return True
 
 
+def sdsa_select_inputs(lengths, nvfp4: bool, top_k=16, slots=64, seed=0, device="cpu"):
+    """indexer_threshold_select arguments for one 128-row tile per request of `lengths` keys:
+    rows see up to their request's length (some fewer); each row's threshold lies midway in
+    the widest gap between its scores near a random rank (so fp32 rounding cannot move a
+    key across it); three rows get +inf, -inf and NaN (everything a tie)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, key_scales, table = sdsa_paged_keys(lengths, nvfp4, seed, device)
+    query, query_scales = sdsa_queries(128 * len(lengths), nvfp4, seed + 1, device)
+    row_ends = torch.tensor([n for n in lengths for _ in range(128)], dtype=torch.int32)
+    row_ends[1::7] //= 3
+    q = reference.sdsa_dequantize(query, query_scales).double().cpu()
+    thresholds = torch.empty(len(row_ends))
+    for r in range(len(row_ends)):
+        keys = reference.sdsa_request_keys(
+            cache.cpu(), table.cpu(), r // 128, int(row_ends[r]),
+            None if key_scales is None else key_scales.cpu(),
+        )  # fmt: skip
+        score = (keys.double() @ q[r]).sort(descending=True).values
+        if score.numel() < 2:
+            thresholds[r] = 0.0
+            continue
+        rank = int(torch.randint(0, score.numel() - 1, (1,), generator=gen))
+        near = slice(max(rank - 3, 0), min(rank + 4, score.numel() - 1))
+        gaps = score[near] - score[near.start + 1 : near.stop + 1]
+        at = near.start + int(gaps.argmax())
+        thresholds[r] = float((score[at] + score[at + 1]) / 2)
+    thresholds[:3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    args = dict(
+        query=query, key_cache=cache, row_ends=row_ends.to(device),
+        tile_requests=torch.arange(len(lengths), dtype=torch.int32, device=device),
+        block_table=table, thresholds=thresholds.to(device),
+        counters=torch.zeros(len(row_ends), 2, dtype=torch.int32, device=device),
+        candidates=torch.full((len(row_ends), slots, 2), -7, dtype=torch.int32, device=device),
+        max_context=max(lengths), top_k=top_k, query_scales=query_scales, key_scales=key_scales,
+    )  # fmt: skip
+    return args
+
+
+def same_selection(got: dict, want: dict) -> bool:
+    """The kernel's counters equal the reference's, and each row's stored candidates and
+    ties are distinct keys of the right class (any of them where more than fit), with
+    stored values within 1e-4 of the reference's."""
+    if not torch.equal(got["counters"].cpu(), want["counters"].cpu()):
+        return False
+    top_k = want["top_k"]
+    cap = want["candidates"].shape[1] - top_k
+    for r in range(want["counters"].shape[0]):
+        cands, ties = (int(x) for x in want["counters"][r])
+        g, w = got["candidates"][r].cpu(), want["candidates"][r].cpu()
+        for part in (slice(top_k, top_k + min(cands, cap)), slice(top_k - min(ties, top_k), top_k)):
+            keys = g[part, 0].tolist()
+            if len(set(keys)) != len(keys):
+                return False
+        # The reference stores the first ones in key order; the kernel any: compare values
+        # where every key of the class was stored.
+        if cands <= cap:
+            mine = dict(g[top_k : top_k + cands].tolist())
+            theirs = dict(w[top_k : top_k + cands].tolist())
+            if mine.keys() != theirs.keys():
+                return False
+            as_float = lambda b: torch.tensor([b], dtype=torch.int32).view(torch.float32)  # noqa: E731
+            if any(
+                abs(float(as_float(mine[k]) - as_float(theirs[k])))
+                > 1e-4 * max(1.0, abs(float(as_float(theirs[k]))))
+                for k in mine
+            ):
+                return False
+    return True
+
+
 def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     """sdsa_scores / sdsa_sample / sdsa_thresholds against the reference."""
     from sparseforge import sdsa
@@ -617,6 +687,14 @@ def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
         )
         same = torch.equal(got, want) and (scales is None or torch.equal(scales, want_scales))
         return "sample rows byte for byte vs the reference", same
+    if v["family"] == "sdsa_select":
+        got = sdsa_select_inputs(
+            [300, 129] if small else [5000, 64, 4097], nvfp4, seed=seed, device="cuda"
+        )
+        want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+        sdsa.indexer_threshold_select(**got)
+        reference.indexer_threshold_select(**want)
+        return "counters, candidates and ties vs the reference", same_selection(got, want)
     if v["family"] == "sdsa_topk":
         candidates, ranges = sdsa_candidates(40 if small else 600, 300, seed, "cuda")
         got = torch.full((candidates.shape[0], 32), -9, dtype=torch.int32, device="cuda")

@@ -8,13 +8,15 @@ values, no global scale).
                                     paged keys
     gather_key_sample               strided samples of each request's keys as dense rows
     thresholds_from_sample          each row's threshold from its sample's top scores
+    indexer_threshold_select        each row's keys above / at its threshold into its slots,
+                                    in one pass over its keys (no score matrix)
     top_k_from_candidates           each row's exact top-K keys from its candidate slots
 
 Each is one launch on the current stream, no host synchronisation (CUDA-graph capturable);
 index values (slots, page ids, offsets, positions) are not checked on the GPU, which would
 need a host synchronisation. Kernels: generator/kernels/portable/sdsa_*.py (every arch,
-CUDA cores). PyTorch references of the whole indexer (with the threshold select, whose
-kernel is not written yet): sparseforge.reference.
+CUDA cores). PyTorch references of the whole indexer (repair mode included):
+sparseforge.reference.
 """
 
 from __future__ import annotations
@@ -251,6 +253,107 @@ def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
             f"thresholds must be a contiguous float32 vector of length {rows} on {device}, got "
             f"{describe(thresholds)}"
         )
+    _counters(counters, rows, device)
+    inputs = (("sample_scores", sample_scores), ("sample_top", sample_top))
+    check_writable("thresholds", thresholds, inputs + (("counters", counters),))
+    check_writable("counters", counters, inputs)
+    _need_cuda(device, "thresholds_from_sample")
+    if rows:
+        launch = sdsa_family.launch(device.index, "sdsa_thresholds", None)
+        with torch.cuda.device(device):
+            ops.launch(launch, (sample_scores, sample_top, thresholds, counters))
+
+
+def indexer_threshold_select(
+    query, key_cache, row_ends, tile_requests, block_table, *, thresholds, counters,
+    candidates, max_context: int, top_k: int, query_scales=None, key_scales=None,
+    arrivals=None, ranges=None,
+):  # fmt: skip
+    """Row r of tile t = r // 128 (table row tile_requests[t]) against its keys
+    < min(row_ends[r], max_context), scored as indexer_scores does, without writing scores:
+    a key is a candidate when score > thresholds[r], a tie when neither above nor below
+    (equal, or NaN). counters[r] (int32 (rows, 2), zeroed by the caller) += (candidates,
+    ties), including pairs not stored; the n-th candidate goes to slot top_k + n of
+    candidates[r] (int32 (rows, slots, 2)) if n < cap = slots - top_k, the n-th tie to slot
+    top_k - 1 - n if n < top_k, as (key, bits of the stored value: score - thr where score <=
+    2 thr, else the score); the order within a class is unspecified. A row fits when
+    cands <= cap and cands + min(ties, top_k) >= min(row_end, top_k). Repair mode
+    (`arrivals`, `ranges`) is not built yet (reference.indexer_threshold_select has it):
+    passing them raises NotImplementedError. query / key formats as indexer_scores (rows =
+    128 x tiles); thresholds fp32 (rows,), row_ends int32 (rows,), tile_requests int32
+    (tiles,). Needs max_context <= 64 x W."""
+    if (arrivals is None) != (ranges is None):
+        raise ValueError("give both arrivals and ranges (repair mode) or neither")
+    if arrivals is not None:
+        raise NotImplementedError(
+            "indexer_threshold_select's repair mode (arrivals, ranges) is not built yet; "
+            "sparseforge.reference.indexer_threshold_select computes it"
+        )
+    page = sdsa_family.constant("page_keys")
+    dim = sdsa_family.constant("key_dim")
+    nvfp4 = _key_format("indexer_threshold_select", query_scales, key_scales)
+    width = dim // 2 if nvfp4 else dim
+    element = torch.uint8 if nvfp4 else torch.bfloat16
+    device = _device_of(key_cache, "key_cache")
+    cache = _keys("key_cache", key_cache, element, width, device)
+    q = _keys("query", query, element, width, device, paged=False)
+    tiles = _int32_vector("tile_requests", tile_requests, None, device)
+    rows = q.shape[0]
+    if rows != 128 * tiles:
+        raise ValueError(f"query has {rows} rows; it needs 128 per tile ({tiles} tiles)")
+    _int32_vector("row_ends", row_ends, rows, device)
+    table = _block_table(block_table, None, device)
+    if (
+        not isinstance(thresholds, torch.Tensor)
+        or thresholds.dtype != torch.float32
+        or thresholds.shape != (rows,)
+        or not thresholds.is_contiguous()
+        or thresholds.device != device
+    ):
+        raise ValueError(
+            f"thresholds must be a contiguous float32 vector of length {rows} on {device}, got "
+            f"{describe(thresholds)}"
+        )
+    _counters(counters, rows, device)
+    if (
+        not isinstance(candidates, torch.Tensor)
+        or candidates.dtype != torch.int32
+        or candidates.dim() != 3
+        or candidates.shape[0] != rows
+        or candidates.shape[2] != 2
+        or candidates.stride()[1:] != (2, 1)
+        or candidates.device != device
+    ):
+        raise ValueError(
+            f"candidates must be int32 ({rows}, slots, 2) with contiguous rows on {device}, "
+            f"got {describe(candidates)}"
+        )
+    slots = candidates.shape[1]
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k < slots:
+        raise ValueError(f"top_k = {top_k!r} must be an int in [0, {slots}) (candidate slots)")
+    positive_int("max_context", max_context)
+    if max_context > page * table.shape[1]:
+        raise ValueError(
+            f"max_context = {max_context} exceeds the block table's {page * table.shape[1]} keys"
+        )
+    query_scales, key_scales = _scales_pair(nvfp4, query_scales, key_scales, rows, cache, device)
+    inputs = (("query", query), ("key_cache", key_cache), ("thresholds", thresholds))
+    check_writable("counters", counters, inputs + (("candidates", candidates),))
+    check_writable("candidates", candidates, inputs)
+    _need_cuda(device, "indexer_threshold_select")
+    if rows:
+        launch = sdsa_family.launch(
+            device.index, "sdsa_select", "u8" if nvfp4 else "bf16", max_context, top_k
+        )
+        tensors = (
+            q, query_scales, cache, key_scales, table, row_ends, tile_requests, thresholds,
+            counters, candidates,
+        )  # fmt: skip
+        with torch.cuda.device(device):
+            ops.launch(launch, tensors)
+
+
+def _counters(counters, rows: int, device) -> None:
     if (
         not isinstance(counters, torch.Tensor)
         or counters.dtype != torch.int32
@@ -262,14 +365,6 @@ def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
             f"counters must be int32 ({rows}, 2) with unit stride on the last dim on {device}, "
             f"got {describe(counters)}"
         )
-    inputs = (("sample_scores", sample_scores), ("sample_top", sample_top))
-    check_writable("thresholds", thresholds, inputs + (("counters", counters),))
-    check_writable("counters", counters, inputs)
-    _need_cuda(device, "thresholds_from_sample")
-    if rows:
-        launch = sdsa_family.launch(device.index, "sdsa_thresholds", None)
-        with torch.cuda.device(device):
-            ops.launch(launch, (sample_scores, sample_top, thresholds, counters))
 
 
 def top_k_from_candidates(candidates, ranges, *, top_keys):

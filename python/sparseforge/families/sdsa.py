@@ -7,7 +7,14 @@ import functools
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
-FAMILIES = ("sdsa_quantize", "sdsa_scores", "sdsa_sample", "sdsa_thresholds", "sdsa_topk")
+FAMILIES = (
+    "sdsa_quantize",
+    "sdsa_scores",
+    "sdsa_sample",
+    "sdsa_thresholds",
+    "sdsa_topk",
+    "sdsa_select",
+)
 CONSTANTS = ("page_keys", "key_dim")
 CONSTRAINTS = ()
 

@@ -1,0 +1,94 @@
+"""sdsa_select: the SDSA threshold select, without a score matrix (indexer_threshold_select
+without repair).
+
+A CTA owns 128 keys of one 128-row tile: the tile's queries as fp32 in shared memory (64 KB),
+each thread one key of the tile's table row, dequantized into registers (as sdsa_scores).
+For each row r of the tile that sees the key (key < min(row_ends[r], max_context)) the
+thread scores it and classifies it against thresholds[r]: a candidate (score > thr) takes
+the next candidate number of its row from counters[r, 0] (atomic add) and, if it is below
+cap = slots - top_k, slot top_k + n; a tie (neither above nor below: equal or NaN) takes
+counters[r, 1]'s next number and, below top_k, slot top_k - 1 - n. A pair is (key, the
+stored value's bits): score - thr where score <= 2 thr (exact there), else the score.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from generator.families.sdsa import KEY_DIM, PAGE_KEYS
+from generator.kernels.common.entry import element_type
+from generator.kernels.portable.sdsa_scores import SdsaScores
+
+KEYS_PER_CTA = 128
+TILE_ROWS = 128
+
+
+class SdsaSelect(SdsaScores):
+    @cute.jit
+    def launch(self, args, stream):
+        self.kernel(args).launch(
+            grid=[
+                cute.ceil_div(args.max_context, KEYS_PER_CTA),
+                args.mTileRequests.shape[0],
+                1,
+            ],
+            block=[KEYS_PER_CTA, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, args):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, tile, _ = cute.arch.block_idx()
+        first_row = tile * TILE_ROWS
+        key = bidx * KEYS_PER_CTA + tidx
+        smem = cutlass.memory.SmemAllocator()
+        sQ = smem.allocate_tensor(
+            cutlass.Float32, cute.make_layout((TILE_ROWS, KEY_DIM), stride=(KEY_DIM, 1)), 16
+        )
+        for i in cutlass.range(tidx, TILE_ROWS * KEY_DIM, KEYS_PER_CTA, unroll=1):
+            sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
+                args, first_row + i // KEY_DIM, i % KEY_DIM
+            )
+        cute.arch.sync_threads()
+        if key < args.max_context:
+            page = args.mBlockTable[args.mTileRequests[tile], key // PAGE_KEYS]
+            values = self.key_values(args, page, key % PAGE_KEYS)
+            slots = args.mCandidates.shape[1]
+            cap = slots - args.top_k
+            for r in cutlass.range(TILE_ROWS, unroll=1):
+                row = first_row + r
+                if key < args.mRowEnds[row]:
+                    total = cutlass.Float32(0.0)
+                    for c in cutlass.range_constexpr(KEY_DIM):
+                        total = total + values[c] * sQ[r, c]
+                    self.classify(args, row, key, total, cap)
+
+    @cute.jit
+    def classify(self, args, row, key, score, cap):
+        threshold = args.mThresholds[row]
+        stored = score
+        if score <= 2.0 * threshold:
+            stored = score - threshold
+        pair = cute.make_rmem_tensor((1,), cutlass.Float32)
+        pair[0] = stored
+        bits = cute.recast_tensor(pair, cutlass.Int32)[0]
+        counters = args.mCounters
+        if score > threshold:
+            n = cute.arch.atomic_add(
+                counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
+            )
+            if n < cap:
+                args.mCandidates[row, args.top_k + n, 0] = key
+                args.mCandidates[row, args.top_k + n, 1] = bits
+        elif (score == threshold) | (score != score) | (threshold != threshold):
+            n = cute.arch.atomic_add(
+                counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
+            )
+            if n < args.top_k:
+                args.mCandidates[row, args.top_k - 1 - n, 0] = key
+                args.mCandidates[row, args.top_k - 1 - n, 1] = bits
+
+
+def make_kernel(variant):
+    dtype = variant.params["dtype"]
+    return SdsaSelect(element_type(dtype), nvfp4=dtype == "u8")
