@@ -621,6 +621,61 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     return lines
 
 
+def sdsa_times(iters: int = 20) -> list[str]:
+    """SD1 (BENCHMARKS.md): indexer_scores of 128 requests x 1 and 4 rows over 65,536 keys
+    each (64-key pages in shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten
+    before each call, that write's time subtracted); bandwidth on the key bytes (+ scales)
+    read once per request."""
+    from sparseforge import reference, sdsa
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    requests, context = 128, 65536
+    pages = context // 64
+    table = (
+        torch.randperm(requests * pages, device=device, generator=gen).int().view(requests, pages)
+    )
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    flush_ms = cuda_time_ms(flush.zero_, iters=iters)
+    lines = []
+    for fmt in ("bf16", "nvfp4"):
+        values = torch.randn(requests * pages, 64, 128, device=device, generator=gen)
+        if fmt == "nvfp4":
+            cache, key_scales = reference.sdsa_nvfp4_quantize(values)
+            key_scales = key_scales.view(torch.uint8)
+            key_bytes = 64 + 8
+        else:
+            cache, key_scales, key_bytes = values.to(torch.bfloat16), None, 256
+        del values
+        for rows in (1, 4):
+            q = torch.randn(requests * rows, 128, device=device, generator=gen)
+            if fmt == "nvfp4":
+                query, query_scales = reference.sdsa_nvfp4_quantize(q)
+                query_scales = query_scales.view(torch.uint8)
+            else:
+                query, query_scales = q.to(torch.bfloat16), None
+            scores = torch.empty(requests * rows, context, device=device)
+            lengths = torch.full((requests,), context, dtype=torch.int32, device=device)
+            order = torch.arange(requests, dtype=torch.int32, device=device)
+
+            def score(query=query, query_scales=query_scales, scores=scores):
+                flush.zero_()
+                sdsa.indexer_scores(
+                    query, cache, table, lengths, requests=order, scores=scores,
+                    query_scales=query_scales, key_scales=key_scales,
+                )  # fmt: skip
+
+            us = (cuda_time_ms(score, warmup=2, iters=iters) - flush_ms) * 1e3
+            moved = requests * context * key_bytes
+            lines.append(
+                f"SD1 indexer_scores, {fmt} keys, {requests} x {rows} rows x {context} keys: "
+                f"{us:.1f} us cold L2, {moved / us / 1e3:.0f} GB/s "
+                f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.0f} MB of keys"
+            )
+        del cache
+    return lines
+
+
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
@@ -734,6 +789,9 @@ def main(argv=None) -> int:
         help="also time MSA sparse attention (MP1 prefill, MD1 / MD4 decode)",
     )
     parser.add_argument(
+        "--sdsa", action="store_true", help="also time the SDSA indexer (SD1 scores)"
+    )
+    parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
     args = parser.parse_args(argv)
@@ -790,6 +848,8 @@ def main(argv=None) -> int:
         report += "\n" + "\n".join(selection_times())
     if args.msa:
         report += "\n" + "\n".join(msa_attention_times())
+    if args.sdsa:
+        report += "\n" + "\n".join(sdsa_times())
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):
