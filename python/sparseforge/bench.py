@@ -14,8 +14,8 @@ workload gives the error and quantizer time without the scale search.
 from __future__ import annotations
 
 import argparse
-import functools
 import datetime
+import functools
 import math
 import os
 import statistics
