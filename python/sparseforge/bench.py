@@ -627,7 +627,7 @@ def sdsa_times(iters: int = 20) -> list[str]:
     each (64-key pages in shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten
     before each call, that write's time subtracted); bandwidth on the key bytes (+ scales)
     read once per request."""
-    from sparseforge import reference, sdsa
+    from sparseforge import sdsa
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
