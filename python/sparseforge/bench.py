@@ -497,8 +497,6 @@ def proxy_score_time(iters: int) -> str:
 def msa_kv(fmt: str, pages: int, hkv: int, gen):
     """Random paged K/V of `pages` 128-token pages in one of the MSA formats: the kwargs of
     msa_sparse_attention, and the bytes of one selected block (K and V, with scales)."""
-    from sparseforge import reference
-
     device = torch.device("cuda")
     if fmt == "nvfp4":
         cache = torch.randint(0, 256, (pages, hkv * 18432), dtype=torch.uint8, device=device)
