@@ -3,28 +3,18 @@ stored in its range of slots (top_k_from_candidates).
 
 One CTA per row. With at most K pairs in [ranges[0, r], ranges[1, r]) the row's keys are
 copied in slot order and the rest of its K columns set to -1. Otherwise a radix select
-finds the K-th largest stored value in the float-bit order (negative values: every bit
-inverted; others: the sign bit set, so a positive NaN ranks above +inf): four passes of an
-8-bit histogram in shared memory over the pairs whose higher bits match the prefix so far.
-Then the keys above that value take the first columns and the tied ones the rest, up to K,
-each position from a shared-memory counter (so their order is unspecified).
+(generator/kernels/common/radix_select.py) finds the K-th largest stored value in the
+float-bit order (a positive NaN above +inf); the keys above it take the first columns and
+the tied ones the rest, up to K, each position from a shared-memory counter (so their order
+is unspecified).
 """
 
 import cutlass
 import cutlass.cute as cute
 
+from generator.kernels.common.radix_select import BINS, order_key, radix_select
+
 THREADS = 256
-BINS = 256
-
-
-@cute.jit
-def order_key(bits):
-    """The stored value's float bits (Int32) as an unsigned order key (Uint32)."""
-    u = cutlass.Uint32(bits)
-    flip = cutlass.Uint32(0x80000000)
-    if bits < 0:
-        flip = cutlass.Uint32(0xFFFFFFFF)
-    return u ^ flip
 
 
 class SdsaTopK:
@@ -51,43 +41,8 @@ class SdsaTopK:
                     key = args.mCandidates[row, first + i, 0]
                 args.mTopKeys[row, i] = key
         else:
-            prefix = cutlass.Uint32(0)
-            wanted = k  # rank of the K-th value among the pairs matching the prefix
-            for step in cutlass.range_constexpr(4):
-                shift = 24 - 8 * step
-                for b in cutlass.range(tidx, BINS, THREADS, unroll=1):
-                    sHist[b] = 0
-                cute.arch.sync_threads()
-                for i in cutlass.range(tidx, count, THREADS, unroll=1):
-                    u = order_key(args.mCandidates[row, first + i, 1])
-                    matches = True
-                    if cutlass.const_expr(step > 0):
-                        matches = (u >> cutlass.Uint32(shift + 8)) == (
-                            prefix >> cutlass.Uint32(shift + 8)
-                        )
-                    if matches:
-                        digit = cutlass.Int32((u >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
-                        cute.arch.atomic_add(sHist.iterator + digit, cutlass.Int32(1))
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    # From the top bin down, the bin where the count reaches `wanted`.
-                    above = cutlass.Int32(0)
-                    chosen = cutlass.Int32(0)
-                    found = cutlass.Int32(0)
-                    for j in cutlass.range(BINS, unroll=1):
-                        b = BINS - 1 - j
-                        if found == 0:
-                            if above + sHist[b] >= wanted:
-                                chosen = b
-                                found = cutlass.Int32(1)
-                            else:
-                                above = above + sHist[b]
-                    sState[0] = chosen
-                    sState[1] = wanted - above
-                cute.arch.sync_threads()
-                prefix = prefix | (cutlass.Uint32(sState[0]) << cutlass.Uint32(shift))
-                wanted = sState[1]
-                cute.arch.sync_threads()
+            values = args.mCandidates[row, None, 1]
+            prefix, wanted = radix_select(values, first, count, k, sHist, sState, tidx, THREADS)
             # prefix is the K-th value; `wanted` of its ties fill the last columns.
             if tidx == 0:
                 sState[2] = 0  # keys above written
