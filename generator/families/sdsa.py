@@ -74,6 +74,16 @@ def key_width(dtype) -> int:
     return KEY_DIM // 2 if dtype == "u8" else KEY_DIM
 
 
+# A paged key cache (pages, 64, X: 128 BF16 values or 64 NVFP4 bytes) and its e4m3 scales
+# (NVFP4; any one-page tensor otherwise).
+KEY_CACHE_ARGS = (
+    TensorArg("mKeyCache", "input", shape=(None, PAGE_KEYS, None), stride=(None, None, 1),
+              divisibility=16),
+    TensorArg("mKeyScales", "u8", shape=(None, PAGE_KEYS, KEY_DIM // NVFP4_GROUP),
+              stride=(None, KEY_DIM // NVFP4_GROUP, 1)),
+)  # fmt: skip
+
+
 def scores_abi(head_dim=KEY_DIM):
     """mQuery      (rows, X)         queries (X = key_width: 128 BF16 or 64 NVFP4 bytes)
     mQueryScales (rows, 8)  u8     their e4m3 scales (NVFP4; any one-row tensor otherwise)
@@ -87,10 +97,7 @@ def scores_abi(head_dim=KEY_DIM):
     return (
         TensorArg("mQuery", "input", shape=(None, None), stride=(None, 1), divisibility=16),
         TensorArg("mQueryScales", "u8", **scales),
-        TensorArg("mKeyCache", "input", shape=(None, PAGE_KEYS, None), stride=(None, None, 1),
-                  divisibility=16),
-        TensorArg("mKeyScales", "u8", shape=(None, PAGE_KEYS, KEY_DIM // NVFP4_GROUP),
-                  stride=(None, KEY_DIM // NVFP4_GROUP, 1)),
+        *KEY_CACHE_ARGS,
         TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mContext", "i32", shape=(None,), stride=(1,)),
         TensorArg("mRequests", "i32", shape=(None,), stride=(1,)),
@@ -107,10 +114,7 @@ def sample_abi(head_dim=KEY_DIM):
     mSampleKeys (R, cap, X) out, mSampleScales (R, cap, 8) u8 out (NVFP4)
     samples_per_run, pages_per_run   slots per run, pages a run spans"""
     return (
-        TensorArg("mKeyCache", "input", shape=(None, PAGE_KEYS, None), stride=(None, None, 1),
-                  divisibility=16),
-        TensorArg("mKeyScales", "u8", shape=(None, PAGE_KEYS, KEY_DIM // NVFP4_GROUP),
-                  stride=(None, KEY_DIM // NVFP4_GROUP, 1)),
+        *KEY_CACHE_ARGS,
         TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mOffsets", "u8", shape=(None,), stride=(1,)),
         TensorArg("mSampleEnds", "i32", shape=(None,), stride=(1,)),

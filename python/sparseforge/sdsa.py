@@ -55,21 +55,8 @@ def quantize_write_index_qk_nvfp4(
     if query.dtype != key.dtype:
         raise ValueError(f"query must have key's dtype {key.dtype}, got {query.dtype}")
     device = key.device
-    for name, rows, n in (
-        ("slots", slots, key.shape[0]),
-        ("query_rows", query_rows, query.shape[0]),
-    ):
-        if (
-            not isinstance(rows, torch.Tensor)
-            or rows.dtype != torch.int64
-            or rows.shape != (n,)
-            or rows.device != device
-            or not rows.is_contiguous()
-        ):
-            raise ValueError(
-                f"{name} must be a contiguous int64 vector of length {n} on {device}, got "
-                f"{describe(rows)}"
-            )
+    _tensor("slots", slots, torch.int64, (key.shape[0],), device)
+    _tensor("query_rows", query_rows, torch.int64, (query.shape[0],), device)
     key_scales = _bytes("key_scales", key_scales, (None, page, dim // 16), 8, device)
     key_cache = _bytes("key_cache", key_cache, (key_scales.shape[0], page, dim // 2), 16, device)
     query_scales = _bytes("query_scales", query_scales, (None, dim // 16), 8, device)
@@ -111,13 +98,9 @@ def indexer_scores(
     key_scales (pages, 64, 8) (uint8 or float8_e4m3fn). block_table (B, W), context_lengths
     and requests (G,): int32. Needs max_context <= 64 x W. Returns scores."""
     page = sdsa_family.constant("page_keys")
-    dim = sdsa_family.constant("key_dim")
-    nvfp4 = _key_format("indexer_scores", query_scales, key_scales)
-    width = dim // 2 if nvfp4 else dim
-    element = torch.uint8 if nvfp4 else torch.bfloat16
-    device = _device_of(key_cache, "key_cache")
-    cache = _keys("key_cache", key_cache, element, width, device)
-    q = _keys("query", query, element, width, device, paged=False)
+    nvfp4, device, cache, q = _query_and_keys(
+        "indexer_scores", query, key_cache, query_scales, key_scales
+    )
     groups = _int32_vector("requests", requests, None, device)
     _int32_vector("context_lengths", context_lengths, groups, device)
     table = _block_table(block_table, None, device)
@@ -126,18 +109,7 @@ def indexer_scores(
         raise ValueError(
             f"query has {rows} rows for {groups} requests: each group must have 1 to 8 rows"
         )
-    if (
-        not isinstance(scores, torch.Tensor)
-        or scores.dtype != torch.float32
-        or scores.dim() != 2
-        or scores.shape[0] != rows
-        or scores.stride(1) != 1
-        or scores.device != device
-    ):
-        raise ValueError(
-            f"scores must be float32 ({rows}, max_context) with unit stride on the last dim on "
-            f"{device}, got {describe(scores)}"
-        )
+    _tensor("scores", scores, torch.float32, (rows, None), device)
     if scores.shape[1] > page * table.shape[1]:
         raise ValueError(
             f"scores has {scores.shape[1]} columns; the block table holds at most "
@@ -187,17 +159,7 @@ def gather_key_sample(
     rows, cap = sample_keys.shape[:2]
     table = _block_table(block_table, rows, device)
     _int32_vector("sample_ends", sample_ends, rows, device)
-    if (
-        not isinstance(offsets, torch.Tensor)
-        or offsets.dtype != torch.uint8
-        or offsets.shape != (cap,)
-        or not offsets.is_contiguous()
-        or offsets.device != device
-    ):
-        raise ValueError(
-            f"offsets must be a contiguous uint8 vector of length {cap} (cap) on {device}, got "
-            f"{describe(offsets)}"
-        )
+    _tensor("offsets", offsets, torch.uint8, (cap,), device)
     for name, value in (("samples_per_run", samples_per_run), ("pages_per_run", pages_per_run)):
         positive_int(name, value)
     _, key_scales = _scales_pair(nvfp4, None, key_scales, 0, cache, device)
@@ -222,37 +184,14 @@ def thresholds_from_sample(sample_scores, sample_top, *, thresholds, counters):
     in sample_top[r] (int32 (rows, K)); a position of -1 (or >= S) or a NaN score counts as
     -inf, a row with K = 0 gets +inf. Sets counters[r] (int32 (rows, 2)) to 0. One launch."""
     device = _device_of(sample_scores, "sample_scores")
-    for name, t, dtype in (
-        ("sample_scores", sample_scores, torch.float32),
-        ("sample_top", sample_top, torch.int32),
-    ):
-        if (
-            not isinstance(t, torch.Tensor)
-            or t.dtype != dtype
-            or t.dim() != 2
-            or t.stride(1) != 1
-            or t.device != device
-        ):
-            raise ValueError(
-                f"{name} must be {dtype} (rows, n) with unit stride on the last dim on {device}, "
-                f"got {describe(t)}"
-            )
+    _tensor("sample_scores", sample_scores, torch.float32, (None, None), device)
+    _tensor("sample_top", sample_top, torch.int32, (None, None), device)
     rows = sample_scores.shape[0]
     if sample_top.shape[0] != rows:
         raise ValueError(
             f"sample_top must have {rows} rows (sample_scores'), got {sample_top.shape[0]}"
         )
-    if (
-        not isinstance(thresholds, torch.Tensor)
-        or thresholds.dtype != torch.float32
-        or thresholds.shape != (rows,)
-        or not thresholds.is_contiguous()
-        or thresholds.device != device
-    ):
-        raise ValueError(
-            f"thresholds must be a contiguous float32 vector of length {rows} on {device}, got "
-            f"{describe(thresholds)}"
-        )
+    _tensor("thresholds", thresholds, torch.float32, (rows,), device)
     _counters(counters, rows, device)
     inputs = (("sample_scores", sample_scores), ("sample_top", sample_top))
     check_writable("thresholds", thresholds, inputs + (("counters", counters),))
@@ -290,44 +229,20 @@ def indexer_threshold_select(
             "sparseforge.reference.indexer_threshold_select computes it"
         )
     page = sdsa_family.constant("page_keys")
-    dim = sdsa_family.constant("key_dim")
-    nvfp4 = _key_format("indexer_threshold_select", query_scales, key_scales)
-    width = dim // 2 if nvfp4 else dim
-    element = torch.uint8 if nvfp4 else torch.bfloat16
-    device = _device_of(key_cache, "key_cache")
-    cache = _keys("key_cache", key_cache, element, width, device)
-    q = _keys("query", query, element, width, device, paged=False)
+    nvfp4, device, cache, q = _query_and_keys(
+        "indexer_threshold_select", query, key_cache, query_scales, key_scales
+    )
     tiles = _int32_vector("tile_requests", tile_requests, None, device)
     rows = q.shape[0]
     if rows != 128 * tiles:
         raise ValueError(f"query has {rows} rows; it needs 128 per tile ({tiles} tiles)")
     _int32_vector("row_ends", row_ends, rows, device)
     table = _block_table(block_table, None, device)
-    if (
-        not isinstance(thresholds, torch.Tensor)
-        or thresholds.dtype != torch.float32
-        or thresholds.shape != (rows,)
-        or not thresholds.is_contiguous()
-        or thresholds.device != device
-    ):
-        raise ValueError(
-            f"thresholds must be a contiguous float32 vector of length {rows} on {device}, got "
-            f"{describe(thresholds)}"
-        )
+    _tensor("thresholds", thresholds, torch.float32, (rows,), device)
     _counters(counters, rows, device)
-    if (
-        not isinstance(candidates, torch.Tensor)
-        or candidates.dtype != torch.int32
-        or candidates.dim() != 3
-        or candidates.shape[0] != rows
-        or candidates.shape[2] != 2
-        or candidates.stride()[1:] != (2, 1)
-        or candidates.device != device
-    ):
-        raise ValueError(
-            f"candidates must be int32 ({rows}, slots, 2) with contiguous rows on {device}, "
-            f"got {describe(candidates)}"
-        )
+    _tensor("candidates", candidates, torch.int32, (rows, None, 2), device)
+    if candidates.stride(1) != 2:
+        raise ValueError(f"candidates must have contiguous rows, got {describe(candidates)}")
     slots = candidates.shape[1]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k < slots:
         raise ValueError(f"top_k = {top_k!r} must be an int in [0, {slots}) (candidate slots)")
@@ -354,17 +269,7 @@ def indexer_threshold_select(
 
 
 def _counters(counters, rows: int, device) -> None:
-    if (
-        not isinstance(counters, torch.Tensor)
-        or counters.dtype != torch.int32
-        or counters.shape != (rows, 2)
-        or counters.stride(1) != 1
-        or counters.device != device
-    ):
-        raise ValueError(
-            f"counters must be int32 ({rows}, 2) with unit stride on the last dim on {device}, "
-            f"got {describe(counters)}"
-        )
+    _tensor("counters", counters, torch.int32, (rows, 2), device)
 
 
 def top_k_from_candidates(candidates, ranges, *, top_keys):
@@ -387,29 +292,8 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
             f"{describe(candidates)}"
         )
     rows = candidates.shape[0]
-    if (
-        not isinstance(ranges, torch.Tensor)
-        or ranges.dtype != torch.int32
-        or ranges.shape != (2, rows)
-        or ranges.stride(1) != 1
-        or ranges.device != device
-    ):
-        raise ValueError(
-            f"ranges must be int32 (2, {rows}) with unit stride on the last dim on {device}, "
-            f"got {describe(ranges)}"
-        )
-    if (
-        not isinstance(top_keys, torch.Tensor)
-        or top_keys.dtype != torch.int32
-        or top_keys.dim() != 2
-        or top_keys.shape[0] != rows
-        or top_keys.stride(1) != 1
-        or top_keys.device != device
-    ):
-        raise ValueError(
-            f"top_keys must be int32 ({rows}, K) with unit stride on the last dim on {device}, "
-            f"got {describe(top_keys)}"
-        )
+    _tensor("ranges", ranges, torch.int32, (2, rows), device)
+    _tensor("top_keys", top_keys, torch.int32, (rows, None), device)
     if top_keys.shape[1] >= 65536:
         raise ValueError(f"top_keys has {top_keys.shape[1]} columns; K must be < 65536")
     check_writable("top_keys", top_keys, (("candidates", candidates), ("ranges", ranges)))
@@ -419,6 +303,18 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
         with torch.cuda.device(device):
             ops.launch(launch, (candidates, ranges, top_keys))
     return top_keys
+
+
+def _query_and_keys(function: str, query, key_cache, query_scales, key_scales):
+    """(NVFP4?, device, key cache, query) of the scoring functions, checked: BF16 query rows
+    and keys, or NVFP4 codes with both scale tensors."""
+    dim = sdsa_family.constant("key_dim")
+    nvfp4 = _key_format(function, query_scales, key_scales)
+    width = dim // 2 if nvfp4 else dim
+    element = torch.uint8 if nvfp4 else torch.bfloat16
+    device = _device_of(key_cache, "key_cache")
+    cache = _keys("key_cache", key_cache, element, width, device)
+    return nvfp4, device, cache, _keys("query", query, element, width, device, paged=False)
 
 
 def _key_format(function: str, query_scales, key_scales) -> bool:
@@ -463,37 +359,34 @@ def _scales_pair(nvfp4: bool, first, keys, first_rows: int, cache, device):
     return first, keys
 
 
-def _int32_vector(name: str, t, length, device) -> int:
+def _tensor(name: str, t, dtype, shape: tuple, device) -> torch.Tensor:
+    """t checked: `dtype`, `shape` (None = any extent), unit stride on the last dim (a
+    vector: contiguous), on `device`."""
     if (
         not isinstance(t, torch.Tensor)
-        or t.dtype != torch.int32
-        or t.dim() != 1
-        or (length is not None and t.shape[0] != length)
-        or not t.is_contiguous()
+        or t.dtype != dtype
+        or t.dim() != len(shape)
+        or any(s is not None and n != s for n, s in zip(t.shape, shape, strict=True))
+        or t.stride(-1) != 1
         or t.device != device
     ):
-        want = "" if length is None else f" of length {length}"
-        raise ValueError(
-            f"{name} must be a contiguous int32 vector{want} on {device}, got {describe(t)}"
-        )
-    return t.shape[0]
+        kind = str(dtype).removeprefix("torch.")
+        if len(shape) == 1:
+            length = "" if shape[0] is None else f" of length {shape[0]}"
+            want = f"a contiguous {kind} vector{length}"
+        else:
+            dims = ", ".join("N" if s is None else str(s) for s in shape)
+            want = f"{kind} ({dims}) with unit stride on the last dim"
+        raise ValueError(f"{name} must be {want} on {device}, got {describe(t)}")
+    return t
+
+
+def _int32_vector(name: str, t, length, device) -> int:
+    return _tensor(name, t, torch.int32, (length,), device).shape[0]
 
 
 def _block_table(t, rows, device) -> torch.Tensor:
-    if (
-        not isinstance(t, torch.Tensor)
-        or t.dtype != torch.int32
-        or t.dim() != 2
-        or (rows is not None and t.shape[0] != rows)
-        or t.stride(1) != 1
-        or t.device != device
-    ):
-        want = "B" if rows is None else str(rows)
-        raise ValueError(
-            f"block_table must be int32 ({want}, W) with unit stride on the last dim on {device}, "
-            f"got {describe(t)}"
-        )
-    return t
+    return _tensor("block_table", t, torch.int32, (rows, None), device)
 
 
 def _bytes(name: str, t, shape: tuple, outer_bytes: int, device) -> torch.Tensor:
