@@ -9,10 +9,9 @@ from importlib import metadata
 from pathlib import Path
 
 PINNED_DSL_VERSION = "4.8.1"
-# The DSL's libraries come in a package per CUDA major; only the CUDA 13 one compiles our
-# archs (with the CUDA 12 one the kernels come out for "sm_13").
+# The DSL's libraries come in a package per CUDA major; the CUDA 13 one must be there (with
+# only the CUDA 12 one the kernels come out for "sm_13"; beside it, the CUDA 13 one is used).
 DSL_LIBS = "nvidia-cutlass-dsl-libs-cu13"
-OTHER_DSL_LIBS = ("nvidia-cutlass-dsl-libs-cu12",)
 
 
 def dsl_root() -> Path:
@@ -43,13 +42,11 @@ def installed(package: str) -> str | None:
 
 def dsl_libs_problem() -> str | None:
     """Why the installed DSL libraries cannot build this package, or None."""
-    others = [p for p in OTHER_DSL_LIBS if installed(p)]
-    if installed(DSL_LIBS) != PINNED_DSL_VERSION or others:
+    found = installed(DSL_LIBS)
+    if found != PINNED_DSL_VERSION:
         return (
-            f"the build needs {DSL_LIBS}=={PINNED_DSL_VERSION} and no other DSL libraries "
-            f"(found {DSL_LIBS} {installed(DSL_LIBS)}, {', '.join(others) or 'no others'}): "
-            f"pip uninstall -y {' '.join(OTHER_DSL_LIBS)}; pip install "
-            f"{DSL_LIBS}=={PINNED_DSL_VERSION}; then delete the build directory (objects "
+            f"the build needs {DSL_LIBS}=={PINNED_DSL_VERSION} (found {found}): pip install "
+            f"{DSL_LIBS}=={PINNED_DSL_VERSION}, then delete the build directory (objects "
             "compiled with other libraries stay there)"
         )
     return None
