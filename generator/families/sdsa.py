@@ -168,19 +168,22 @@ def topk_abi(head_dim=None):
     )
 
 
-def _key_family(name, doc, abi, module):
+def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None):
+    """One SDSA family: a portable template of the same name (module sdsa_<op>) on every
+    arch, one variant per dtype (none: a single variant)."""
+    configs = tuple(dict(dtype=t, head_dim=KEY_DIM) for t in dtypes) or ({},)
     return Family(
         name=name,
         doc=doc,
         abi=abi,
-        dtypes=KEY_DTYPES,
-        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM},
+        dtypes=dtypes,
+        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM, **(constants or {})},
         templates=(
             Template(
                 name,
-                module,
+                f"generator.kernels.portable.{name}",
                 archs=ALL_ARCHS,
-                configs=tuple(dict(dtype=t, head_dim=KEY_DIM) for t in KEY_DTYPES),
+                configs=configs,
                 portable=True,
             ),
         ),
@@ -188,66 +191,30 @@ def _key_family(name, doc, abi, module):
 
 
 FAMILIES = (
-    Family(
-        name="sdsa_quantize",
-        doc="SDSA keys and queries to NVFP4 (quantize_write_index_qk_nvfp4)",
-        abi=quantize_abi,
+    _family(
+        "sdsa_quantize",
+        "SDSA keys and queries to NVFP4 (quantize_write_index_qk_nvfp4)",
+        quantize_abi,
         dtypes=DTYPES,
-        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM},
-        templates=(
-            Template(
-                "sdsa_quantize",
-                "generator.kernels.portable.sdsa_quantize",
-                archs=ALL_ARCHS,
-                configs=tuple(dict(dtype=t, head_dim=KEY_DIM) for t in DTYPES),
-                portable=True,
-            ),
-        ),
     ),
-    _key_family(
+    _family(
         "sdsa_scores",
         "SDSA scores q . k over paged BF16 / NVFP4 keys (indexer_scores)",
         scores_abi,
-        "generator.kernels.portable.sdsa_scores",
     ),
-    _key_family(
-        "sdsa_sample",
-        "SDSA key sample rows (gather_key_sample)",
-        sample_abi,
-        "generator.kernels.portable.sdsa_sample",
+    _family("sdsa_sample", "SDSA key sample rows (gather_key_sample)", sample_abi),
+    _family(
+        "sdsa_thresholds",
+        "SDSA thresholds from a scored sample (thresholds_from_sample)",
+        thresholds_abi,
+        dtypes=(),
     ),
-    Family(
-        name="sdsa_thresholds",
-        doc="SDSA thresholds from a scored sample (thresholds_from_sample)",
-        abi=thresholds_abi,
-        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM},
-        templates=(
-            Template(
-                "sdsa_thresholds",
-                "generator.kernels.portable.sdsa_thresholds",
-                archs=ALL_ARCHS,
-                portable=True,
-            ),
-        ),
-    ),
-    _key_family(
-        "sdsa_select",
-        "SDSA threshold select over paged BF16 / NVFP4 keys",
-        select_abi,
-        "generator.kernels.portable.sdsa_select",
-    ),
-    Family(
-        name="sdsa_topk",
-        doc="SDSA top-K keys from candidates (top_k_from_candidates)",
-        abi=topk_abi,
-        constants={"page_keys": PAGE_KEYS, "key_dim": KEY_DIM, "max_top_k": 65535},
-        templates=(
-            Template(
-                "sdsa_topk",
-                "generator.kernels.portable.sdsa_topk",
-                archs=ALL_ARCHS,
-                portable=True,
-            ),
-        ),
+    _family("sdsa_select", "SDSA threshold select over paged BF16 / NVFP4 keys", select_abi),
+    _family(
+        "sdsa_topk",
+        "SDSA top-K keys from candidates (top_k_from_candidates)",
+        topk_abi,
+        dtypes=(),
+        constants={"max_top_k": 65535},
     ),
 )

@@ -45,14 +45,7 @@ class SdsaScores:
         if first_key < context:
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
-            smem = cutlass.memory.SmemAllocator()
-            sQ = smem.allocate_tensor(
-                cutlass.Float32, cute.make_layout((MAX_ROWS, KEY_DIM), stride=(KEY_DIM, 1)), 16
-            )
-            for i in cutlass.range(tidx, rows * KEY_DIM, KEYS_PER_CTA, unroll=1):
-                r, c = i // KEY_DIM, i % KEY_DIM
-                sQ[r, c] = self.query_value(args, first_row + r, c)
-            cute.arch.sync_threads()
+            sQ = self.stage_queries(args, MAX_ROWS, first_row, rows, tidx)
 
             key = first_key + tidx
             if key < context:
@@ -63,6 +56,21 @@ class SdsaScores:
                     for c in cutlass.range_constexpr(KEY_DIM):
                         total = total + values[c] * sQ[r, c]
                     args.mScores[first_row + r, key] = total
+
+    @cute.jit
+    def stage_queries(self, args, capacity: cutlass.Constexpr, first_row, rows, tidx):
+        """Query rows first_row .. first_row + rows - 1 as fp32 in shared memory ((capacity,
+        128)), for every thread once it returns."""
+        smem = cutlass.memory.SmemAllocator()
+        sQ = smem.allocate_tensor(
+            cutlass.Float32, cute.make_layout((capacity, KEY_DIM), stride=(KEY_DIM, 1)), 16
+        )
+        for i in cutlass.range(tidx, rows * KEY_DIM, KEYS_PER_CTA, unroll=1):
+            sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
+                args, first_row + i // KEY_DIM, i % KEY_DIM
+            )
+        cute.arch.sync_threads()
+        return sQ
 
     @cute.jit
     def query_value(self, args, row, c):

@@ -16,9 +16,8 @@ import cutlass.cute as cute
 
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
-from generator.kernels.portable.sdsa_scores import SdsaScores
+from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, SdsaScores
 
-KEYS_PER_CTA = 128
 TILE_ROWS = 128
 
 
@@ -41,15 +40,7 @@ class SdsaSelect(SdsaScores):
         bidx, tile, _ = cute.arch.block_idx()
         first_row = tile * TILE_ROWS
         key = bidx * KEYS_PER_CTA + tidx
-        smem = cutlass.memory.SmemAllocator()
-        sQ = smem.allocate_tensor(
-            cutlass.Float32, cute.make_layout((TILE_ROWS, KEY_DIM), stride=(KEY_DIM, 1)), 16
-        )
-        for i in cutlass.range(tidx, TILE_ROWS * KEY_DIM, KEYS_PER_CTA, unroll=1):
-            sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
-                args, first_row + i // KEY_DIM, i % KEY_DIM
-            )
-        cute.arch.sync_threads()
+        sQ = self.stage_queries(args, TILE_ROWS, first_row, TILE_ROWS, tidx)
         if key < args.max_context:
             page = args.mBlockTable[args.mTileRequests[tile], key // PAGE_KEYS]
             values = self.key_values(args, page, key % PAGE_KEYS)
