@@ -665,11 +665,10 @@ def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     if v["family"] == "sdsa_sample":
         cap = 128
         offsets = torch.randint(0, 64, (cap,), dtype=torch.uint8, device="cuda")
-        ends = torch.tensor(
-            [cap, 0, 50][: len(lengths)] + [cap] * (len(lengths) - 3),
-            dtype=torch.int32,
-            device="cuda",
-        )
+        # Up to the row's last page (16 samples a page), one row short of it.
+        ends = [min(cap, -(-n // 64) * 16) for n in lengths]
+        ends[-1] -= 7
+        ends = torch.tensor(ends, dtype=torch.int32, device="cuda")
         width = 64 if nvfp4 else 128
         got = torch.full((len(lengths), cap, width), 7, dtype=cache.dtype, device="cuda")
         scales = (

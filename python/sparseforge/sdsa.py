@@ -77,7 +77,7 @@ def quantize_write_index_qk_nvfp4(
     if device.type != "cuda":
         raise ValueError(f"key is on {device}; quantize_write_index_qk_nvfp4 needs a CUDA device")
     if key.shape[0] + query.shape[0]:
-        launch = sdsa_family.quantize_launch(device.index, NAME_OF[key.dtype])
+        launch = sdsa_family.launch(device.index, "sdsa_quantize", NAME_OF[key.dtype])
         with torch.cuda.device(device):
             ops.launch(
                 launch,

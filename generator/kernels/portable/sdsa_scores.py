@@ -76,12 +76,13 @@ class SdsaScores:
     def query_value(self, args, row, c):
         """Query row `row`'s value at channel c as fp32."""
         if cutlass.const_expr(self.nvfp4):
-            byte = cutlass.Int32(args.mQuery[row, c // 2])
-            pair = cute.make_rmem_tensor((1,), cutlass.Int32)
-            pair[0] = e2m1_pair_as_fp16(byte)
-            halves = cute.recast_tensor(pair, cutlass.Float16).load().to(cutlass.Float32)
+            # Channel c's code moved to the low nibble: its value is the word's low half.
+            code = (cutlass.Int32(args.mQuery[row, c // 2]) >> ((c % 2) * 4)) & 0xF
+            word = cute.make_rmem_tensor((1,), cutlass.Int32)
+            word[0] = e2m1_pair_as_fp16(code)
+            value = cute.recast_tensor(word, cutlass.Float16).load().to(cutlass.Float32)[0]
             scale = self.e4m3_value(args.mQueryScales[row, c // NVFP4_GROUP])
-            return cutlass.select_(c % 2 == 0, halves[0], halves[1]) * (scale * E2M1_FP16_FACTOR)
+            return value * (scale * E2M1_FP16_FACTOR)
         return args.mQuery[row, c].to(cutlass.Float32)
 
     @cute.jit
