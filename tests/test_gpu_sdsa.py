@@ -4,7 +4,8 @@ cache and its scales as views of one allocation), no rows at all, CUDA-graph rep
 over paged BF16 and NVFP4 keys (groups of 1, 4, 8 rows, an empty request, untouched
 entries); the key sample; the thresholds from a sample (NaN and -1 positions); the top-K
 from candidates (ties, infinities, NaNs; K 1, 32, 200); the threshold select (counters,
-slots, stored values; +inf, -inf and NaN thresholds)."""
+slots, stored values; +inf, -inf and NaN thresholds) and its repair mode (every row fits,
+its exact top-K); the whole pipeline from the quantizer to token-sparse slot lists."""
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from sparseforge.check import (
 )
 
 pytestmark = pytest.mark.gpu
+_u8 = dict(dtype=torch.uint8, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -150,3 +152,135 @@ def test_threshold_select(nvfp4):
     sdsa.indexer_threshold_select(**got)
     reference.indexer_threshold_select(**want)
     assert same_selection(got, want)
+
+
+def kernel_scores(args: dict) -> torch.Tensor:
+    """indexer_scores of every row of indexer_threshold_select's arguments against its
+    tile's keys (what the select and its repair compute, bit for bit), -inf past row_end."""
+    rows = args["query"].shape[0]
+    tiles = args["tile_requests"].repeat_interleave(128)
+    scores = torch.full((rows, args["max_context"]), float("nan"), device="cuda")
+    ends = args["row_ends"].clamp(max=args["max_context"])
+    sdsa.indexer_scores(
+        args["query"], args["key_cache"], args["block_table"], ends, requests=tiles,
+        scores=scores, query_scales=args["query_scales"], key_scales=args["key_scales"],
+    )  # fmt: skip
+    return scores.nan_to_num(nan=-float("inf"))
+
+
+def assert_exact_top_k(args: dict, ranges, scores) -> torch.Tensor:
+    """Every row fits, ranges are its slots, and top_k_from_candidates over them gives the
+    exact top-K of the row's scores (as multisets: ties may pick other keys)."""
+    top_k, rows = args["top_k"], args["query"].shape[0]
+    cap = args["candidates"].shape[1] - top_k
+    cands, ties = args["counters"].unbind(1)
+    wanted = args["row_ends"].clamp(max=args["max_context"]).clamp(max=top_k)
+    assert (cands <= cap).all() and (cands + ties.clamp(max=top_k) >= wanted).all()
+    assert torch.equal(ranges[0], top_k - ties.clamp(max=top_k))
+    assert torch.equal(ranges[1], top_k + cands.clamp(max=cap))
+    top_keys = torch.full((rows, top_k), -9, dtype=torch.int32, device="cuda")
+    sdsa.top_k_from_candidates(args["candidates"], ranges, top_keys=top_keys)
+    for r in range(rows):
+        n = int(wanted[r])
+        assert (top_keys[r, n:] == -1).all(), r
+        got = scores[r, top_keys[r, :n].long()].sort().values
+        assert torch.equal(got, scores[r].topk(n).values.sort().values), r
+    return top_keys
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_threshold_select_repair(nvfp4):
+    """Rows whose thresholds are +inf (nothing above), -inf (everything above) or from
+    the data (some fit, some do not) all end up fitting with their exact top-K; the rows
+    that fit keep their thresholds and the plain select's counters."""
+    args = sdsa_select_inputs([5000, 64, 4097], nvfp4, top_k=16, slots=64, device="cuda")
+    args["thresholds"][3::5] = -float("inf")
+    args["thresholds"][4::5] = float("inf")
+    plain = {**args, "counters": args["counters"].clone(), "candidates": args["candidates"].clone()}
+    sdsa.indexer_threshold_select(**plain)
+    given = args["thresholds"].clone()
+    arrivals = torch.zeros(3, dtype=torch.int32, device="cuda")
+    ranges = torch.full((2, 384), -5, dtype=torch.int32, device="cuda")
+    sdsa.indexer_threshold_select(**args, arrivals=arrivals, ranges=ranges)
+    assert (arrivals == 0).all()
+    kept = args["thresholds"] == given
+    kept |= args["thresholds"].isnan() & given.isnan()
+    assert 0 < int((~kept).sum()) < 384
+    assert torch.equal(args["counters"][kept], plain["counters"][kept])
+    assert_exact_top_k(args, ranges, kernel_scores(args))
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_pipeline_gives_the_exact_top_k(nvfp4):
+    """The documented pipeline on the GPU: keys and queries quantized (NVFP4) -> a key
+    sample gathered and scored -> its top positions -> thresholds -> threshold select with
+    repair -> top-K from candidates -> token-sparse slot lists; each row's top-K is the
+    exact top-K of its full scores."""
+    lengths, top_k, slots, rows = [5000, 3000], 512, 512 + 600, 256
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache, _, table = sdsa_paged_keys(lengths, False, seed=5, device="cuda")
+    query = torch.randn(rows, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    key_scales = query_scales = None
+    if nvfp4:
+        pages = cache.shape[0]
+        key_cache = torch.empty(pages, 64, 64, dtype=torch.uint8, device="cuda")
+        key_scales = torch.empty(pages, 64, 8, dtype=torch.uint8, device="cuda")
+        packed = torch.empty(rows, 64, dtype=torch.uint8, device="cuda")
+        query_scales = torch.empty(rows, 8, dtype=torch.uint8, device="cuda")
+        sdsa.quantize_write_index_qk_nvfp4(
+            cache.view(-1, 128), torch.arange(pages * 64, device="cuda"), query,
+            torch.arange(rows, device="cuda"), key_cache=key_cache, key_scales=key_scales,
+            packed_query=packed, query_scales=query_scales,
+        )  # fmt: skip
+        cache, query = key_cache, packed
+    # A sample of 128 keys a request (8 of each 64-key page) and its top 14: thresholds
+    # near the 11% point, so the 5000-key rows about fit (top_k 512) and the others miss.
+    per_run, cap = 8, 128
+    sample = torch.empty(2, cap, cache.shape[2], dtype=cache.dtype, device="cuda")
+    sample_scales = None if key_scales is None else torch.empty(2, cap, 8, **_u8)
+    offsets = (torch.arange(cap, device="cuda") % per_run * 8).to(torch.uint8)
+    ends = torch.full((2,), cap, dtype=torch.int32, device="cuda")
+    sdsa.gather_key_sample(
+        cache, table, offsets, ends, sample_keys=sample, samples_per_run=per_run,
+        pages_per_run=1, key_scales=key_scales, sample_scales=sample_scales,
+    )  # fmt: skip
+    sample_scores = torch.empty(rows, cap, device="cuda")
+    tiles = torch.arange(rows, device="cuda", dtype=torch.int32) // 128
+    sdsa.indexer_scores(
+        query, sample.view(-1, 64, sample.shape[2]),
+        torch.arange(4, dtype=torch.int32, device="cuda").view(2, 2),
+        torch.full((rows,), cap, dtype=torch.int32, device="cuda"), requests=tiles,
+        scores=sample_scores, query_scales=query_scales,
+        key_scales=None if sample_scales is None else sample_scales.view(-1, 64, 8),
+    )  # fmt: skip
+    thresholds = torch.empty(rows, device="cuda")
+    counters = torch.ones(rows, 2, dtype=torch.int32, device="cuda")
+    sdsa.thresholds_from_sample(
+        sample_scores, sample_scores.topk(14, dim=1).indices.int(), thresholds=thresholds,
+        counters=counters,
+    )  # fmt: skip
+    from_sample = thresholds.clone()
+    args = dict(
+        query=query, key_cache=cache, row_ends=torch.tensor(lengths, device="cuda").int()
+        .repeat_interleave(128), tile_requests=torch.arange(2, dtype=torch.int32, device="cuda"),
+        block_table=table, thresholds=thresholds, counters=counters,
+        candidates=torch.full((rows, slots, 2), -7, dtype=torch.int32, device="cuda"),
+        max_context=max(lengths), top_k=top_k, query_scales=query_scales, key_scales=key_scales,
+    )  # fmt: skip
+    ranges = torch.empty(2, rows, dtype=torch.int32, device="cuda")
+    sdsa.indexer_threshold_select(
+        **args, arrivals=torch.zeros(2, dtype=torch.int32, device="cuda"), ranges=ranges
+    )
+    assert 0 < int((thresholds != from_sample).sum()) < rows  # some rows were repaired
+    top_keys = assert_exact_top_k(args, ranges, kernel_scores(args))
+
+    from sparseforge.token_sparse import token_sparse_kv_indices
+
+    block_tables = torch.full((rows, 2, top_k), -9, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((rows,), -9, dtype=torch.int32, device="cuda")
+    token_sparse_kv_indices(top_keys, tiles, table, block_tables=block_tables, seq_lens=seq_lens)
+    keys = top_keys.long()
+    slots_want = table[tiles[:, None].long(), keys // 64].long() * 64 + keys % 64
+    assert torch.equal(block_tables[:, 0].long(), slots_want)
+    assert torch.equal(block_tables[:, 1], block_tables[:, 0])
+    assert (seq_lens == top_k).all()

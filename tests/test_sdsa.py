@@ -164,11 +164,20 @@ def test_threshold_select_arguments():
         sdsa.indexer_threshold_select(**(args | {"top_k": 8}))
     with pytest.raises(ValueError, match="give both arrivals and ranges"):
         sdsa.indexer_threshold_select(**args, arrivals=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="repair mode"):
+    repair = dict(
+        arrivals=torch.zeros(1, dtype=torch.int32), ranges=torch.zeros(2, 128, dtype=torch.int32)
+    )
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.indexer_threshold_select(**args, **repair)
+    with pytest.raises(ValueError, match="arrivals must be"):
+        sdsa.indexer_threshold_select(**args, **(repair | {"arrivals": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="ranges must be"):
+        sdsa.indexer_threshold_select(**args, **(repair | {"ranges": repair["ranges"][:, :5]}))
+    with pytest.raises(ValueError, match="cap = slots - top_k >= top_k - 1"):
+        sdsa.indexer_threshold_select(**(args | {"top_k": 6}), **repair)
+    with pytest.raises(ValueError, match="ranges"):  # writes must not overlap the inputs
         sdsa.indexer_threshold_select(
-            **args,
-            arrivals=torch.zeros(1, dtype=torch.int32),
-            ranges=torch.zeros(2, 128, dtype=torch.int32),
+            **args, **(repair | {"ranges": args["candidates"].view(-1)[:256].view(2, 128)})
         )
     with pytest.raises(ValueError, match="128 per tile"):
         sdsa.indexer_threshold_select(

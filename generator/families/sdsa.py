@@ -15,6 +15,9 @@ global scale).
                     positions (-1 or NaN: -inf); its counters zeroed
     sdsa_select     indexer_threshold_select (without repair): each row's candidates (score >
                     threshold) and ties (neither above nor below) into its slots, counted
+    sdsa_repair     indexer_threshold_select's repair mode, after sdsa_select: each row that
+                    does not fit gets the exact min(row_end, top_k)-th score as its threshold
+                    and is selected again; every row's ranges
     sdsa_topk       top_k_from_candidates: each row's exact top-K keys from its range of
                     candidate slots (radix select in float-bit order)
 """
@@ -138,23 +141,30 @@ def thresholds_abi(head_dim=None):
     )
 
 
-def select_abi(head_dim=KEY_DIM):
+def select_abi(head_dim=KEY_DIM, repair=False):
     """The scores' query and key arguments (scores_abi), then
     mBlockTable (B, W) i32, mRowEnds (rows,) i32, mTileRequests (tiles,) i32: table row of
-    each 128-row tile, mThresholds (rows,) f32, mCounters (rows, 2) i32 out (added to),
-    mCandidates (rows, slots, 2) i32 out; max_context, top_k"""
+    each 128-row tile, mThresholds (rows,) f32 (repair: out), mCounters (rows, 2) i32 out
+    (added to), mCandidates (rows, slots, 2) i32 out, repair only: mRanges (2, rows) i32
+    out (each row's [first, end) slots of ties and candidates); max_context, top_k"""
     keys = scores_abi(head_dim)[:4]
+    ranges = TensorArg("mRanges", "i32", shape=(2, None), stride=(None, 1), output=True)
     return (
         *keys,
         TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
         TensorArg("mRowEnds", "i32", shape=(None,), stride=(1,)),
         TensorArg("mTileRequests", "i32", shape=(None,), stride=(1,)),
-        TensorArg("mThresholds", "f32", shape=(None,), stride=(1,)),
+        TensorArg("mThresholds", "f32", shape=(None,), stride=(1,), output=repair),
         TensorArg("mCounters", "i32", shape=(None, 2), stride=(None, 1), output=True),
         TensorArg("mCandidates", "i32", shape=(None, None, 2), stride=(None, 2, 1), output=True),
+        *((ranges,) if repair else ()),
         ScalarArg("max_context", "i32"),
         ScalarArg("top_k", "i32"),
     )
+
+
+def repair_abi(head_dim=KEY_DIM):
+    return select_abi(head_dim, repair=True)
 
 
 def topk_abi(head_dim=None):
@@ -210,6 +220,11 @@ FAMILIES = (
         dtypes=(),
     ),
     _family("sdsa_select", "SDSA threshold select over paged BF16 / NVFP4 keys", select_abi),
+    _family(
+        "sdsa_repair",
+        "SDSA threshold select's repair mode (exact thresholds for rows that do not fit)",
+        repair_abi,
+    ),
     _family(
         "sdsa_topk",
         "SDSA top-K keys from candidates (top_k_from_candidates)",

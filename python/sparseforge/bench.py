@@ -621,12 +621,11 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
 
 
 def sdsa_times(iters: int = 20) -> list[str]:
-    """SD1 (BENCHMARKS.md): indexer_scores of 128 requests x 1 and 4 rows over 65,536 keys
-    each (64-key pages in shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten
-    before each call, that write's time subtracted); bandwidth on the key bytes (+ scales)
-    read once per request."""
-    from sparseforge import sdsa
-
+    """SD1 and SD2 (BENCHMARKS.md) over 128 requests x 65,536 keys each (64-key pages in
+    shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten before each call, that
+    write's time subtracted); bandwidth on the key bytes (+ scales) read once per request.
+    SD1: indexer_scores of 1 and 4 rows a request. SD2: threshold select (repair mode) and
+    top_k_from_candidates, top_k 2048, thresholds from a scored 4096-key sample."""
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     requests, context = 128, 65536
@@ -649,34 +648,138 @@ def sdsa_times(iters: int = 20) -> list[str]:
         else:
             cache, key_scales, key_bytes = values.to(torch.bfloat16), None, 256
         del values
+        keys = (cache, key_scales, table)
+        moved = requests * context * key_bytes
         for rows in (1, 4):
             q = torch.randn(requests * rows, 128, device=device, generator=gen)
-            if fmt == "nvfp4":
-                query, query_scales = reference.sdsa_nvfp4_quantize(q)
-                query_scales = query_scales.view(torch.uint8)
-            else:
-                query, query_scales = q.to(torch.bfloat16), None
-            scores = torch.empty(requests * rows, context, device=device)
-            lengths = torch.full((requests,), context, dtype=torch.int32, device=device)
-            order = torch.arange(requests, dtype=torch.int32, device=device)
-
-            call = functools.partial(
-                sdsa.indexer_scores, query, cache, table, lengths, requests=order,
-                scores=scores, query_scales=query_scales, key_scales=key_scales,
-            )  # fmt: skip
-
-            def score(call=call):
-                flush.zero_()
-                call()
-
-            us = (cuda_time_ms(score, warmup=2, iters=iters) - flush_ms) * 1e3
-            moved = requests * context * key_bytes
-            lines.append(
-                f"SD1 indexer_scores, {fmt} keys, {requests} x {rows} rows x {context} keys: "
-                f"{us:.1f} us cold L2, {moved / us / 1e3:.0f} GB/s "
-                f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.0f} MB of keys"
-            )
+            sd1_us = sdsa_scores_us(keys, q, fmt, flush, flush_ms, iters)
+            sd2_us, select_us, repaired = sdsa_select_top_k_us(keys, q, fmt, flush, flush_ms)
+            for name, what, us in (
+                ("SD1", "indexer_scores", sd1_us),
+                ("SD2", f"threshold select + top-2048 ({repaired} rows repaired)", sd2_us),
+                ("SD2", "threshold select alone", select_us),
+            ):
+                lines.append(
+                    f"{name} {what}, {fmt} keys, {requests} x {rows} rows x {context} keys: "
+                    f"{us:.1f} us cold L2, {moved / us / 1e3:.0f} GB/s "
+                    f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.0f} MB of keys"
+                )
     return lines
+
+
+def sdsa_query(q: torch.Tensor, fmt: str):
+    """(query, query_scales) of fp32 rows in the key format."""
+    if fmt == "bf16":
+        return q.to(torch.bfloat16), None
+    data, scales = reference.sdsa_nvfp4_quantize(q)
+    return data, scales.view(torch.uint8)
+
+
+def sdsa_scores_us(keys, q, fmt: str, flush, flush_ms: float, iters: int) -> float:
+    """Microseconds of indexer_scores of q's rows (rows / requests a request) over every
+    key of each request, cold L2."""
+    from sparseforge import sdsa
+
+    cache, key_scales, table = keys
+    requests, context = table.shape[0], table.shape[1] * 64
+    query, query_scales = sdsa_query(q, fmt)
+    scores = torch.empty(q.shape[0], context, device=q.device)
+    lengths = torch.full((requests,), context, dtype=torch.int32, device=q.device)
+    order = torch.arange(requests, dtype=torch.int32, device=q.device)
+    call = functools.partial(
+        sdsa.indexer_scores, query, cache, table, lengths, requests=order, scores=scores,
+        query_scales=query_scales, key_scales=key_scales,
+    )  # fmt: skip
+
+    def score():
+        flush.zero_()
+        call()
+
+    return (cuda_time_ms(score, warmup=2, iters=iters) - flush_ms) * 1e3
+
+
+def sdsa_select_top_k_us(keys, q, fmt: str, flush, flush_ms: float, iters: int = 10):
+    """(microseconds of threshold select with repair + top_k_from_candidates, of the select
+    alone, rows repaired) for q's rows (rows / requests a request, each request one
+    128-row tile, its other rows seeing no key), top_k 2048, thresholds from the scores of
+    a 4096-key sample (4 keys of each page) at its 160th largest (about 2560 candidates
+    expected in 65,536 keys: most rows fit; cap 3072), cold L2."""
+    from sparseforge import sdsa
+
+    cache, key_scales, table = keys
+    requests, context = table.shape[0], table.shape[1] * 64
+    per_request = q.shape[0] // requests
+    device, top_k, slots, tile = q.device, 2048, 2048 + 3072, 128
+    sample = torch.empty(requests, 4096, cache.shape[2], dtype=cache.dtype, device=device)
+    sample_scales = None if key_scales is None else torch.empty(requests, 4096, 8, **_U8)
+    offsets = (torch.arange(4096, device=device) % 4 * 16).to(torch.uint8)
+    sdsa.gather_key_sample(
+        cache, table, offsets, torch.full((requests,), 4096, dtype=torch.int32, device=device),
+        sample_keys=sample, samples_per_run=4, pages_per_run=1, key_scales=key_scales,
+        sample_scales=sample_scales,
+    )  # fmt: skip
+    query, query_scales = sdsa_query(q, fmt)
+    sample_scores = torch.empty(q.shape[0], 4096, device=device)
+    sdsa.indexer_scores(
+        query, sample.view(-1, 64, sample.shape[2]),
+        torch.arange(requests * 64, dtype=torch.int32, device=device).view(requests, 64),
+        torch.full((requests,), 4096, dtype=torch.int32, device=device),
+        requests=torch.arange(requests, dtype=torch.int32, device=device),
+        scores=sample_scores, query_scales=query_scales,
+        key_scales=None if sample_scales is None else sample_scales.view(-1, 64, 8),
+    )  # fmt: skip
+    thresholds = torch.empty(q.shape[0], device=device)
+    counters = torch.empty(q.shape[0], 2, dtype=torch.int32, device=device)
+    sdsa.thresholds_from_sample(
+        sample_scores, sample_scores.topk(160, dim=1).indices.int(), thresholds=thresholds,
+        counters=counters,
+    )  # fmt: skip
+    # Each request's rows at the top of its 128-row tile; the rest see no key.
+    rows = requests * tile
+    first_rows = torch.arange(requests, device=device)[:, None] * tile
+    at = (first_rows + torch.arange(per_request, device=device)).flatten()
+    tile_query = torch.zeros(rows, query.shape[1], dtype=query.dtype, device=device)
+    tile_query[at] = query
+    tile_scales = None
+    if query_scales is not None:
+        tile_scales = torch.zeros(rows, 8, **_U8)
+        tile_scales[at] = query_scales
+    from_sample = torch.full((rows,), float("inf"), device=device)
+    from_sample[at] = thresholds
+    row_ends = torch.zeros(rows, dtype=torch.int32, device=device)
+    row_ends[at] = context
+    args = dict(
+        thresholds=from_sample.clone(),
+        counters=torch.zeros(rows, 2, dtype=torch.int32, device=device),
+        candidates=torch.empty(rows, slots, 2, dtype=torch.int32, device=device),
+        max_context=context, top_k=top_k, query_scales=tile_scales, key_scales=key_scales,
+        arrivals=torch.zeros(requests, dtype=torch.int32, device=device),
+        ranges=torch.empty(2, rows, dtype=torch.int32, device=device),
+    )  # fmt: skip
+    requests_of_tiles = torch.arange(requests, dtype=torch.int32, device=device)
+    top_keys = torch.empty(rows, top_k, dtype=torch.int32, device=device)
+
+    def select():
+        args["thresholds"].copy_(from_sample)
+        args["counters"].zero_()
+        sdsa.indexer_threshold_select(tile_query, cache, row_ends, requests_of_tiles, table, **args)
+
+    def select_top_k():
+        flush.zero_()
+        select()
+        sdsa.top_k_from_candidates(args["candidates"], args["ranges"], top_keys=top_keys)
+
+    def select_alone():
+        flush.zero_()
+        select()
+
+    total = cuda_time_ms(select_top_k, warmup=2, iters=iters)
+    alone = cuda_time_ms(select_alone, warmup=2, iters=iters)
+    repaired = int((args["thresholds"] != from_sample).sum())
+    return (total - flush_ms) * 1e3, (alone - flush_ms) * 1e3, repaired
+
+
+_U8 = dict(dtype=torch.uint8, device="cuda")
 
 
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
@@ -792,7 +895,9 @@ def main(argv=None) -> int:
         help="also time MSA sparse attention (MP1 prefill, MD1 / MD4 decode)",
     )
     parser.add_argument(
-        "--sdsa", action="store_true", help="also time the SDSA indexer (SD1 scores)"
+        "--sdsa",
+        action="store_true",
+        help="also time the SDSA indexer (SD1 scores, SD2 threshold select + top-K)",
     )
     parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"

@@ -20,9 +20,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
   shuffled and negative slots and rows, cache and scales as views of one allocation; every
   output byte equal to reference.quantize_write_index_qk_nvfp4's; sdsa_scores,
-  sdsa_sample, sdsa_thresholds, sdsa_topk, sdsa_select: paged BF16 / NVFP4 keys (an empty request),
-  sample rows, NaN and -1 positions, ties, infinities and NaNs among the candidates,
-  against the reference;
+  sdsa_sample, sdsa_thresholds, sdsa_topk, sdsa_select, sdsa_repair: paged BF16 / NVFP4
+  keys (an empty request), sample rows, NaN and -1 positions, ties, infinities and NaNs
+  among the candidates, rows the repair fixes, against the reference;
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
@@ -53,7 +53,14 @@ TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
-SDSA_FAMILIES = ("sdsa_scores", "sdsa_sample", "sdsa_thresholds", "sdsa_topk", "sdsa_select")
+SDSA_FAMILIES = (
+    "sdsa_scores",
+    "sdsa_sample",
+    "sdsa_thresholds",
+    "sdsa_topk",
+    "sdsa_select",
+    "sdsa_repair",
+)
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",
@@ -694,6 +701,28 @@ def check_sdsa(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
         sdsa.indexer_threshold_select(**got)
         reference.indexer_threshold_select(**want)
         return "counters, candidates and ties vs the reference", same_selection(got, want)
+    if v["family"] == "sdsa_repair":
+        got = sdsa_select_inputs(
+            [300, 129] if small else [5000, 64, 4097], nvfp4, seed=seed, device="cuda"
+        )
+        got["thresholds"][3::5] = float("inf")  # these rows miss: repaired
+        want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+        want["thresholds"] = got["thresholds"].clone()
+        rows = got["query"].shape[0]
+        repair = [
+            dict(
+                arrivals=torch.zeros(rows // 128, dtype=torch.int32, device="cuda"),
+                ranges=torch.full((2, rows), -5, dtype=torch.int32, device="cuda"),
+            )
+            for _ in range(2)
+        ]
+        sdsa.indexer_threshold_select(**got, **repair[0])
+        reference.indexer_threshold_select(**want, **repair[1])
+        same = same_selection(got, want) and torch.equal(repair[0]["ranges"], repair[1]["ranges"])
+        close = torch.allclose(got["thresholds"], want["thresholds"], rtol=1e-4, equal_nan=True)
+        return "repaired thresholds, counters, candidates and ranges vs the reference", (
+            same and close
+        )
     if v["family"] == "sdsa_topk":
         candidates, ranges = sdsa_candidates(40 if small else 600, 300, seed, "cuda")
         got = torch.full((candidates.shape[0], 32), -9, dtype=torch.int32, device="cuda")
@@ -737,6 +766,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", help="only this variant")
+    parser.add_argument("--family", help="only variants of families whose name starts so")
     parser.add_argument("--small", action="store_true", help="small problems (for sanitizers)")
     args = parser.parse_args(argv)
     arch = arch_for_device(torch.cuda.current_device())
@@ -757,6 +787,7 @@ def main(argv=None) -> int:
         )
         and v["arch"] == arch
         and args.variant in (None, v["name"])
+        and v["family"].startswith(args.family or "")
     ]
     if not chosen:
         print(f"no variant to check for {arch} in {_library.PACKAGE_DIR} {args.variant or ''}")

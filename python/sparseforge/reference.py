@@ -779,8 +779,9 @@ def indexer_threshold_select(
             fits = cands <= cap and cands + min(ties, top_k) >= min(end, top_k)
             if arrivals is None or fits or attempt:
                 break
-            want = min(end, top_k)
-            thresholds[r] = score.sort(descending=True).values[want - 1] if want else math.inf
+            want = min(end, top_k)  # the want-th largest score in float-bit order
+            nth = score[float_order(score).argsort(descending=True)[want - 1]] if want else None
+            thresholds[r] = math.inf if nth is None else nth
             counters[r] = 0
         counters[r, 0] += cands
         counters[r, 1] += ties

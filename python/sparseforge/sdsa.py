@@ -216,18 +216,21 @@ def indexer_threshold_select(
     candidates[r] (int32 (rows, slots, 2)) if n < cap = slots - top_k, the n-th tie to slot
     top_k - 1 - n if n < top_k, as (key, bits of the stored value: score - thr where score <=
     2 thr, else the score); the order within a class is unspecified. A row fits when
-    cands <= cap and cands + min(ties, top_k) >= min(row_end, top_k). Repair mode
-    (`arrivals`, `ranges`) is not built yet (reference.indexer_threshold_select has it):
-    passing them raises NotImplementedError. query / key formats as indexer_scores (rows =
-    128 x tiles); thresholds fp32 (rows,), row_ends int32 (rows,), tile_requests int32
-    (tiles,). Needs max_context <= 64 x W."""
+    cands <= cap and cands + min(ties, top_k) >= min(row_end, top_k).
+
+    Repair mode (`arrivals` int32 (tiles,), `ranges` int32 (2, rows), cap >= top_k - 1):
+    every row that does not fit gets the exact min(row_end, top_k)-th largest of its scores
+    (in float-bit order; +inf when that is 0 keys) as its threshold (written to
+    thresholds[r]), its counters restart and it is selected again, so every row fits; then
+    ranges[:, r] = (top_k - min(ties, top_k), top_k + min(cands, cap)), the slots
+    top_k_from_candidates reads. The repair is a second launch with a CTA per row (the
+    select's scores recomputed on chip, no score matrix), so `arrivals` is checked but
+    neither read nor written: it stays zeroed.
+
+    query / key formats as indexer_scores (rows = 128 x tiles); thresholds fp32 (rows,),
+    row_ends int32 (rows,), tile_requests int32 (tiles,). Needs max_context <= 64 x W."""
     if (arrivals is None) != (ranges is None):
         raise ValueError("give both arrivals and ranges (repair mode) or neither")
-    if arrivals is not None:
-        raise NotImplementedError(
-            "indexer_threshold_select's repair mode (arrivals, ranges) is not built yet; "
-            "sparseforge.reference.indexer_threshold_select computes it"
-        )
     page = sdsa_family.constant("page_keys")
     nvfp4, device, cache, q = _query_and_keys(
         "indexer_threshold_select", query, key_cache, query_scales, key_scales
@@ -246,6 +249,15 @@ def indexer_threshold_select(
     slots = candidates.shape[1]
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k < slots:
         raise ValueError(f"top_k = {top_k!r} must be an int in [0, {slots}) (candidate slots)")
+    repair = arrivals is not None
+    if repair:
+        _int32_vector("arrivals", arrivals, tiles, device)
+        _tensor("ranges", ranges, torch.int32, (2, rows), device)
+        if slots - top_k < top_k - 1:
+            raise ValueError(
+                f"repair mode needs cap = slots - top_k >= top_k - 1; candidates has {slots} "
+                f"slots for top_k = {top_k}"
+            )
     positive_int("max_context", max_context)
     if max_context > page * table.shape[1]:
         raise ValueError(
@@ -255,17 +267,23 @@ def indexer_threshold_select(
     inputs = (("query", query), ("key_cache", key_cache), ("thresholds", thresholds))
     check_writable("counters", counters, inputs + (("candidates", candidates),))
     check_writable("candidates", candidates, inputs)
+    if repair:
+        outputs = (("counters", counters), ("candidates", candidates), ("ranges", ranges))
+        check_writable("thresholds", thresholds, inputs[:2] + outputs)
+        check_writable("ranges", ranges, inputs + outputs[:2])
     _need_cuda(device, "indexer_threshold_select")
     if rows:
-        launch = sdsa_family.launch(
-            device.index, "sdsa_select", "u8" if nvfp4 else "bf16", max_context, top_k
-        )
+        dtype = "u8" if nvfp4 else "bf16"
         tensors = (
             q, query_scales, cache, key_scales, table, row_ends, tile_requests, thresholds,
             counters, candidates,
         )  # fmt: skip
         with torch.cuda.device(device):
-            ops.launch(launch, tensors)
+            select = sdsa_family.launch(device.index, "sdsa_select", dtype, max_context, top_k)
+            ops.launch(select, tensors)
+            if repair:
+                fix = sdsa_family.launch(device.index, "sdsa_repair", dtype, max_context, top_k)
+                ops.launch(fix, (*tensors, ranges))
 
 
 def _counters(counters, rows: int, device) -> None:

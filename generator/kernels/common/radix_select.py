@@ -24,11 +24,12 @@ def order_key(bits):
 
 
 @cute.jit
-def radix_select(bits, first, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
-    """(the order key of the wanted-th largest of the floats whose Int32 bits are
-    bits[first .. first + count - 1] (1 <= wanted <= count), how many of the values equal to
-    it are among the wanted largest). sHist: BINS Int32 of shared memory, sState: 2 Int32.
-    Every thread of the CTA calls it (it synchronises)."""
+def radix_select(bits_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
+    """(the order key of the wanted-th largest of the count floats whose Int32 bits are
+    bits_at(0 .. count - 1) (1 <= wanted <= count; bits_at is called once per value and
+    pass, so it may compute the value rather than load it), how many of the values equal
+    to it are among the wanted largest). sHist: BINS Int32 of shared memory, sState: 2
+    Int32. Every thread of the CTA calls it (it synchronises)."""
     prefix = cutlass.Uint32(0)
     for step in cutlass.range_constexpr(4):
         shift = 24 - 8 * step
@@ -36,7 +37,7 @@ def radix_select(bits, first, count, wanted, sHist, sState, tidx, threads: cutla
             sHist[b] = 0
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, count, threads, unroll=1):
-            key = order_key(bits[first + i])
+            key = order_key(bits_at(i))
             digit = cutlass.Int32((key >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
             if cutlass.const_expr(step == 0):
                 cute.arch.atomic_add(sHist.iterator + digit, cutlass.Int32(1))
@@ -65,3 +66,22 @@ def radix_select(bits, first, count, wanted, sHist, sState, tidx, threads: cutla
         wanted = sState[1]
         cute.arch.sync_threads()
     return prefix, wanted
+
+
+@cute.jit
+def float_bits(value):
+    """A Float32's bits as an Int32."""
+    word = cute.make_rmem_tensor((1,), cutlass.Float32)
+    word[0] = value
+    return cute.recast_tensor(word, cutlass.Int32)[0]
+
+
+@cute.jit
+def float_of_order_key(key):
+    """The float whose order key is `key` (order_key's inverse)."""
+    flip = cutlass.Uint32(0xFFFFFFFF)
+    if key >= cutlass.Uint32(0x80000000):
+        flip = cutlass.Uint32(0x80000000)
+    word = cute.make_rmem_tensor((1,), cutlass.Uint32)
+    word[0] = key ^ flip
+    return cute.recast_tensor(word, cutlass.Float32)[0]

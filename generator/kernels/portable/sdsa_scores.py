@@ -52,10 +52,16 @@ class SdsaScores:
                 page = args.mBlockTable[args.mRequests[group], key // PAGE_KEYS]
                 values = self.key_values(args, page, key % PAGE_KEYS)
                 for r in cutlass.range(rows, unroll=1):
-                    total = cutlass.Float32(0.0)
-                    for c in cutlass.range_constexpr(KEY_DIM):
-                        total = total + values[c] * sQ[r, c]
-                    args.mScores[first_row + r, key] = total
+                    args.mScores[first_row + r, key] = self.dot(values, sQ, r)
+
+    @cute.jit
+    def dot(self, values, sQ, r):
+        """values . sQ[r], summed in fp32 in channel order (every SDSA kernel scores so: the
+        threshold select and its repair see the same bits)."""
+        total = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(KEY_DIM):
+            total = total + values[c] * sQ[r, c]
+        return total
 
     @cute.jit
     def stage_queries(self, args, capacity: cutlass.Constexpr, first_row, rows, tidx):

@@ -14,8 +14,9 @@ stored value's bits): score - thr where score <= 2 thr (exact there), else the s
 import cutlass
 import cutlass.cute as cute
 
-from generator.families.sdsa import KEY_DIM, PAGE_KEYS
+from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.radix_select import float_bits
 from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, SdsaScores
 
 TILE_ROWS = 128
@@ -49,20 +50,17 @@ class SdsaSelect(SdsaScores):
             for r in cutlass.range(TILE_ROWS, unroll=1):
                 row = first_row + r
                 if key < args.mRowEnds[row]:
-                    total = cutlass.Float32(0.0)
-                    for c in cutlass.range_constexpr(KEY_DIM):
-                        total = total + values[c] * sQ[r, c]
-                    self.classify(args, row, key, total, cap)
+                    score = self.dot(values, sQ, r)
+                    self.classify(args, row, key, score, args.mThresholds[row], cap)
 
     @cute.jit
-    def classify(self, args, row, key, score, cap):
-        threshold = args.mThresholds[row]
+    def classify(self, args, row, key, score, threshold, cap):
+        """Count (and store, while there is room) the pair (key, score) of `row` as a
+        candidate or a tie of `threshold`."""
         stored = score
         if score <= 2.0 * threshold:
             stored = score - threshold
-        pair = cute.make_rmem_tensor((1,), cutlass.Float32)
-        pair[0] = stored
-        bits = cute.recast_tensor(pair, cutlass.Int32)[0]
+        bits = float_bits(stored)
         counters = args.mCounters
         if score > threshold:
             n = cute.arch.atomic_add(

@@ -42,7 +42,9 @@ class SdsaTopK:
                 args.mTopKeys[row, i] = key
         else:
             values = args.mCandidates[row, None, 1]
-            prefix, wanted = radix_select(values, first, count, k, sHist, sState, tidx, THREADS)
+            prefix, wanted = radix_select(
+                lambda i: values[first + i], count, k, sHist, sState, tidx, THREADS
+            )
             # prefix is the K-th value; `wanted` of its ties fill the last columns.
             if tidx == 0:
                 sState[2] = 0  # keys above written

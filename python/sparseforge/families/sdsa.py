@@ -14,6 +14,7 @@ FAMILIES = (
     "sdsa_thresholds",
     "sdsa_topk",
     "sdsa_select",
+    "sdsa_repair",
 )
 CONSTANTS = ("page_keys", "key_dim")
 CONSTRAINTS = ()
