@@ -64,17 +64,23 @@ class SdsaScores:
         return total
 
     @cute.jit
-    def stage_queries(self, args, capacity: cutlass.Constexpr, first_row, rows, tidx):
+    def stage_queries(self, args, capacity: cutlass.Constexpr, first_row, rows, tidx, needed=None):
         """Query rows first_row .. first_row + rows - 1 as fp32 in shared memory ((capacity,
-        128)), for every thread once it returns."""
+        128)), for every thread once it returns; with `needed`, only the rows r (0-based)
+        where needed(r) holds (the others are left unset)."""
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(
             cutlass.Float32, cute.make_layout((capacity, KEY_DIM), stride=(KEY_DIM, 1)), 16
         )
         for i in cutlass.range(tidx, rows * KEY_DIM, KEYS_PER_CTA, unroll=1):
-            sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
-                args, first_row + i // KEY_DIM, i % KEY_DIM
-            )
+            if cutlass.const_expr(needed is None):
+                sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
+                    args, first_row + i // KEY_DIM, i % KEY_DIM
+                )
+            elif needed(i // KEY_DIM):
+                sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
+                    args, first_row + i // KEY_DIM, i % KEY_DIM
+                )
         cute.arch.sync_threads()
         return sQ
 

@@ -1,7 +1,8 @@
-"""sdsa_select: the SDSA threshold select, without a score matrix (indexer_threshold_select
-without repair).
+"""sdsa_select: the SDSA threshold select, without a score matrix (indexer_threshold_select;
+its repair mode is sdsa_repair, launched after this).
 
-A CTA owns 128 keys of one 128-row tile: the tile's queries as fp32 in shared memory (64 KB),
+A CTA owns 128 keys of one 128-row tile: the queries of the tile's rows that see one of
+these keys as fp32 in shared memory (64 KB for all 128),
 each thread one key of the tile's table row, dequantized into registers (as sdsa_scores).
 For each row r of the tile that sees the key (key < min(row_ends[r], max_context)) the
 thread scores it and classifies it against thresholds[r]: a candidate (score > thr) takes
@@ -41,7 +42,11 @@ class SdsaSelect(SdsaScores):
         bidx, tile, _ = cute.arch.block_idx()
         first_row = tile * TILE_ROWS
         key = bidx * KEYS_PER_CTA + tidx
-        sQ = self.stage_queries(args, TILE_ROWS, first_row, TILE_ROWS, tidx)
+        # Only the rows that see some key of this CTA: a decode tile often has a few.
+        sQ = self.stage_queries(
+            args, TILE_ROWS, first_row, TILE_ROWS, tidx,
+            needed=lambda r: args.mRowEnds[first_row + r] > bidx * KEYS_PER_CTA,
+        )  # fmt: skip
         if key < args.max_context:
             page = args.mBlockTable[args.mTileRequests[tile], key // PAGE_KEYS]
             values = self.key_values(args, page, key % PAGE_KEYS)
