@@ -155,6 +155,9 @@ def test_interleaved_regions_of_one_allocation_are_apart():
         check_writable("scales", pages[:, 64 * 64 - 4 :], [("data", data)])
     with pytest.raises(ValueError, match="overlaps pages's"):
         check_writable("data", data, [("pages", pages)])
+    # A 0-dim output over an input's memory: an overlap (not an error about its strides).
+    with pytest.raises(ValueError, match="overlaps pages's"):
+        check_writable("count", pages[1, 5], [("pages", pages)])
 
 
 def test_out_and_lse_may_not_alias_inputs_or_themselves():

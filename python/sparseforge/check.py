@@ -45,6 +45,7 @@ import torch
 from sparseforge import _library, reference
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import BY_NAME
+from sparseforge.families import sdsa as sdsa_family
 from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
@@ -53,14 +54,7 @@ TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILY = "msa_proxy_score"
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
-SDSA_FAMILIES = (
-    "sdsa_scores",
-    "sdsa_sample",
-    "sdsa_thresholds",
-    "sdsa_topk",
-    "sdsa_select",
-    "sdsa_repair",
-)
+SDSA_FAMILIES = tuple(f for f in sdsa_family.FAMILIES if f != SDSA_QUANTIZE_FAMILY)
 MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention",
     "msa_sparse_attention_fp8kv",

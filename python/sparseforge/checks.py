@@ -84,8 +84,10 @@ def _interleaved_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a and b interleave without sharing memory: the same byte stride P on their
     first dim (pages, rows), each page's elements within P bytes, and the two pages' byte
     ranges apart modulo P (e.g. the data and scale regions of one page allocation)."""
+    if a.dim() < 2 or b.dim() < 2:
+        return False
     period = a.stride(0) * a.element_size()
-    if a.dim() < 2 or b.dim() < 2 or b.stride(0) * b.element_size() != period or period <= 0:
+    if b.stride(0) * b.element_size() != period or period <= 0:
         return False
     ranges = []
     for t in (a, b):
