@@ -1,0 +1,133 @@
+"""sdsa_scores on tensor cores: the SDSA indexer's FP32 scores q . k (indexer_scores) with
+warp-level MMA (mma.sync m16n8k16, fp32 accumulators), every arch.
+
+A CTA (4 warps) owns 128 keys of one group (R = rows / groups <= 8 consecutive query rows
+sharing the table row mRequests[g]); each warp 32 of them, as four 8-key MMA tiles. The
+MMA's 16 rows are the group's rows (the rest zero); its k dimension, the 128 channels, is
+permuted the same way for both operands (a dot product does not care): in k-step s,
+thread lane (g = lane / 4, q = lane % 4) holds the k slots 2q, 2q+1, 2q+8, 2q+9, and they
+are channels 32q + 4s + 0..3. So each thread's operands are channels 32q .. 32q + 31 of
+one key (B: key g of the tile) and of one query row (A: row g), loaded straight from
+global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two scales),
+no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
+
+NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 code via
+e2m1_pair_as_fp16, times its e4m3 scale): exact, since every such product is a multiple of
+2^-24 below 1 in magnitude; the MMA's products are then exact and the sums fp32, and the
+scores are scaled back by 2^28. BF16 keys and queries go to a bf16 MMA as they are.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from generator.families.sdsa import KEY_DIM, PAGE_KEYS
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_pair_as_fp16
+
+WARPS = 4
+TILE_KEYS = 8  # the MMA's n
+TILES = 4  # per warp
+KEYS_PER_CTA = WARPS * TILES * TILE_KEYS
+K_STEPS = KEY_DIM // 16
+CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
+
+
+class SdsaScoresMma:
+    def __init__(self, dtype, nvfp4: bool):
+        self.nvfp4 = nvfp4
+        self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
+
+    @cute.jit
+    def launch(self, args, stream):
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
+        self.kernel(args, atom).launch(
+            grid=[
+                cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA),
+                args.mRequests.shape[0],
+                1,
+            ],
+            block=[WARPS * 32, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, args, atom):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, group, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        g = lane // 4
+        q = lane % 4
+        context = args.mContext[group]
+        first_key = bidx * KEYS_PER_CTA + (tidx // 32) * (TILES * TILE_KEYS)
+        if first_key < context:  # the same for the whole warp: its MMAs run converged
+            rows = args.mScores.shape[0] // args.mRequests.shape[0]
+            first_row = group * rows
+            request = args.mRequests[group]
+            query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
+            query.fill(0.0)
+            if g < rows:
+                self.channels(args.mQuery, args.mQueryScales, first_row + g, q, query)
+            # The A fragments of the 8 k-steps, 8 values each: a0 a1 a4 a5 this row's
+            # channels, a2 a3 a6 a7 (rows g + 8) zero.
+            a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
+            a_frags.fill(0.0)
+            for s in cutlass.range_constexpr(K_STEPS):
+                for i in cutlass.range_constexpr(4):
+                    a_frags[8 * s + i + 2 * (i // 2)] = query[4 * s + i]
+            keys = cute.make_rmem_tensor((TILES, CHANNELS), self.mma_dtype)
+            keys.fill(0.0)
+            for t in cutlass.range_constexpr(TILES):  # every load issued before the MMAs
+                key = first_key + t * TILE_KEYS + g
+                if key < context:
+                    page = args.mBlockTable[request, key // PAGE_KEYS]
+                    self.channels(
+                        args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
+                        key % PAGE_KEYS, q, keys[t, None],
+                    )  # fmt: skip
+            factor = E2M1_FP16_FACTOR * E2M1_FP16_FACTOR if self.nvfp4 else 1.0
+            for t in cutlass.range_constexpr(TILES):
+                acc = self.tile_scores(atom, a_frags, keys[t, None])
+                if g < rows:
+                    for j in cutlass.range_constexpr(2):
+                        key = first_key + t * TILE_KEYS + 2 * q + j
+                        if key < context:
+                            args.mScores[first_row + g, key] = acc[j, 0, 0] * factor
+
+    @cute.jit
+    def tile_scores(self, atom, a_frags, keys):
+        """The m16n8 accumulator of one tile over the 8 k-steps: A from a_frags, B the
+        tile's key channels 4s .. 4s + 3 in k-step s (module docstring), both as views."""
+        acc = cute.make_rmem_tensor((4, 1, 1), cutlass.Float32)
+        acc.fill(0.0)
+        for s in cutlass.range_constexpr(K_STEPS):
+            a = cute.make_tensor(a_frags.iterator + 8 * s, cute.make_layout((8, 1)))
+            b = cute.make_tensor(keys.iterator + 4 * s, cute.make_layout((4, 1)))
+            cute.gemm(atom, acc, a, b, acc)
+        return acc
+
+    @cute.jit
+    def channels(self, data, scales, row, q, dst):
+        """Channels 32q .. 32q + 31 of data[row] into dst (the MMA dtype): BF16 as they are,
+        NVFP4 as value x scale / 2^14."""
+        if cutlass.const_expr(self.nvfp4):
+            raw = cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load()
+            codes = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Uint8)
+            codes.store(raw)
+            words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
+            for b in cutlass.range_constexpr(CHANNELS // 2):
+                words[b] = e2m1_pair_as_fp16(cutlass.Int32(codes[b]))
+            values = cute.recast_tensor(words, cutlass.Float16)
+            # This thread's two scale groups (2q, 2q + 1), as fp16.
+            pair = cute.make_rmem_tensor((2,), cutlass.Uint8)
+            pair.store(cute.local_tile(scales[row, None], (2,), (q,)).load())
+            step = cute.recast_tensor(pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
+            for i in cutlass.range_constexpr(CHANNELS):
+                dst[i] = values[i] * step[i // 16]
+        else:
+            dst.store(cute.local_tile(data[row, None], (CHANNELS,), (q,)).load())
+
+
+def make_kernel(variant):
+    dtype = variant.params["dtype"]
+    return SdsaScoresMma(element_type(dtype), nvfp4=dtype == "u8")
