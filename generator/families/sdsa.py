@@ -220,7 +220,12 @@ FAMILIES = (
         thresholds_abi,
         dtypes=(),
     ),
-    _family("sdsa_select", "SDSA threshold select over paged BF16 / NVFP4 keys", select_abi),
+    _family(
+        "sdsa_select",
+        "SDSA threshold select over paged BF16 / NVFP4 keys",
+        select_abi,
+        module="sdsa_select_mma",
+    ),
     _family(
         "sdsa_repair",
         "SDSA threshold select's repair mode (exact thresholds for rows that do not fit)",

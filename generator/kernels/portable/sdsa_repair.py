@@ -18,7 +18,7 @@ from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import BINS, float_bits, float_of_order_key, radix_select
 from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA
-from generator.kernels.portable.sdsa_select import TILE_ROWS, SdsaSelect
+from generator.kernels.portable.sdsa_select import TILE_ROWS, SdsaSelect, classify
 
 
 class SdsaRepair(SdsaSelect):
@@ -57,7 +57,7 @@ class SdsaRepair(SdsaSelect):
                 args.mCounters[row, 1] = 0
             cute.arch.sync_threads()
             for k in cutlass.range(tidx, end, KEYS_PER_CTA, unroll=1):
-                self.classify(args, row, k, self.score(args, request, k, sQ), threshold, cap)
+                classify(args, row, k, self.score(args, request, k, sQ), threshold, cap)
             cute.arch.sync_threads()
             cands = args.mCounters[row, 0]
             ties = args.mCounters[row, 1]

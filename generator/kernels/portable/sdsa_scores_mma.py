@@ -37,6 +37,8 @@ class SdsaScoresMma:
     def __init__(self, dtype, nvfp4: bool):
         self.nvfp4 = nvfp4
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
+        # The MMA of NVFP4 operands (each scaled by 2^-14) gives q . k / 2^28.
+        self.score_factor = E2M1_FP16_FACTOR * E2M1_FP16_FACTOR if nvfp4 else 1.0
 
     @cute.jit
     def launch(self, args, stream):
@@ -64,35 +66,46 @@ class SdsaScoresMma:
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
             request = args.mRequests[group]
-            query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
-            query.fill(0.0)
-            if g < rows:
-                self.channels(args.mQuery, args.mQueryScales, first_row + g, q, query)
-            # The A fragments of the 8 k-steps, 8 values each: a0 a1 a4 a5 this row's
-            # channels, a2 a3 a6 a7 (rows g + 8) zero.
             a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
-            a_frags.fill(0.0)
-            for s in cutlass.range_constexpr(K_STEPS):
-                for i in cutlass.range_constexpr(4):
-                    a_frags[8 * s + i + 2 * (i // 2)] = query[4 * s + i]
-            keys = cute.make_rmem_tensor((TILES, CHANNELS), self.mma_dtype)
-            keys.fill(0.0)
-            for t in cutlass.range_constexpr(TILES):  # every load issued before the MMAs
-                key = first_key + t * TILE_KEYS + g
-                if key < context:
-                    page = args.mBlockTable[request, key // PAGE_KEYS]
-                    self.channels(
-                        args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
-                        key % PAGE_KEYS, q, keys[t, None],
-                    )  # fmt: skip
-            factor = E2M1_FP16_FACTOR * E2M1_FP16_FACTOR if self.nvfp4 else 1.0
+            a_frags.fill(0.0)  # rows g + 8: never a query
+            if g < rows:
+                self.place_query(args, first_row + g, q, a_frags, 0)
+            keys = self.load_keys(args, request, first_key, context, g, q)
             for t in cutlass.range_constexpr(TILES):
                 acc = self.tile_scores(atom, a_frags, keys[t, None])
                 if g < rows:
                     for j in cutlass.range_constexpr(2):
                         key = first_key + t * TILE_KEYS + 2 * q + j
                         if key < context:
-                            args.mScores[first_row + g, key] = acc[j, 0, 0] * factor
+                            args.mScores[first_row + g, key] = acc[j, 0, 0] * self.score_factor
+
+    @cute.jit
+    def place_query(self, args, row, q, a_frags, half: cutlass.Constexpr):
+        """Query row `row`'s channels 32q .. 32q + 31 into the A fragments of the 8 k-steps
+        (8 values each): as a0 a1 a4 a5 (MMA row g, half 0) or a2 a3 a6 a7 (row g + 8,
+        half 1), channels 4s .. 4s + 3 in k-step s."""
+        query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
+        self.channels(args.mQuery, args.mQueryScales, row, q, query)
+        for s in cutlass.range_constexpr(K_STEPS):
+            for i in cutlass.range_constexpr(4):
+                a_frags[8 * s + i + 2 * (i // 2) + 2 * half] = query[4 * s + i]
+
+    @cute.jit
+    def load_keys(self, args, request, first_key, end, g, q):
+        """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
+        channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`): every load is
+        issued before any MMA."""
+        keys = cute.make_rmem_tensor((TILES, CHANNELS), self.mma_dtype)
+        keys.fill(0.0)
+        for t in cutlass.range_constexpr(TILES):
+            key = first_key + t * TILE_KEYS + g
+            if key < end:
+                page = args.mBlockTable[request, key // PAGE_KEYS]
+                self.channels(
+                    args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
+                    key % PAGE_KEYS, q, keys[t, None],
+                )  # fmt: skip
+        return keys
 
     @cute.jit
     def tile_scores(self, atom, a_frags, keys):

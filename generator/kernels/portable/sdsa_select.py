@@ -56,31 +56,32 @@ class SdsaSelect(SdsaScores):
                 row = first_row + r
                 if key < args.mRowEnds[row]:
                     score = self.dot(values, sQ, r)
-                    self.classify(args, row, key, score, args.mThresholds[row], cap)
+                    classify(args, row, key, score, args.mThresholds[row], cap)
 
-    @cute.jit
-    def classify(self, args, row, key, score, threshold, cap):
-        """Count (and store, while there is room) the pair (key, score) of `row` as a
-        candidate or a tie of `threshold`."""
-        stored = score
-        if score <= 2.0 * threshold:
-            stored = score - threshold
-        bits = float_bits(stored)
-        counters = args.mCounters
-        if score > threshold:
-            n = cute.arch.atomic_add(
-                counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
-            )
-            if n < cap:
-                args.mCandidates[row, args.top_k + n, 0] = key
-                args.mCandidates[row, args.top_k + n, 1] = bits
-        elif (score == threshold) | (score != score) | (threshold != threshold):
-            n = cute.arch.atomic_add(
-                counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
-            )
-            if n < args.top_k:
-                args.mCandidates[row, args.top_k - 1 - n, 0] = key
-                args.mCandidates[row, args.top_k - 1 - n, 1] = bits
+
+@cute.jit
+def classify(args, row, key, score, threshold, cap):
+    """Count (and store, while there is room) the pair (key, score) of `row` as a
+    candidate or a tie of `threshold`."""
+    stored = score
+    if score <= 2.0 * threshold:
+        stored = score - threshold
+    bits = float_bits(stored)
+    counters = args.mCounters
+    if score > threshold:
+        n = cute.arch.atomic_add(
+            counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
+        )
+        if n < cap:
+            args.mCandidates[row, args.top_k + n, 0] = key
+            args.mCandidates[row, args.top_k + n, 1] = bits
+    elif (score == threshold) | (score != score) | (threshold != threshold):
+        n = cute.arch.atomic_add(
+            counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
+        )
+        if n < args.top_k:
+            args.mCandidates[row, args.top_k - 1 - n, 0] = key
+            args.mCandidates[row, args.top_k - 1 - n, 1] = bits
 
 
 def make_kernel(variant):
