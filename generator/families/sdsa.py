@@ -178,9 +178,9 @@ def topk_abi(head_dim=None):
     )
 
 
-def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None, module=None):
-    """One SDSA family: a portable template of the same name (module `module`, by default
-    the family's name) on every arch, one variant per dtype (none: a single variant)."""
+def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None):
+    """One SDSA family: a portable template of the same name (module sdsa_<op>) on every
+    arch, one variant per dtype (none: a single variant)."""
     configs = tuple(dict(dtype=t, head_dim=KEY_DIM) for t in dtypes) or ({},)
     return Family(
         name=name,
@@ -191,7 +191,7 @@ def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None, module=None):
         templates=(
             Template(
                 name,
-                f"generator.kernels.portable.{module or name}",
+                f"generator.kernels.portable.{name}",
                 archs=ALL_ARCHS,
                 configs=configs,
                 portable=True,
@@ -211,7 +211,6 @@ FAMILIES = (
         "sdsa_scores",
         "SDSA scores q . k over paged BF16 / NVFP4 keys (indexer_scores)",
         scores_abi,
-        module="sdsa_scores_mma",
     ),
     _family("sdsa_sample", "SDSA key sample rows (gather_key_sample)", sample_abi),
     _family(
@@ -220,12 +219,7 @@ FAMILIES = (
         thresholds_abi,
         dtypes=(),
     ),
-    _family(
-        "sdsa_select",
-        "SDSA threshold select over paged BF16 / NVFP4 keys",
-        select_abi,
-        module="sdsa_select_mma",
-    ),
+    _family("sdsa_select", "SDSA threshold select over paged BF16 / NVFP4 keys", select_abi),
     _family(
         "sdsa_repair",
         "SDSA threshold select's repair mode (exact thresholds for rows that do not fit)",

@@ -12,10 +12,12 @@ values, no global scale).
                                     in one pass over its keys (no score matrix)
     top_k_from_candidates           each row's exact top-K keys from its candidate slots
 
-Each is one launch on the current stream, no host synchronisation (CUDA-graph capturable);
+Each is one launch on the current stream (the threshold select's repair mode: two), no host
+synchronisation (CUDA-graph capturable);
 index values (slots, page ids, offsets, positions) are not checked on the GPU, which would
-need a host synchronisation. Kernels: generator/kernels/portable/sdsa_*.py (every arch,
-CUDA cores). PyTorch references of the whole indexer (repair mode included):
+need a host synchronisation. Kernels: generator/kernels/portable/sdsa_*.py (every arch;
+scores, select and repair on tensor cores (mma.sync), each computing a score with the same
+bits). PyTorch references of the whole indexer (repair mode included):
 sparseforge.reference.
 """
 
@@ -89,8 +91,8 @@ def indexer_scores(
     query, key_cache, block_table, context_lengths, *, requests, scores, query_scales=None,
     key_scales=None,
 ):  # fmt: skip
-    """scores[q, k] = q . k in fp32 (dequantized values; products summed in fp32 in channel
-    order) for the G = len(requests) groups of R = rows / G consecutive query rows (R in
+    """scores[q, k] = q . k in fp32 (dequantized values; products exact, summed in fp32 by
+    the tensor cores, 16 channels a step) for the G = len(requests) groups of R = rows / G consecutive query rows (R in
     1..8): group g's rows against the first context_lengths[g] keys of table row
     requests[g]; other entries of `scores` (fp32 (rows, max_context), rows contiguous) are
     untouched. BF16: query (rows, 128) bf16, key_cache (pages, 64, 128) bf16. NVFP4: query

@@ -24,12 +24,14 @@ def order_key(bits):
 
 
 @cute.jit
-def radix_select(bits_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
-    """(the order key of the wanted-th largest of the count floats whose Int32 bits are
-    bits_at(0 .. count - 1) (1 <= wanted <= count; bits_at is called once per value and
-    pass, so it may compute the value rather than load it), how many of the values equal
-    to it are among the wanted largest). sHist: BINS Int32 of shared memory, sState: 2
-    Int32. Every thread of the CTA calls it (it synchronises)."""
+def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
+    """(the order key of the wanted-th largest of a set of floats (1 <= wanted <= its
+    size), how many of the values equal to it are among the wanted largest). The set:
+    values_at(i) for i = tidx, tidx + threads, ... < count, each a list of (valid, Int32
+    bits) pairs, the valid ones members. values_at is called once per i and pass, so it may
+    compute the values rather than load them; every thread makes the same calls when count
+    is a multiple of threads. sHist: BINS Int32 of shared memory, sState: 2 Int32. Every
+    thread of the CTA calls it (it synchronises)."""
     prefix = cutlass.Uint32(0)
     for step in cutlass.range_constexpr(4):
         shift = 24 - 8 * step
@@ -37,13 +39,15 @@ def radix_select(bits_at, count, wanted, sHist, sState, tidx, threads: cutlass.C
             sHist[b] = 0
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, count, threads, unroll=1):
-            key = order_key(bits_at(i))
-            digit = cutlass.Int32((key >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
-            if cutlass.const_expr(step == 0):
-                cute.arch.atomic_add(sHist.iterator + digit, cutlass.Int32(1))
-            else:
-                high = cutlass.Uint32(shift + 8)
-                if (key >> high) == (prefix >> high):
+            pairs = values_at(i)
+            for v in cutlass.range_constexpr(len(pairs)):
+                valid, bits = pairs[v]
+                key = order_key(bits)
+                digit = cutlass.Int32((key >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
+                if cutlass.const_expr(step > 0):
+                    high = cutlass.Uint32(shift + 8)
+                    valid = valid & ((key >> high) == (prefix >> high))
+                if valid:
                     cute.arch.atomic_add(sHist.iterator + digit, cutlass.Int32(1))
         cute.arch.sync_threads()
         if tidx == 0:

@@ -1,54 +1,77 @@
 """sdsa_repair: indexer_threshold_select's repair mode, a second launch after the select.
 
-One CTA per row. A row fits when its candidates fit their slots (cands <= cap = slots -
-top_k) and its candidates plus stored ties reach wanted = min(row_end, top_k). A row that
-does not is repaired: the CTA radix-selects the exact wanted-th largest of the row's scores
-in float-bit order (generator/kernels/common/radix_select.py; each of its four passes
-recomputes the scores as the select computes them, so no score matrix is written), makes
-it the row's threshold, zeroes the row's counters and selects the row again. Then fewer
-than wanted scores lie above the threshold (<= top_k - 1 <= cap) and the rest of the
-wanted ones tie with it, so the row fits. Every row then gets its ranges:
-(top_k - min(ties, top_k), top_k + min(cands, cap)).
+One CTA (4 warps) per row. A row fits when its candidates fit their slots (cands <= cap =
+slots - top_k) and its candidates plus stored ties reach wanted = min(row_end, top_k). A row
+that does not is repaired: the CTA radix-selects the exact wanted-th largest of the row's
+scores in float-bit order (generator/kernels/common/radix_select.py; each of its four
+passes recomputes the scores 128 keys at a time on tensor cores, exactly as sdsa_scores and
+sdsa_select compute them, so no score matrix is written), makes it the row's threshold,
+zeroes the row's counters and selects the row again. Then fewer than wanted scores lie
+above the threshold (<= top_k - 1 <= cap) and the rest of the wanted ones tie with it, so
+the row fits. Every row then gets its ranges: (top_k - min(ties, top_k), top_k + min(cands,
+cap)).
 """
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
 
-from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import BINS, float_bits, float_of_order_key, radix_select
-from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA
-from generator.kernels.portable.sdsa_select import TILE_ROWS, SdsaSelect, classify
+from generator.kernels.portable.sdsa_scores import (
+    K_STEPS,
+    KEYS_PER_CTA,
+    TILE_KEYS,
+    TILES,
+    WARPS,
+    SdsaScores,
+)
+from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
 
-class SdsaRepair(SdsaSelect):
+class SdsaRepair(SdsaScores):
     @cute.jit
     def launch(self, args, stream):
-        self.kernel(args).launch(
-            grid=[args.mRowEnds.shape[0], 1, 1], block=[KEYS_PER_CTA, 1, 1], stream=stream
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
+        self.kernel(args, atom).launch(
+            grid=[args.mRowEnds.shape[0], 1, 1], block=[WARPS * 32, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, args):
+    def kernel(self, args, atom):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        g = lane // 4
+        q = lane % 4
         top_k = args.top_k
         cap = args.mCandidates.shape[1] - top_k
         end = cutlass.min(args.mRowEnds[row], args.max_context)
         wanted = cutlass.min(end, top_k)
         cands = args.mCounters[row, 0]
         ties = args.mCounters[row, 1]
-        sQ = self.stage_queries(args, 1, row, 1, tidx)
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(BINS), 16)
         sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
         if (cands > cap) | (cands + cutlass.min(ties, top_k) < wanted):
             request = args.mTileRequests[row // TILE_ROWS]
+            # The row is MMA row 0 (lanes g == 0 hold its scores); the other rows are zero.
+            a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
+            a_frags.fill(0.0)
+            if g == 0:
+                self.place_query(args, row, q, a_frags, 0)
+            # Every thread walks all chunks of 128 keys: the warps' MMAs run converged.
+            count = cute.ceil_div(end, KEYS_PER_CTA) * KEYS_PER_CTA
             threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
             if wanted > 0:
                 key, _ = radix_select(
-                    lambda i: float_bits(self.score(args, request, i, sQ)),
-                    end, wanted, sHist, sState, tidx, KEYS_PER_CTA,
+                    lambda i: [
+                        (ok, float_bits(score))
+                        for ok, _, score in self.chunk_scores(
+                            atom, args, a_frags, request, i - tidx, end, g, q, tidx
+                        )
+                    ],
+                    count, wanted, sHist, sState, tidx, KEYS_PER_CTA,
                 )  # fmt: skip
                 threshold = float_of_order_key(key)
             if tidx == 0:
@@ -56,8 +79,12 @@ class SdsaRepair(SdsaSelect):
                 args.mCounters[row, 0] = 0
                 args.mCounters[row, 1] = 0
             cute.arch.sync_threads()
-            for k in cutlass.range(tidx, end, KEYS_PER_CTA, unroll=1):
-                classify(args, row, k, self.score(args, request, k, sQ), threshold, cap)
+            for i in cutlass.range(tidx, count, KEYS_PER_CTA, unroll=1):
+                triples = self.chunk_scores(atom, args, a_frags, request, i - tidx, end, g, q, tidx)
+                for v in cutlass.range_constexpr(len(triples)):
+                    ok, key, score = triples[v]
+                    if ok:
+                        classify(args, row, key, score, threshold, cap)
             cute.arch.sync_threads()
             cands = args.mCounters[row, 0]
             ties = args.mCounters[row, 1]
@@ -66,10 +93,18 @@ class SdsaRepair(SdsaSelect):
             args.mRanges[1, row] = top_k + cutlass.min(cands, cap)
 
     @cute.jit
-    def score(self, args, request, key, sQ):
-        """Key `key` of table row `request` scored with the query in sQ[0]."""
-        page = args.mBlockTable[request, key // PAGE_KEYS]
-        return self.dot(self.key_values(args, page, key % PAGE_KEYS), sQ, 0)
+    def chunk_scores(self, atom, args, a_frags, request, chunk_key, end, g, q, tidx):
+        """This thread's (valid, key, score) triples of the 128 keys from chunk_key: its
+        warp's 32 keys through the MMA, valid for MMA row 0 (g == 0) and keys < end."""
+        first_key = chunk_key + (tidx // 32) * (TILES * TILE_KEYS)
+        keys = self.load_keys(args, request, first_key, end, g, q)
+        triples = []
+        for t in cutlass.range_constexpr(TILES):
+            acc = self.tile_scores(atom, a_frags, keys[t, None])
+            for c in cutlass.range_constexpr(2):
+                key = first_key + t * TILE_KEYS + 2 * q + c
+                triples.append(((g == 0) & (key < end), key, acc[c, 0, 0] * self.score_factor))
+        return triples
 
 
 def make_kernel(variant):

@@ -1,134 +1,144 @@
-"""sdsa_scores: the SDSA indexer's FP32 scores q . k (indexer_scores), CUDA cores.
+"""sdsa_scores: the SDSA indexer's FP32 scores q . k (indexer_scores) with
+warp-level MMA (mma.sync m16n8k16, fp32 accumulators), every arch.
 
-A CTA owns 128 keys of one group (R = rows / groups consecutive query rows, R <= 8, sharing
-the table row mRequests[g]); it first writes the group's R queries into shared memory as
-fp32 (NVFP4: E2M1 code x e4m3 scale, exact), then each thread loads its key (BF16: 16 loads
-of 16 bytes; NVFP4: 4 loads and its 8 scales), dequantizes it into 128 fp32 registers, and
-writes its score with each of the R rows, summed in fp32 in channel order. Keys at or past
-the group's context are not written.
+A CTA (4 warps) owns 128 keys of one group (R = rows / groups <= 8 consecutive query rows
+sharing the table row mRequests[g]); each warp 32 of them, as four 8-key MMA tiles. The
+MMA's 16 rows are the group's rows (the rest zero); its k dimension, the 128 channels, is
+permuted the same way for both operands (a dot product does not care): in k-step s,
+thread lane (g = lane / 4, q = lane % 4) holds the k slots 2q, 2q+1, 2q+8, 2q+9, and they
+are channels 32q + 4s + 0..3. So each thread's operands are channels 32q .. 32q + 31 of
+one key (B: key g of the tile) and of one query row (A: row g), loaded straight from
+global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two scales),
+no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
+
+NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 code via
+e2m1_pair_as_fp16, times its e4m3 scale): exact, since every such product is a multiple of
+2^-24 below 1 in magnitude; the MMA's products are then exact and the sums fp32, and the
+scores are scaled back by 2^28. BF16 keys and queries go to a bf16 MMA as they are.
 """
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
 
-from generator.families.sdsa import KEY_DIM, NVFP4_GROUP, PAGE_KEYS
+from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_pair_as_fp16
 
-KEYS_PER_CTA = 128
-MAX_ROWS = 8
+WARPS = 4
+TILE_KEYS = 8  # the MMA's n
+TILES = 4  # per warp
+KEYS_PER_CTA = WARPS * TILES * TILE_KEYS
+K_STEPS = KEY_DIM // 16
+CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
 
 class SdsaScores:
     def __init__(self, dtype, nvfp4: bool):
-        self.dtype = dtype
         self.nvfp4 = nvfp4
+        self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
+        # The MMA of NVFP4 operands (each scaled by 2^-14) gives q . k / 2^28.
+        self.score_factor = E2M1_FP16_FACTOR * E2M1_FP16_FACTOR if nvfp4 else 1.0
 
     @cute.jit
     def launch(self, args, stream):
-        self.kernel(args).launch(
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
+        self.kernel(args, atom).launch(
             grid=[
                 cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA),
                 args.mRequests.shape[0],
                 1,
             ],
-            block=[KEYS_PER_CTA, 1, 1],
+            block=[WARPS * 32, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, args):
+    def kernel(self, args, atom):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        g = lane // 4
+        q = lane % 4
         context = args.mContext[group]
-        first_key = bidx * KEYS_PER_CTA
-        if first_key < context:
+        first_key = bidx * KEYS_PER_CTA + (tidx // 32) * (TILES * TILE_KEYS)
+        if first_key < context:  # the same for the whole warp: its MMAs run converged
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
-            sQ = self.stage_queries(args, MAX_ROWS, first_row, rows, tidx)
-
-            key = first_key + tidx
-            if key < context:
-                page = args.mBlockTable[args.mRequests[group], key // PAGE_KEYS]
-                values = self.key_values(args, page, key % PAGE_KEYS)
-                for r in cutlass.range(rows, unroll=1):
-                    args.mScores[first_row + r, key] = self.dot(values, sQ, r)
-
-    @cute.jit
-    def dot(self, values, sQ, r):
-        """values . sQ[r], summed in fp32 in channel order (every SDSA kernel scores so: the
-        threshold select and its repair see the same bits)."""
-        total = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(KEY_DIM):
-            total = total + values[c] * sQ[r, c]
-        return total
+            request = args.mRequests[group]
+            a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
+            a_frags.fill(0.0)  # rows g + 8: never a query
+            if g < rows:
+                self.place_query(args, first_row + g, q, a_frags, 0)
+            keys = self.load_keys(args, request, first_key, context, g, q)
+            for t in cutlass.range_constexpr(TILES):
+                acc = self.tile_scores(atom, a_frags, keys[t, None])
+                if g < rows:
+                    for j in cutlass.range_constexpr(2):
+                        key = first_key + t * TILE_KEYS + 2 * q + j
+                        if key < context:
+                            args.mScores[first_row + g, key] = acc[j, 0, 0] * self.score_factor
 
     @cute.jit
-    def stage_queries(self, args, capacity: cutlass.Constexpr, first_row, rows, tidx, needed=None):
-        """Query rows first_row .. first_row + rows - 1 as fp32 in shared memory ((capacity,
-        128)), for every thread once it returns; with `needed`, only the rows r (0-based)
-        where needed(r) holds (the others are left unset)."""
-        smem = cutlass.memory.SmemAllocator()
-        sQ = smem.allocate_tensor(
-            cutlass.Float32, cute.make_layout((capacity, KEY_DIM), stride=(KEY_DIM, 1)), 16
-        )
-        for i in cutlass.range(tidx, rows * KEY_DIM, KEYS_PER_CTA, unroll=1):
-            if cutlass.const_expr(needed is None):
-                sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
-                    args, first_row + i // KEY_DIM, i % KEY_DIM
-                )
-            elif needed(i // KEY_DIM):
-                sQ[i // KEY_DIM, i % KEY_DIM] = self.query_value(
-                    args, first_row + i // KEY_DIM, i % KEY_DIM
-                )
-        cute.arch.sync_threads()
-        return sQ
+    def place_query(self, args, row, q, a_frags, half: cutlass.Constexpr):
+        """Query row `row`'s channels 32q .. 32q + 31 into the A fragments of the 8 k-steps
+        (8 values each): as a0 a1 a4 a5 (MMA row g, half 0) or a2 a3 a6 a7 (row g + 8,
+        half 1), channels 4s .. 4s + 3 in k-step s."""
+        query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
+        self.channels(args.mQuery, args.mQueryScales, row, q, query)
+        for s in cutlass.range_constexpr(K_STEPS):
+            for i in cutlass.range_constexpr(4):
+                a_frags[8 * s + i + 2 * (i // 2) + 2 * half] = query[4 * s + i]
 
     @cute.jit
-    def query_value(self, args, row, c):
-        """Query row `row`'s value at channel c as fp32."""
+    def load_keys(self, args, request, first_key, end, g, q):
+        """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
+        channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`): every load is
+        issued before any MMA."""
+        keys = cute.make_rmem_tensor((TILES, CHANNELS), self.mma_dtype)
+        keys.fill(0.0)
+        for t in cutlass.range_constexpr(TILES):
+            key = first_key + t * TILE_KEYS + g
+            if key < end:
+                page = args.mBlockTable[request, key // PAGE_KEYS]
+                self.channels(
+                    args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
+                    key % PAGE_KEYS, q, keys[t, None],
+                )  # fmt: skip
+        return keys
+
+    @cute.jit
+    def tile_scores(self, atom, a_frags, keys):
+        """The m16n8 accumulator of one tile over the 8 k-steps: A from a_frags, B the
+        tile's key channels 4s .. 4s + 3 in k-step s (module docstring), both as views."""
+        acc = cute.make_rmem_tensor((4, 1, 1), cutlass.Float32)
+        acc.fill(0.0)
+        for s in cutlass.range_constexpr(K_STEPS):
+            a = cute.make_tensor(a_frags.iterator + 8 * s, cute.make_layout((8, 1)))
+            b = cute.make_tensor(keys.iterator + 4 * s, cute.make_layout((4, 1)))
+            cute.gemm(atom, acc, a, b, acc)
+        return acc
+
+    @cute.jit
+    def channels(self, data, scales, row, q, dst):
+        """Channels 32q .. 32q + 31 of data[row] into dst (the MMA dtype): BF16 as they are,
+        NVFP4 as value x scale / 2^14."""
         if cutlass.const_expr(self.nvfp4):
-            # Channel c's code moved to the low nibble: its value is the word's low half.
-            code = (cutlass.Int32(args.mQuery[row, c // 2]) >> ((c % 2) * 4)) & 0xF
-            word = cute.make_rmem_tensor((1,), cutlass.Int32)
-            word[0] = e2m1_pair_as_fp16(code)
-            value = cute.recast_tensor(word, cutlass.Float16).load().to(cutlass.Float32)[0]
-            scale = self.e4m3_value(args.mQueryScales[row, c // NVFP4_GROUP])
-            return value * (scale * E2M1_FP16_FACTOR)
-        return args.mQuery[row, c].to(cutlass.Float32)
-
-    @cute.jit
-    def key_values(self, args, page, slot):
-        """The key at (page, slot) as 128 fp32 registers."""
-        values = cute.make_rmem_tensor((KEY_DIM,), cutlass.Float32)
-        row = args.mKeyCache[page, slot, None]
-        if cutlass.const_expr(self.nvfp4):
-            for chunk in cutlass.range_constexpr(4):  # 16 bytes: 32 values, 2 scale groups
-                raw = cute.local_tile(row, (16,), (chunk,)).load()
-                bytes16 = cute.make_rmem_tensor((16,), cutlass.Uint8)
-                bytes16.store(raw)
-                words = cute.make_rmem_tensor((16,), cutlass.Int32)
-                for b in cutlass.range_constexpr(16):
-                    words[b] = e2m1_pair_as_fp16(cutlass.Int32(bytes16[b]))
-                halves = cute.recast_tensor(words, cutlass.Float16).load().to(cutlass.Float32)
-                for g in cutlass.range_constexpr(2):
-                    group = chunk * 2 + g
-                    step = self.e4m3_value(args.mKeyScales[page, slot, group]) * E2M1_FP16_FACTOR
-                    for i in cutlass.range_constexpr(NVFP4_GROUP):
-                        values[group * NVFP4_GROUP + i] = halves[g * NVFP4_GROUP + i] * step
+            raw = cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load()
+            codes = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Uint8)
+            codes.store(raw)
+            words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
+            for b in cutlass.range_constexpr(CHANNELS // 2):
+                words[b] = e2m1_pair_as_fp16(cutlass.Int32(codes[b]))
+            values = cute.recast_tensor(words, cutlass.Float16)
+            # This thread's two scale groups (2q, 2q + 1), as fp16.
+            pair = cute.make_rmem_tensor((2,), cutlass.Uint8)
+            pair.store(cute.local_tile(scales[row, None], (2,), (q,)).load())
+            step = cute.recast_tensor(pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
+            for i in cutlass.range_constexpr(CHANNELS):
+                dst[i] = values[i] * step[i // 16]
         else:
-            for chunk in cutlass.range_constexpr(KEY_DIM // 8):
-                piece = cute.local_tile(row, (8,), (chunk,)).load().to(cutlass.Float32)
-                for i in cutlass.range_constexpr(8):
-                    values[chunk * 8 + i] = piece[i]
-        return values
-
-    @cute.jit
-    def e4m3_value(self, byte):
-        """An e4m3 scale byte as fp32 (conversions go in pairs)."""
-        pair = cute.make_rmem_tensor((2,), cutlass.Uint8)
-        pair[0], pair[1] = byte, cutlass.Uint8(0)
-        return cute.recast_tensor(pair, cutlass.Float8E4M3FN).load().to(cutlass.Float32)[0]
+            dst.store(cute.local_tile(data[row, None], (CHANNELS,), (q,)).load())
 
 
 def make_kernel(variant):

@@ -1,62 +1,96 @@
-"""sdsa_select: the SDSA threshold select, without a score matrix (indexer_threshold_select;
-its repair mode is sdsa_repair, launched after this).
+"""sdsa_select on tensor cores: the SDSA threshold select without a score matrix
+(indexer_threshold_select; its repair mode is sdsa_repair, launched after this).
 
-A CTA owns 128 keys of one 128-row tile: the queries of the tile's rows that see one of
-these keys as fp32 in shared memory (64 KB for all 128),
-each thread one key of the tile's table row, dequantized into registers (as sdsa_scores).
-For each row r of the tile that sees the key (key < min(row_ends[r], max_context)) the
-thread scores it and classifies it against thresholds[r]: a candidate (score > thr) takes
-the next candidate number of its row from counters[r, 0] (atomic add) and, if it is below
-cap = slots - top_k, slot top_k + n; a tie (neither above nor below: equal or NaN) takes
-counters[r, 1]'s next number and, below top_k, slot top_k - 1 - n. A pair is (key, the
-stored value's bits): score - thr where score <= 2 thr (exact there), else the score.
+A CTA (4 warps) owns 128 keys of one 128-row tile, each warp 32 of them as four 8-key MMA
+tiles, loaded once into registers as sdsa_scores loads them. The tile's live rows (those
+that see some key of the CTA; a decode tile often has a few of 128) are listed once in
+shared memory (a thread per row; their order is free); the warps walk them 16 at a time as
+the MMA's rows, each row's 32 channels straight from global memory into the A fragments.
+Every score (row, key) with key < min(row_end, max_context) is classified against the
+row's threshold (classify: candidates and ties counted by atomics, stored while
+there is room), with the bits sdsa_scores computes for it.
 """
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
 
-from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import float_bits
-from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, SdsaScores
+from generator.kernels.portable.sdsa_scores import (
+    K_STEPS,
+    KEYS_PER_CTA,
+    TILE_KEYS,
+    TILES,
+    WARPS,
+    SdsaScores,
+)
 
 TILE_ROWS = 128
+MMA_ROWS = 16
+assert TILE_ROWS == KEYS_PER_CTA  # a thread per row lists the live rows
 
 
 class SdsaSelect(SdsaScores):
     @cute.jit
     def launch(self, args, stream):
-        self.kernel(args).launch(
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
+        self.kernel(args, atom).launch(
             grid=[
                 cute.ceil_div(args.max_context, KEYS_PER_CTA),
                 args.mTileRequests.shape[0],
                 1,
             ],
-            block=[KEYS_PER_CTA, 1, 1],
+            block=[WARPS * 32, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, args):
+    def kernel(self, args, atom):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, tile, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        g = lane // 4
+        q = lane % 4
         first_row = tile * TILE_ROWS
-        key = bidx * KEYS_PER_CTA + tidx
-        # Only the rows that see some key of this CTA: a decode tile often has a few.
-        sQ = self.stage_queries(
-            args, TILE_ROWS, first_row, TILE_ROWS, tidx,
-            needed=lambda r: args.mRowEnds[first_row + r] > bidx * KEYS_PER_CTA,
-        )  # fmt: skip
-        if key < args.max_context:
-            page = args.mBlockTable[args.mTileRequests[tile], key // PAGE_KEYS]
-            values = self.key_values(args, page, key % PAGE_KEYS)
-            slots = args.mCandidates.shape[1]
-            cap = slots - args.top_k
-            for r in cutlass.range(TILE_ROWS, unroll=1):
-                row = first_row + r
-                if key < args.mRowEnds[row]:
-                    score = self.dot(values, sQ, r)
-                    classify(args, row, key, score, args.mThresholds[row], cap)
+        cta_first_key = bidx * KEYS_PER_CTA
+        smem = cutlass.memory.SmemAllocator()
+        sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 1), 16)
+        if tidx == 0:
+            sLive[TILE_ROWS] = 0
+        cute.arch.sync_threads()
+        if args.mRowEnds[first_row + tidx] > cta_first_key:
+            sLive[cute.arch.atomic_add(sLive.iterator + TILE_ROWS, cutlass.Int32(1))] = tidx
+        cute.arch.sync_threads()
+        live = sLive[TILE_ROWS]
+        first_key = cta_first_key + (tidx // 32) * (TILES * TILE_KEYS)
+        if first_key < args.max_context:  # the same for the whole warp
+            request = args.mTileRequests[tile]
+            keys = self.load_keys(args, request, first_key, args.max_context, g, q)
+            cap = args.mCandidates.shape[1] - args.top_k
+            for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
+                # MMA rows g and g + 8: live rows 16m + g and 16m + g + 8 (-1: none).
+                a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
+                a_frags.fill(0.0)
+                row_of = cute.make_rmem_tensor((2,), cutlass.Int32)
+                for half in cutlass.range_constexpr(2):
+                    row_of[half] = -1
+                    j = m * MMA_ROWS + g + 8 * half
+                    if j < live:
+                        row_of[half] = first_row + sLive[j]
+                        self.place_query(args, row_of[half], q, a_frags, half)
+                for t in cutlass.range_constexpr(TILES):
+                    acc = self.tile_scores(atom, a_frags, keys[t, None])
+                    for half in cutlass.range_constexpr(2):
+                        row = row_of[half]
+                        if row >= 0:
+                            threshold = args.mThresholds[row]
+                            end = cutlass.min(args.mRowEnds[row], args.max_context)
+                            for c in cutlass.range_constexpr(2):
+                                key = first_key + t * TILE_KEYS + 2 * q + c
+                                if key < end:
+                                    score = acc[2 * half + c, 0, 0] * self.score_factor
+                                    classify(args, row, key, score, threshold, cap)
 
 
 @cute.jit

@@ -43,7 +43,13 @@ class SdsaTopK:
         else:
             values = args.mCandidates[row, None, 1]
             prefix, wanted = radix_select(
-                lambda i: values[first + i], count, k, sHist, sState, tidx, THREADS
+                lambda i: [(cutlass.Boolean(True), values[first + i])],
+                count,
+                k,
+                sHist,
+                sState,
+                tidx,
+                THREADS,
             )
             # prefix is the K-th value; `wanted` of its ties fill the last columns.
             if tidx == 0:
