@@ -92,13 +92,13 @@ def indexer_scores(
     key_scales=None,
 ):  # fmt: skip
     """scores[q, k] = q . k in fp32 (dequantized values; products exact, summed in fp32 by
-    the tensor cores, 16 channels a step) for the G = len(requests) groups of R = rows / G consecutive query rows (R in
-    1..8): group g's rows against the first context_lengths[g] keys of table row
-    requests[g]; other entries of `scores` (fp32 (rows, max_context), rows contiguous) are
-    untouched. BF16: query (rows, 128) bf16, key_cache (pages, 64, 128) bf16. NVFP4: query
-    (rows, 64) uint8 with query_scales (rows, 8), key_cache (pages, 64, 64) uint8 with
-    key_scales (pages, 64, 8) (uint8 or float8_e4m3fn). block_table (B, W), context_lengths
-    and requests (G,): int32. Needs max_context <= 64 x W. Returns scores."""
+    the tensor cores, 16 channels a step) for the G = len(requests) groups of R = rows / G
+    consecutive query rows (R in 1..8): group g's rows against the first context_lengths[g]
+    keys of table row requests[g]; other entries of `scores` (fp32 (rows, max_context), rows
+    contiguous) are untouched. BF16: query (rows, 128) bf16, key_cache (pages, 64, 128)
+    bf16. NVFP4: query (rows, 64) uint8 with query_scales (rows, 8), key_cache (pages, 64,
+    64) uint8 with key_scales (pages, 64, 8) (uint8 or float8_e4m3fn). block_table (B, W),
+    context_lengths and requests (G,): int32. Needs max_context <= 64 x W. Returns scores."""
     page = sdsa_family.constant("page_keys")
     nvfp4, device, cache, q = _query_and_keys(
         "indexer_scores", query, key_cache, query_scales, key_scales
