@@ -196,3 +196,32 @@ def test_prepared_nvfp4_decode_runner():
     want, want_lse, _ = run_reference(ref | {"q": q.float()}, True)
     assert rel_l2(got, want) < 1e-2
     check_lse(lse, want_lse)
+
+
+def test_engine_chain_proxy_score_top16_attention():
+    """The MSA layer as an engine runs it, each stage against its reference: proxy score
+    per query head (causal, two ragged sequences, flat K), the max over each kv head's
+    group, msa_topk_select (first block forced), msa_sparse_attention over the selections
+    (causal, GQA 4)."""
+    hq, hkv, seq = 8, 2, [700, 1300]
+    group = hq // hkv
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    total = sum(seq)
+    q = torch.randn(total, hq, D, device=DEV, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(total, hkv, D, device=DEV, generator=gen).to(torch.bfloat16) for _ in "kv")
+    cu = torch.tensor([0, seq[0], total], dtype=torch.int32, device=DEV)
+    blocks = -(-max(seq) // 128)
+    scores = msa_ops.msa_proxy_score(q, k, cu, cu, max_seqlen_q=max(seq), max_k_tiles=blocks)
+    want_scores = reference.msa_proxy_score(q, k, cu, cu, max_k_tiles=blocks)
+    assert torch.equal(scores.isinf(), want_scores.isinf())
+    finite = want_scores.isfinite()
+    error = (scores[finite] - want_scores[finite]).abs().max()
+    assert error < 1e-3 * want_scores[finite].abs().max()
+    per_kv_head = scores.view(hkv, group, blocks, total).amax(1)
+    selected = msa_ops.msa_topk_select(per_kv_head, 16, force_begin_blocks=1)
+    assert torch.equal(selected, reference.msa_topk_select(per_kv_head, 16, None, 1, 0))
+    q2k = selected.permute(1, 0, 2).contiguous()  # (Hkv, total_q, 16)
+    out = poisoned_out(q)
+    msa_ops.msa_sparse_attention(q, k, v, q2k, cu, cu, causal=True, out=out)
+    want, _, _ = reference.msa_sparse_attention(q, k, v, q2k, cu, cu, causal=True)
+    assert rel_l2(out, want) < TOLERANCE["bf16"]

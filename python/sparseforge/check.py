@@ -514,12 +514,14 @@ def check_sdsa_quantize(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
 
 def sdsa_paged_keys(lengths, nvfp4: bool, seed=0, device="cpu"):
     """(key_cache, key_scales or None, block_table) for requests of `lengths` keys: 64-key
-    pages in random order (and a spare), BF16 or NVFP4 (reference.sdsa_nvfp4_quantize)."""
+    pages in random order (and a spare), BF16 or NVFP4 (reference.sdsa_nvfp4_quantize).
+    Table entries past a request's pages hold 2^30, no page: a kernel that reads them
+    faults."""
     gen = torch.Generator().manual_seed(seed)
     counts = [-(-n // 64) for n in lengths]
     pages = sum(counts) + 1
     ids = torch.randperm(pages, generator=gen)[: sum(counts)].split(counts)
-    table = torch.zeros(len(lengths), max(counts) + 1, dtype=torch.int32)
+    table = torch.full((len(lengths), max(counts) + 1), 2**30, dtype=torch.int32)
     for r, row in enumerate(ids):
         table[r, : len(row)] = row
     values = torch.randn(pages, 64, 128, generator=gen)

@@ -2,13 +2,14 @@
 (indexer_threshold_select; its repair mode is sdsa_repair, launched after this).
 
 A CTA (4 warps) owns 128 keys of one 128-row tile, each warp 32 of them as four 8-key MMA
-tiles, loaded once into registers as sdsa_scores loads them. The tile's live rows (those
-that see some key of the CTA; a decode tile often has a few of 128) are listed once in
-shared memory (a thread per row; their order is free); the warps walk them 16 at a time as
-the MMA's rows, each row's 32 channels straight from global memory into the A fragments.
-Every score (row, key) with key < min(row_end, max_context) is classified against the
-row's threshold (classify: candidates and ties counted by atomics, stored while
-there is room), with the bits sdsa_scores computes for it.
+tiles, loaded once into registers as sdsa_scores loads them (those below the end of what
+any row sees: table entries past a request's keys need not be pages). The tile's live
+rows (those that see some key of the CTA; a decode tile often has a few of 128) are listed
+once in shared memory (a thread per row; their order is free); the warps walk them 16 at a
+time as the MMA's rows, each row's 32 channels straight from global memory into the A
+fragments. Every score (row, key) with key < min(row_end, max_context) is classified
+against the row's threshold (classify: candidates and ties counted by atomics, stored
+while there is room), with the bits sdsa_scores computes for it.
 """
 
 import cutlass
@@ -54,19 +55,25 @@ class SdsaSelect(SdsaScores):
         q = lane % 4
         first_row = tile * TILE_ROWS
         cta_first_key = bidx * KEYS_PER_CTA
+        # sLive: the live rows, then their count and the end of the keys any of them sees
+        # (table entries past it need not be pages).
         smem = cutlass.memory.SmemAllocator()
-        sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 1), 16)
+        sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 2), 16)
         if tidx == 0:
             sLive[TILE_ROWS] = 0
+            sLive[TILE_ROWS + 1] = 0
         cute.arch.sync_threads()
-        if args.mRowEnds[first_row + tidx] > cta_first_key:
+        row_end = cutlass.min(args.mRowEnds[first_row + tidx], args.max_context)
+        if row_end > cta_first_key:
             sLive[cute.arch.atomic_add(sLive.iterator + TILE_ROWS, cutlass.Int32(1))] = tidx
+            cute.arch.atomic_max(sLive.iterator + TILE_ROWS + 1, row_end)
         cute.arch.sync_threads()
         live = sLive[TILE_ROWS]
+        keys_end = sLive[TILE_ROWS + 1]
         first_key = cta_first_key + (tidx // 32) * (TILES * TILE_KEYS)
-        if first_key < args.max_context:  # the same for the whole warp
+        if first_key < keys_end:  # the same for the whole warp
             request = args.mTileRequests[tile]
-            keys = self.load_keys(args, request, first_key, args.max_context, g, q)
+            keys = self.load_keys(args, request, first_key, keys_end, g, q)
             cap = args.mCandidates.shape[1] - args.top_k
             for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
                 # MMA rows g and g + 8: live rows 16m + g and 16m + g + 8 (-1: none).
