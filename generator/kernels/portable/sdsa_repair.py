@@ -22,11 +22,9 @@ from generator.kernels.portable.sdsa_select import TILE_ROWS, SdsaSelect
 
 
 class SdsaRepair(SdsaSelect):
-    @cute.jit
-    def launch(self, args, stream):
-        self.kernel(args).launch(
-            grid=[args.mRowEnds.shape[0], 1, 1], block=[KEYS_PER_CTA, 1, 1], stream=stream
-        )
+    def grid(self, args):
+        """A CTA per row."""
+        return [args.mRowEnds.shape[0], 1, 1]
 
     @cute.kernel
     def kernel(self, args):

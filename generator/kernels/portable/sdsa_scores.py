@@ -26,15 +26,11 @@ class SdsaScores:
 
     @cute.jit
     def launch(self, args, stream):
-        self.kernel(args).launch(
-            grid=[
-                cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA),
-                args.mRequests.shape[0],
-                1,
-            ],
-            block=[KEYS_PER_CTA, 1, 1],
-            stream=stream,
-        )
+        self.kernel(args).launch(grid=self.grid(args), block=[KEYS_PER_CTA, 1, 1], stream=stream)
+
+    def grid(self, args):
+        """A CTA per 128 keys of each group (the select and the repair grid otherwise)."""
+        return [cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA), args.mRequests.shape[0], 1]
 
     @cute.kernel
     def kernel(self, args):

@@ -26,17 +26,9 @@ assert TILE_ROWS == KEYS_PER_CTA  # a thread per row finds the tile's last key
 
 
 class SdsaSelect(SdsaScores):
-    @cute.jit
-    def launch(self, args, stream):
-        self.kernel(args).launch(
-            grid=[
-                cute.ceil_div(args.max_context, KEYS_PER_CTA),
-                args.mTileRequests.shape[0],
-                1,
-            ],
-            block=[KEYS_PER_CTA, 1, 1],
-            stream=stream,
-        )
+    def grid(self, args):
+        """A CTA per 128 keys of each 128-row tile."""
+        return [cute.ceil_div(args.max_context, KEYS_PER_CTA), args.mTileRequests.shape[0], 1]
 
     @cute.kernel
     def kernel(self, args):
