@@ -30,6 +30,7 @@ from sparseforge import reference
 MATMUL_CEILING_TFLOPS = 788.0  # bf16 dense matmul measured on the H200 (BENCHMARKS.md)
 FP8_MATMUL_CEILING_TFLOPS = 1343.0  # e4m3 dense matmul (torch._scaled_mm), same source
 HBM_TBPS = 4.3
+_U8 = dict(dtype=torch.uint8, device="cuda")  # SDSA byte tensors
 
 
 @dataclass(frozen=True)
@@ -777,9 +778,6 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, flush_ms: float, iters: int =
     alone = cuda_time_ms(select_alone, warmup=2, iters=iters)
     repaired = int((args["thresholds"] != from_sample).sum())
     return (total - flush_ms) * 1e3, (alone - flush_ms) * 1e3, repaired
-
-
-_U8 = dict(dtype=torch.uint8, device="cuda")
 
 
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:

@@ -14,7 +14,6 @@ cap)).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
 
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import BINS, float_bits, float_of_order_key, radix_select
@@ -23,19 +22,15 @@ from generator.kernels.portable.sdsa_scores import (
     KEYS_PER_CTA,
     TILE_KEYS,
     TILES,
-    WARPS,
     SdsaScores,
 )
 from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
 
 class SdsaRepair(SdsaScores):
-    @cute.jit
-    def launch(self, args, stream):
-        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
-        self.kernel(args, atom).launch(
-            grid=[args.mRowEnds.shape[0], 1, 1], block=[WARPS * 32, 1, 1], stream=stream
-        )
+    def grid(self, args):
+        """A CTA per row."""
+        return [args.mRowEnds.shape[0], 1, 1]
 
     @cute.kernel
     def kernel(self, args, atom):

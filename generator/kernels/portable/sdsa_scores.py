@@ -44,14 +44,12 @@ class SdsaScores:
     def launch(self, args, stream):
         atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
         self.kernel(args, atom).launch(
-            grid=[
-                cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA),
-                args.mRequests.shape[0],
-                1,
-            ],
-            block=[WARPS * 32, 1, 1],
-            stream=stream,
+            grid=self.grid(args), block=[WARPS * 32, 1, 1], stream=stream
         )
+
+    def grid(self, args):
+        """A CTA per 128 keys of each group (the select and the repair grid otherwise)."""
+        return [cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA), args.mRequests.shape[0], 1]
 
     @cute.kernel
     def kernel(self, args, atom):

@@ -14,7 +14,6 @@ while there is room), with the bits sdsa_scores computes for it.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
 
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import float_bits
@@ -23,7 +22,6 @@ from generator.kernels.portable.sdsa_scores import (
     KEYS_PER_CTA,
     TILE_KEYS,
     TILES,
-    WARPS,
     SdsaScores,
 )
 
@@ -33,18 +31,9 @@ assert TILE_ROWS == KEYS_PER_CTA  # a thread per row lists the live rows
 
 
 class SdsaSelect(SdsaScores):
-    @cute.jit
-    def launch(self, args, stream):
-        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
-        self.kernel(args, atom).launch(
-            grid=[
-                cute.ceil_div(args.max_context, KEYS_PER_CTA),
-                args.mTileRequests.shape[0],
-                1,
-            ],
-            block=[WARPS * 32, 1, 1],
-            stream=stream,
-        )
+    def grid(self, args):
+        """A CTA per 128 keys of each 128-row tile."""
+        return [cute.ceil_div(args.max_context, KEYS_PER_CTA), args.mTileRequests.shape[0], 1]
 
     @cute.kernel
     def kernel(self, args, atom):
