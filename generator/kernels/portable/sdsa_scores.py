@@ -93,7 +93,10 @@ class SdsaScores:
         """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
         channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`): every load is
         issued before any MMA."""
-        keys = cute.make_rmem_tensor((TILES, CHANNELS), self.mma_dtype)
+        # Row-major: tile t's channels contiguous, as tile_scores reads them.
+        keys = cute.make_rmem_tensor(
+            cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
+        )
         keys.fill(0.0)
         for t in cutlass.range_constexpr(TILES):
             key = first_key + t * TILE_KEYS + g
