@@ -64,11 +64,13 @@ class SdsaScores:
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
             request = args.mRequests[group]
+            # The keys' loads first, so the query's load and decode overlap them.
+            raw, scale_pairs = self.fetch_keys(args, request, first_key, context, g, q)
             a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
             a_frags.fill(0.0)  # rows g + 8: never a query
             if g < rows:
                 self.place_query(args, first_row + g, q, a_frags, 0)
-            keys = self.load_keys(args, request, first_key, context, g, q)
+            keys = self.decode_keys(raw, scale_pairs)
             for t in cutlass.range_constexpr(TILES):
                 acc = self.tile_scores(atom, a_frags, keys[t, None])
                 if g < rows:
@@ -91,21 +93,49 @@ class SdsaScores:
     @cute.jit
     def load_keys(self, args, request, first_key, end, g, q):
         """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
-        channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`): every load is
-        issued before any MMA."""
-        # Row-major: tile t's channels contiguous, as tile_scores reads them.
-        keys = cute.make_rmem_tensor(
+        channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`)."""
+        return self.decode_keys(*self.fetch_keys(args, request, first_key, end, g, q))
+
+    @cute.jit
+    def fetch_keys(self, args, request, first_key, end, g, q):
+        """load_keys' loads, all issued before any decode or MMA (NVFP4: decoding each key
+        as it lands would wait out one memory round trip per tile): (values or codes, scale
+        pairs), row-major per tile."""
+        raw = cute.make_rmem_tensor(
             cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
         )
-        keys.fill(0.0)
+        scale_pairs = raw  # unused for BF16
+        if cutlass.const_expr(self.nvfp4):
+            raw = cute.make_rmem_tensor(
+                cute.make_layout((TILES, CHANNELS // 2), stride=(CHANNELS // 2, 1)),
+                cutlass.Uint8,
+            )
+            scale_pairs = cute.make_rmem_tensor(
+                cute.make_layout((TILES, 2), stride=(2, 1)), cutlass.Uint8
+            )
+            scale_pairs.fill(0)
+        raw.fill(0)
         for t in cutlass.range_constexpr(TILES):
             key = first_key + t * TILE_KEYS + g
             if key < end:
                 page = args.mBlockTable[request, key // PAGE_KEYS]
-                self.channels(
+                self.load_channels(
                     args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
-                    key % PAGE_KEYS, q, keys[t, None],
+                    key % PAGE_KEYS, q, raw[t, None], scale_pairs[t, None],
                 )  # fmt: skip
+        return raw, scale_pairs
+
+    @cute.jit
+    def decode_keys(self, raw, scale_pairs):
+        """fetch_keys' registers as MMA operands ((TILES, CHANNELS) row-major: tile t's
+        channels contiguous, as tile_scores reads them)."""
+        keys = raw
+        if cutlass.const_expr(self.nvfp4):
+            keys = cute.make_rmem_tensor(
+                cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
+            )
+            for t in cutlass.range_constexpr(TILES):
+                self.decode(raw[t, None], scale_pairs[t, None], keys[t, None])
         return keys
 
     @cute.jit
@@ -125,21 +155,34 @@ class SdsaScores:
         """Channels 32q .. 32q + 31 of data[row] into dst (the MMA dtype): BF16 as they are,
         NVFP4 as value x scale / 2^14."""
         if cutlass.const_expr(self.nvfp4):
-            raw = cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load()
             codes = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Uint8)
-            codes.store(raw)
-            words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
-            for b in cutlass.range_constexpr(CHANNELS // 2):
-                words[b] = e2m1_pair_as_fp16(cutlass.Int32(codes[b]))
-            values = cute.recast_tensor(words, cutlass.Float16)
-            # This thread's two scale groups (2q, 2q + 1), as fp16.
-            pair = cute.make_rmem_tensor((2,), cutlass.Uint8)
-            pair.store(cute.local_tile(scales[row, None], (2,), (q,)).load())
-            step = cute.recast_tensor(pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
-            for i in cutlass.range_constexpr(CHANNELS):
-                dst[i] = values[i] * step[i // 16]
+            scale_pair = cute.make_rmem_tensor((2,), cutlass.Uint8)
+            self.load_channels(data, scales, row, q, codes, scale_pair)
+            self.decode(codes, scale_pair, dst)
         else:
-            dst.store(cute.local_tile(data[row, None], (CHANNELS,), (q,)).load())
+            self.load_channels(data, scales, row, q, dst, dst)
+
+    @cute.jit
+    def load_channels(self, data, scales, row, q, raw, scale_pair):
+        """Channels 32q .. 32q + 31 of data[row] as stored: BF16 values into raw; NVFP4
+        codes (16 bytes) into raw and their two scales (groups 2q, 2q + 1) into scale_pair."""
+        if cutlass.const_expr(self.nvfp4):
+            raw.store(cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load())
+            scale_pair.store(cute.local_tile(scales[row, None], (2,), (q,)).load())
+        else:
+            raw.store(cute.local_tile(data[row, None], (CHANNELS,), (q,)).load())
+
+    @cute.jit
+    def decode(self, codes, scale_pair, dst):
+        """NVFP4 codes of 32 channels and their two e4m3 scales into dst as fp16
+        value x scale / 2^14."""
+        words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
+        for b in cutlass.range_constexpr(CHANNELS // 2):
+            words[b] = e2m1_pair_as_fp16(cutlass.Int32(codes[b]))
+        values = cute.recast_tensor(words, cutlass.Float16)
+        step = cute.recast_tensor(scale_pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
+        for i in cutlass.range_constexpr(CHANNELS):
+            dst[i] = values[i] * step[i // 16]
 
 
 def make_kernel(variant):
