@@ -1,10 +1,11 @@
 """sdsa_repair: indexer_threshold_select's repair mode, a second launch after the select.
 
-One CTA (4 warps) per row. A row fits when its candidates fit their slots (cands <= cap =
+One CTA (16 warps: a lone repaired row is the launch's tail, and its speed is the loads
+one CTA keeps in flight) per row. A row fits when its candidates fit their slots (cands <= cap =
 slots - top_k) and its candidates plus stored ties reach wanted = min(row_end, top_k). A row
 that does not is repaired: the CTA radix-selects the exact wanted-th largest of the row's
 scores in float-bit order (generator/kernels/common/radix_select.py; each of its four
-passes recomputes the scores 128 keys at a time on tensor cores, exactly as sdsa_scores and
+passes recomputes the scores 512 keys at a time on tensor cores, exactly as sdsa_scores and
 sdsa_select compute them, so no score matrix is written), makes it the row's threshold,
 zeroes the row's counters and selects the row again. Then fewer than wanted scores lie
 above the threshold (<= top_k - 1 <= cap) and the rest of the wanted ones tie with it, so
@@ -19,15 +20,19 @@ from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import BINS, float_bits, float_of_order_key, radix_select
 from generator.kernels.portable.sdsa_scores import (
     K_STEPS,
-    KEYS_PER_CTA,
     TILE_KEYS,
     TILES,
     SdsaScores,
 )
 from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
+WARPS = 16
+CHUNK_KEYS = WARPS * TILES * TILE_KEYS  # scored per step, a thread per key
+
 
 class SdsaRepair(SdsaScores):
+    warps = WARPS
+
     def grid(self, args):
         """A CTA per row."""
         return [args.mRowEnds.shape[0], 1, 1]
@@ -55,8 +60,8 @@ class SdsaRepair(SdsaScores):
             a_frags.fill(0.0)
             if g == 0:
                 self.place_query(args, row, q, a_frags, 0)
-            # Every thread walks all chunks of 128 keys: the warps' MMAs run converged.
-            count = cute.ceil_div(end, KEYS_PER_CTA) * KEYS_PER_CTA
+            # Every thread walks all chunks of CHUNK_KEYS keys: the warps' MMAs run converged.
+            count = cute.ceil_div(end, CHUNK_KEYS) * CHUNK_KEYS
             threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
             if wanted > 0:
                 key, _ = radix_select(
@@ -66,7 +71,7 @@ class SdsaRepair(SdsaScores):
                             atom, args, a_frags, request, i - tidx, end, g, q, tidx
                         )
                     ],
-                    count, wanted, sHist, sState, tidx, KEYS_PER_CTA,
+                    count, wanted, sHist, sState, tidx, CHUNK_KEYS,
                 )  # fmt: skip
                 threshold = float_of_order_key(key)
             if tidx == 0:
@@ -74,7 +79,7 @@ class SdsaRepair(SdsaScores):
                 args.mCounters[row, 0] = 0
                 args.mCounters[row, 1] = 0
             cute.arch.sync_threads()
-            for i in cutlass.range(tidx, count, KEYS_PER_CTA, unroll=1):
+            for i in cutlass.range(tidx, count, CHUNK_KEYS, unroll=1):
                 triples = self.chunk_scores(atom, args, a_frags, request, i - tidx, end, g, q, tidx)
                 for v in cutlass.range_constexpr(len(triples)):
                     ok, key, score = triples[v]
@@ -89,7 +94,7 @@ class SdsaRepair(SdsaScores):
 
     @cute.jit
     def chunk_scores(self, atom, args, a_frags, request, chunk_key, end, g, q, tidx):
-        """This thread's (valid, key, score) triples of the 128 keys from chunk_key: its
+        """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key: its
         warp's 32 keys through the MMA, valid for MMA row 0 (g == 0) and keys < end."""
         first_key = chunk_key + (tidx // 32) * (TILES * TILE_KEYS)
         keys = self.load_keys(args, request, first_key, end, g, q)

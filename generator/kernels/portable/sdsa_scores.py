@@ -34,6 +34,8 @@ CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
 
 class SdsaScores:
+    warps = WARPS  # per CTA
+
     def __init__(self, dtype, nvfp4: bool):
         self.nvfp4 = nvfp4
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
@@ -44,7 +46,7 @@ class SdsaScores:
     def launch(self, args, stream):
         atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
         self.kernel(args, atom).launch(
-            grid=self.grid(args), block=[WARPS * 32, 1, 1], stream=stream
+            grid=self.grid(args), block=[self.warps * 32, 1, 1], stream=stream
         )
 
     def grid(self, args):
