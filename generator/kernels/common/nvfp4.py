@@ -4,7 +4,7 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16).
+and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16_pair).
 """
 
 import cutlass
@@ -91,3 +91,13 @@ def e2m1_pair_as_fp16(byte):
     low = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
     high = ((byte & 0x70) << 21) | ((byte & 0x80) << 24)
     return low | high
+
+
+@cute.jit
+def e2m1_word_as_fp16_pair(word, j: cutlass.Constexpr):
+    """Codes j and j + 4 of the eight E2M1 codes in a 32-bit word (code i in bits 4i ..
+    4i + 3) as two fp16 in one word (code j in the low half), each its value / 2^14: a
+    shift and two masks for two codes, where e2m1_pair_as_fp16 first extracts a byte. For
+    a dot product whose operands are both permuted alike, channel order is free."""
+    shifted = word >> (4 * j)
+    return ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)

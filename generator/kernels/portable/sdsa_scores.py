@@ -11,10 +11,12 @@ one key (B: key g of the tile) and of one query row (A: row g), loaded straight 
 global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two scales),
 no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
 
-NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 code via
-e2m1_pair_as_fp16, times its e4m3 scale): exact, since every such product is a multiple of
-2^-24 below 1 in magnitude; the MMA's products are then exact and the sums fp32, and the
-scores are scaled back by 2^28. BF16 keys and queries go to a bf16 MMA as they are.
+NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 codes a
+32-bit word at a time via e2m1_word_as_fp16_pair, times their e4m3 scale; within each
+16-channel scale group the channels land in that helper's order, the same for both
+operands): exact, since every such product is a multiple of 2^-24 below 1 in magnitude;
+the MMA's products are then exact and the sums fp32, and the scores are scaled back by
+2^28. BF16 keys and queries go to a bf16 MMA as they are.
 """
 
 import cutlass
@@ -23,7 +25,7 @@ from cutlass.cute.nvgpu import warp
 
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_pair_as_fp16
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_as_fp16_pair
 
 WARPS = 4
 TILE_KEYS = 8  # the MMA's n
@@ -177,10 +179,14 @@ class SdsaScores:
     @cute.jit
     def decode(self, codes, scale_pair, dst):
         """NVFP4 codes of 32 channels and their two e4m3 scales into dst as fp16
-        value x scale / 2^14."""
+        value x scale / 2^14, in the order e2m1_word_as_fp16_pair gives (channels 8w + j
+        and 8w + j + 4 side by side: queries and keys are decoded alike, so the dot product
+        is unchanged; each 16-channel scale group stays in its 16 slots)."""
+        code_words = cute.recast_tensor(codes, cutlass.Int32)
         words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
-        for b in cutlass.range_constexpr(CHANNELS // 2):
-            words[b] = e2m1_pair_as_fp16(cutlass.Int32(codes[b]))
+        for w in cutlass.range_constexpr(CHANNELS // 8):
+            for j in cutlass.range_constexpr(4):
+                words[4 * w + j] = e2m1_word_as_fp16_pair(code_words[w], j)
         values = cute.recast_tensor(words, cutlass.Float16)
         step = cute.recast_tensor(scale_pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
         for i in cutlass.range_constexpr(CHANNELS):
