@@ -27,10 +27,11 @@ def order_key(bits):
 def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
     """(the order key of the wanted-th largest of a set of floats (1 <= wanted <= its
     size), how many of the values equal to it are among the wanted largest). The set:
-    values_at(i) for i = tidx, tidx + threads, ... < count, each a list of (valid, Int32
-    bits) pairs, the valid ones members. values_at is called once per i and pass, so it may
-    compute the values rather than load them; every thread makes the same calls when count
-    is a multiple of threads. sHist: BINS Int32 of shared memory, sState: 2 Int32. Every
+    values_at(i, step) for i = tidx, tidx + threads, ... < count, each a list of (valid,
+    Int32 bits) pairs, the valid ones members. values_at is called once per i and pass (step
+    0 to 3, a Constexpr), so it may compute the values rather than load them, and keep what
+    it computed in step 0; every thread makes the same calls when count is a multiple of
+    threads. sHist: BINS Int32 of shared memory, sState: 2 Int32. Every
     thread of the CTA calls it (it synchronises)."""
     prefix = cutlass.Uint32(0)
     for step in cutlass.range_constexpr(4):
@@ -39,7 +40,7 @@ def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass
             sHist[b] = 0
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, count, threads, unroll=1):
-            pairs = values_at(i)
+            pairs = values_at(i, step)
             for v in cutlass.range_constexpr(len(pairs)):
                 valid, bits = pairs[v]
                 key = order_key(bits)

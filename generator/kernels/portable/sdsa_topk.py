@@ -43,7 +43,7 @@ class SdsaTopK:
         else:
             values = args.mCandidates[row, None, 1]
             prefix, wanted = radix_select(
-                lambda i: [(cutlass.Boolean(True), values[first + i])],
+                lambda i, step: [(cutlass.Boolean(True), values[first + i])],
                 count,
                 k,
                 sHist,
