@@ -9,6 +9,8 @@ with the sign bit set, so the unsigned order is the float order with a positive 
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 BINS = 256
 
@@ -23,23 +25,44 @@ def order_key(bits):
     return u ^ flip
 
 
+def histogram_words(peers: int) -> int:
+    """The Int32 words of shared memory radix_select's sHist needs: one histogram, or with
+    peers one per pass and their sum."""
+    return BINS if peers == 1 else 5 * BINS
+
+
 @cute.jit
-def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr):
+def radix_select(
+    values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr,
+    peers: cutlass.Constexpr = 1, rank=0,
+):  # fmt: skip
     """(the order key of the wanted-th largest of a set of floats (1 <= wanted <= its
     size), how many of the values equal to it are among the wanted largest). The set:
     values_at(i, step) for i = tidx, tidx + threads, ... < count, each a list of (valid,
     Int32 bits) pairs, the valid ones members. values_at is called once per i and pass (step
     0 to 3, a Constexpr), so it may compute the values rather than load them, and keep what
     it computed in step 0; every thread makes the same calls when count is a multiple of
-    threads. sHist: BINS Int32 of shared memory, sState: 2 Int32. Every
-    thread of the CTA calls it (it synchronises)."""
+    threads. sHist: histogram_words(peers) Int32 of shared memory, sState: 2 Int32. Every
+    thread of the CTA calls it (it synchronises).
+
+    With peers > 1 the set is split over the CTAs of a cluster of that many (this one is
+    `rank`): each counts its share (i = tidx + rank x threads, stepping threads x peers,
+    count a multiple of that) into its pass's own histogram; after a cluster barrier each
+    sums all of them through distributed shared memory, so all find the same answer. The
+    caller keeps every CTA of the cluster alive until a later cluster barrier (its peers
+    read its histograms)."""
     prefix = cutlass.Uint32(0)
+    if cutlass.const_expr(peers > 1):
+        for b in cutlass.range(tidx, 4 * BINS, threads, unroll=1):
+            sHist[b] = 0
     for step in cutlass.range_constexpr(4):
         shift = 24 - 8 * step
-        for b in cutlass.range(tidx, BINS, threads, unroll=1):
-            sHist[b] = 0
+        own = step * BINS if cutlass.const_expr(peers > 1) else 0  # this pass's histogram
+        if cutlass.const_expr(peers == 1):
+            for b in cutlass.range(tidx, BINS, threads, unroll=1):
+                sHist[b] = 0
         cute.arch.sync_threads()
-        for i in cutlass.range(tidx, count, threads, unroll=1):
+        for i in cutlass.range(tidx + rank * threads, count, threads * peers, unroll=1):
             pairs = values_at(i, step)
             for v in cutlass.range_constexpr(len(pairs)):
                 valid, bits = pairs[v]
@@ -49,7 +72,17 @@ def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass
                     high = cutlass.Uint32(shift + 8)
                     valid = valid & ((key >> high) == (prefix >> high))
                 if valid:
-                    cute.arch.atomic_add(sHist.iterator + digit, cutlass.Int32(1))
+                    cute.arch.atomic_add(sHist.iterator + own + digit, cutlass.Int32(1))
+        counts = sHist
+        if cutlass.const_expr(peers > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            for b in cutlass.range(tidx, BINS, threads, unroll=1):
+                total = cutlass.Int32(0)
+                for r in cutlass.range_constexpr(peers):
+                    total = total + peer_shared_int32(sHist.iterator + own + b, r)
+                sHist[4 * BINS + b] = total
+            counts = cute.make_tensor(sHist.iterator + 4 * BINS, cute.make_layout(BINS))
         cute.arch.sync_threads()
         if tidx == 0:
             # From the top bin down, the bin where the count reaches `wanted`.
@@ -59,11 +92,11 @@ def radix_select(values_at, count, wanted, sHist, sState, tidx, threads: cutlass
             for j in cutlass.range(BINS, unroll=1):
                 b = BINS - 1 - j
                 if found == 0:
-                    if above + sHist[b] >= wanted:
+                    if above + counts[b] >= wanted:
                         chosen = b
                         found = cutlass.Int32(1)
                     else:
-                        above = above + sHist[b]
+                        above = above + counts[b]
             sState[0] = chosen
             sState[1] = wanted - above
         cute.arch.sync_threads()
@@ -90,3 +123,22 @@ def float_of_order_key(key):
     word = cute.make_rmem_tensor((1,), cutlass.Uint32)
     word[0] = key ^ flip
     return cute.recast_tensor(word, cutlass.Float32)[0]
+
+
+@dsl_user_op
+def peer_shared_int32(ptr, rank, *, loc=None, ip=None):
+    """The Int32 at this CTA's shared-memory pointer `ptr`, read from the same place in
+    the shared memory of the cluster's CTA `rank` (mapa, then ld.shared::cluster: the
+    DSL's loads do not take distributed shared memory)."""
+    address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    value = llvm.inline_asm(
+        cutlass.Int32.mlir_type,
+        [address, cutlass.Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .u32 peer;\n\tmapa.shared::cluster.u32 peer, $1, $2;\n\t"
+        "ld.shared::cluster.u32 $0, [peer];\n\t}",
+        "=r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Int32(value)

@@ -1,27 +1,34 @@
 """sdsa_repair: indexer_threshold_select's repair mode, a second launch after the select.
 
-One CTA (16 warps: a lone repaired row is the launch's tail, and its speed is the loads
-one CTA keeps in flight) per row. A row fits when its candidates fit their slots (cands <=
-cap = slots - top_k) and its candidates plus stored ties reach wanted = min(row_end, top_k).
-A row that does not is repaired: the CTA radix-selects the exact wanted-th largest of the
-row's scores in float-bit order (generator/kernels/common/radix_select.py), makes it the
-row's threshold, zeroes the row's counters and selects the row again. Then fewer than
-wanted scores lie above the threshold (<= top_k - 1 <= cap) and the rest of the wanted ones
-tie with it, so the row fits. Every row then gets its ranges: (top_k - min(ties, top_k),
-top_k + min(cands, cap)).
+A cluster of CTAs per row (8 on SM90 / SM100; 1 on SM120, whose clusters are of 1), 16
+warps each: a lone repaired row is the launch's tail, and its speed is the loads its CTAs
+keep in flight, so its keys are split over the cluster (CTA r takes chunks r, r + 8, ...).
+A row fits when its candidates fit their slots (cands <= cap = slots - top_k) and its
+candidates plus stored ties reach wanted = min(row_end, top_k). A row that does not is
+repaired: the cluster radix-selects the exact wanted-th largest of the row's scores in
+float-bit order (generator/kernels/common/radix_select.py; the histograms summed through
+distributed shared memory), makes it the row's threshold, zeroes the row's counters and
+selects the row again. Then fewer than wanted scores lie above the threshold (<= top_k - 1
+<= cap) and the rest of the wanted ones tie with it, so the row fits. Every row then gets
+its ranges: (top_k - min(ties, top_k), top_k + min(cands, cap)).
 
 The scores are computed 512 keys at a time on tensor cores, exactly as sdsa_scores and
 sdsa_select compute them, and no score matrix is written: the first radix pass keeps the
-scores of the row's first CACHED_KEYS keys in shared memory (what the arch's shared memory
-holds), and the three other passes and the reselect read those back and recompute only the
-keys beyond (a 65,536-key row on SM90: 2 reads of its keys instead of 5).
+scores of each CTA's first CACHED_KEYS keys in its shared memory, and the three other
+passes and the reselect read those back and recompute only the keys beyond (a row of up
+to 131,072 keys on SM90 is read once; on SM120, 20 Ki keys of it).
 """
 
 import cutlass
 import cutlass.cute as cute
 
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.radix_select import BINS, float_bits, float_of_order_key, radix_select
+from generator.kernels.common.radix_select import (
+    float_bits,
+    float_of_order_key,
+    histogram_words,
+    radix_select,
+)
 from generator.kernels.portable.sdsa_scores import (
     K_STEPS,
     TILE_KEYS,
@@ -32,27 +39,33 @@ from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
 WARPS = 16
 CHUNK_KEYS = WARPS * TILES * TILE_KEYS  # scored per step, a thread per key
-# Scores kept on chip, by arch: what its shared memory per CTA holds beside the histogram
-# (227 KB on SM90 / SM100, 99 KB on SM120), a multiple of CHUNK_KEYS.
-CACHED_KEYS = {"sm_90a": 48 * 1024, "sm_100a": 48 * 1024, "sm_120a": 20 * 1024}
+# CTAs per row (a cluster), by arch; SM120 runs clusters of 1.
+PEERS = {"sm_90a": 8, "sm_100a": 8, "sm_120a": 1}
+# Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
+# eight CTAs hold a 131,072-key row; SM120's one CTA holds what its 99 KB allow.
+CACHED_KEYS = {"sm_90a": 16 * 1024, "sm_100a": 16 * 1024, "sm_120a": 20 * 1024}
 
 
 class SdsaRepair(SdsaScores):
     warps = WARPS
 
-    def __init__(self, dtype, nvfp4: bool, cached_keys: int):
+    def __init__(self, dtype, nvfp4: bool, peers: int, cached_keys: int):
         super().__init__(dtype, nvfp4)
         assert cached_keys % CHUNK_KEYS == 0
+        self.cluster = peers
         self.cached_keys = cached_keys
 
     def grid(self, args):
-        """A CTA per row."""
-        return [args.mRowEnds.shape[0], 1, 1]
+        """A cluster per row."""
+        return [args.mRowEnds.shape[0] * self.cluster, 1, 1]
 
     @cute.kernel
     def kernel(self, args, atom):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        peers = self.cluster
+        row = bidx // peers
+        rank = bidx % peers  # in the cluster (clusters run along x)
         lane = tidx % 32
         g = lane // 4
         q = lane % 4
@@ -63,7 +76,7 @@ class SdsaRepair(SdsaScores):
         cands = args.mCounters[row, 0]
         ties = args.mCounters[row, 1]
         smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(BINS), 16)
+        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(histogram_words(peers)), 16)
         sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
         sScores = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.cached_keys), 16)
         if (cands > cap) | (cands + cutlass.min(ties, top_k) < wanted):
@@ -73,8 +86,11 @@ class SdsaRepair(SdsaScores):
             a_frags.fill(0.0)
             if g == 0:
                 self.place_query(args, row, q, a_frags, 0)
-            # Every thread walks all chunks of CHUNK_KEYS keys: the warps' MMAs run converged.
-            count = cute.ceil_div(end, CHUNK_KEYS) * CHUNK_KEYS
+            # Every thread walks all its CTA's chunks of CHUNK_KEYS keys: the warps' MMAs run
+            # converged, and every CTA of the cluster makes as many steps.
+            count = cute.ceil_div(end, CHUNK_KEYS * peers) * (CHUNK_KEYS * peers)
+            # (Its peers have read the counters before the reset below.)
+            self.cluster_sync()
             threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
             if wanted > 0:
                 key, _ = radix_select(
@@ -85,15 +101,15 @@ class SdsaRepair(SdsaScores):
                             cache_filled=step > 0,
                         )
                     ],
-                    count, wanted, sHist, sState, tidx, CHUNK_KEYS,
+                    count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank,
                 )  # fmt: skip
                 threshold = float_of_order_key(key)
-            if tidx == 0:
+            if (tidx == 0) & (rank == 0):
                 args.mThresholds[row] = threshold
                 args.mCounters[row, 0] = 0
                 args.mCounters[row, 1] = 0
-            cute.arch.sync_threads()
-            for i in cutlass.range(tidx, count, CHUNK_KEYS, unroll=1):
+            self.cluster_sync()
+            for i in cutlass.range(tidx + rank * CHUNK_KEYS, count, CHUNK_KEYS * peers, unroll=1):
                 triples = self.chunk_scores(
                     atom, args, a_frags, request, i - tidx, end, g, q, tidx, sScores,
                     cache_filled=True,
@@ -102,12 +118,22 @@ class SdsaRepair(SdsaScores):
                     ok, key, score = triples[v]
                     if ok:
                         classify(args, row, key, score, threshold, cap)
-            cute.arch.sync_threads()
+            self.cluster_sync()
             cands = args.mCounters[row, 0]
             ties = args.mCounters[row, 1]
-        if tidx == 0:
+        if (tidx == 0) & (rank == 0):
             args.mRanges[0, row] = top_k - cutlass.min(ties, top_k)
             args.mRanges[1, row] = top_k + cutlass.min(cands, cap)
+
+    @cute.jit
+    def cluster_sync(self):
+        """A barrier of the row's CTAs (with release / acquire: the counters' reset and
+        atomics before it are seen after it)."""
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def chunk_scores(
@@ -118,14 +144,17 @@ class SdsaRepair(SdsaScores):
         warp's 32 keys through the MMA, valid for MMA row 0 (g == 0) and keys < end. A chunk
         below cached_keys is read from sScores once cache_filled, else computed and kept."""
         first_key = chunk_key + (tidx // 32) * (TILES * TILE_KEYS)
-        cached = chunk_key + CHUNK_KEYS <= self.cached_keys  # the same for the whole CTA
+        # The chunk's place among this CTA's (every peers-th chunk of the row) and its
+        # keys' entries in sScores, the same for the whole CTA.
+        slot = chunk_key // (CHUNK_KEYS * self.cluster) * CHUNK_KEYS - chunk_key
+        cached = slot + chunk_key + CHUNK_KEYS <= self.cached_keys
         scores = cute.make_rmem_tensor((2 * TILES,), cutlass.Float32)
         if cutlass.const_expr(cache_filled):
             if cached:
                 # Each thread reads back the entries it wrote: no barrier needed.
                 for t in cutlass.range_constexpr(TILES):
                     for c in cutlass.range_constexpr(2):
-                        scores[2 * t + c] = sScores[first_key + t * TILE_KEYS + 2 * q + c]
+                        scores[2 * t + c] = sScores[slot + first_key + t * TILE_KEYS + 2 * q + c]
             else:
                 self.mma_scores(atom, args, a_frags, request, first_key, end, g, q, scores)
         else:
@@ -133,7 +162,7 @@ class SdsaRepair(SdsaScores):
             if cached & (g == 0):
                 for t in cutlass.range_constexpr(TILES):
                     for c in cutlass.range_constexpr(2):
-                        sScores[first_key + t * TILE_KEYS + 2 * q + c] = scores[2 * t + c]
+                        sScores[slot + first_key + t * TILE_KEYS + 2 * q + c] = scores[2 * t + c]
         triples = []
         for t in cutlass.range_constexpr(TILES):
             for c in cutlass.range_constexpr(2):
@@ -156,5 +185,6 @@ class SdsaRepair(SdsaScores):
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     return SdsaRepair(
-        element_type(dtype), nvfp4=dtype == "u8", cached_keys=CACHED_KEYS[variant.arch]
-    )
+        element_type(dtype), nvfp4=dtype == "u8", peers=PEERS[variant.arch],
+        cached_keys=CACHED_KEYS[variant.arch],
+    )  # fmt: skip

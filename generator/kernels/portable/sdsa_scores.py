@@ -37,6 +37,7 @@ CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
 class SdsaScores:
     warps = WARPS  # per CTA
+    cluster = 1  # CTAs per cluster
 
     def __init__(self, dtype, nvfp4: bool):
         self.nvfp4 = nvfp4
@@ -47,9 +48,10 @@ class SdsaScores:
     @cute.jit
     def launch(self, args, stream):
         atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
-        self.kernel(args, atom).launch(
-            grid=self.grid(args), block=[self.warps * 32, 1, 1], stream=stream
-        )
+        config = dict(grid=self.grid(args), block=[self.warps * 32, 1, 1], stream=stream)
+        if cutlass.const_expr(self.cluster > 1):
+            config["cluster"] = [self.cluster, 1, 1]
+        self.kernel(args, atom).launch(**config)
 
     def grid(self, args):
         """A CTA per 128 keys of each group (the select and the repair grid otherwise)."""
