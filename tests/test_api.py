@@ -20,15 +20,16 @@ def bsr_args(M=256, N=256, R=64, C=64, hq=4, hkv=2, d=128):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(causal=True), "causal=True is not supported"),
-        (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA' is not supported"),
-        (dict(pos_encoding_mode="ALIBI"), "ALiBi is not available"),
-        (dict(logits_soft_cap=30.0), "logits_soft_cap=30.0 is not supported"),
-        (dict(use_fp16_qk_reduction=True), "use_fp16_qk_reduction=True"),
-        (dict(rope_theta=1e4), "rope_theta=10000.0 is not used"),
-        (dict(rope_scale=2.0), "rope_scale=2.0 is not used"),
-        (dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)), "masks inside blocks"),
-        (dict(packed_mask=torch.ones(8, dtype=torch.uint8)), "masks inside blocks"),
+        (dict(causal=1), "causal must be a bool"),
+        (dict(pos_encoding_mode="ROPE"), "pos_encoding_mode='ROPE' is not one of"),
+        (dict(logits_soft_cap=-1.0), "logits_soft_cap=-1.0 must be a finite number >= 0"),
+        (dict(logits_soft_cap="30"), "logits_soft_cap must be a number"),
+        (dict(use_fp16_qk_reduction=None), "use_fp16_qk_reduction must be a bool"),
+        (dict(rope_theta=0.0), "rope_theta=0.0 must be a finite number > 0"),
+        (dict(rope_scale=float("inf")), "rope_scale=inf must be a finite number > 0"),
+        (dict(mask=torch.ones(3, 64, 64, dtype=torch.bool)), "mask has shape (3, 64, 64)"),
+        (dict(mask=torch.ones(4, 64, 64)), "mask has dtype torch.float32"),
+        (dict(packed_mask=torch.ones(8, dtype=torch.uint8)), "packed_mask has shape (8,)"),
         (dict(kv_splits=4), "kv_splits=4 is not supported"),
         (dict(use_clc=True), "use_clc=True"),
         (
@@ -43,7 +44,7 @@ def bsr_args(M=256, N=256, R=64, C=64, hq=4, hkv=2, d=128):
 )
 def test_bsr_plan_rejects_unsupported_options(kwargs, message):
     wrapper = BlockSparseAttentionWrapper(WS)
-    with pytest.raises((NotImplementedError, ValueError)) as info:
+    with pytest.raises((NotImplementedError, ValueError, TypeError)) as info:
         wrapper.plan(*bsr_args(), **kwargs)
     assert message in str(info.value)
 
@@ -243,8 +244,8 @@ def test_variable_wrapper_rejects_bad_inputs():
         wrapper.plan(mask, torch.tensor([[64, 64], [64, 128]], dtype=torch.int32), sz, 2, 2, 128)
     with pytest.raises(ValueError, match="block_row_sz and block_col_sz must be >= 1"):
         wrapper.plan(mask, torch.tensor([[64, 0], [64, 0]], dtype=torch.int32), sz, 2, 2, 128)
-    with pytest.raises(NotImplementedError, match="causal=True"):
-        wrapper.plan(mask, sz, sz, 2, 2, 128, causal=True)
+    with pytest.raises(ValueError, match="pos_encoding_mode='alibi' is not one of"):
+        wrapper.plan(mask, sz, sz, 2, 2, 128, pos_encoding_mode="alibi")
 
 
 def test_public_names():

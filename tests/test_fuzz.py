@@ -195,8 +195,8 @@ CORRUPTIONS = [
     ("sm_scale", lambda a: a.update(sm_scale=float("nan")), "sm_scale=nan"),
     ("sm_scale", lambda a: a.update(sm_scale=1e39), "sm_scale=1e+39"),
     ("q_data_type", lambda a: a.update(q_data_type="float64"), "q_data_type"),
-    ("causal", lambda a: a.update(causal=True), "causal"),
-    ("logits_soft_cap", lambda a: a.update(logits_soft_cap=5.0), "logits_soft_cap"),
+    ("causal", lambda a: a.update(causal="yes"), "causal must be a bool"),
+    ("logits_soft_cap", lambda a: a.update(logits_soft_cap=-5.0), "logits_soft_cap"),
     (
         "block_mask",
         lambda a: a.update(block_mask=torch.ones(1, 1, 1, dtype=torch.bool)),

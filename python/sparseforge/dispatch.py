@@ -23,7 +23,7 @@ from sparseforge import families, ops, planner, reference
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import block_sparse_fwd, sage_fp8_fwd, tile_compact
-from sparseforge.plan import Plan
+from sparseforge.plan import LogitOptions, Plan
 from sparseforge.sparsity import Selection
 
 KERNEL_BACKENDS = ("sparseforge", "fa2", "fa3", "cake", "cake_cute")
@@ -55,6 +55,7 @@ def plan_attention(
     backend: str,
     device: torch.device,
     blocks: str,
+    logits: LogitOptions,
 ) -> Plan:
     """The plan of one attention problem; `blocks` describes the blocks for errors."""
     common = dict(
@@ -70,7 +71,13 @@ def plan_attention(
         scales=scales,
     )
     if backend == "torch":
-        return Plan(path="torch", token_mask=_token_mask(selection), **common)
+        return Plan(path="torch", token_mask=_token_mask(selection), logits=logits, **common)
+    if logits.named():
+        why = f"{', '.join(logits.named())}: not in our kernels yet"
+        if backend != "auto":
+            raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
+        warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
+        return Plan(path="torch", token_mask=_token_mask(selection), logits=logits, **common)
     family = attention_family(dtype)
     spec = families.spec(family.FAMILIES[0])
     unit_rows, tile_keys = spec.constant("unit_rows"), spec.constant("tile_keys")
@@ -166,10 +173,28 @@ def run_attention(plan: Plan, q, k, v, out, lse) -> None:
 
 
 def _reference(plan: Plan, q, k, v):
-    """The reference path on HND tensors (Sage FP8 ones dequantized with the plan's scales)."""
+    """The reference path on HND tensors (Sage FP8 ones dequantized with the plan's scales),
+    with the plan's logit options."""
     if plan.scales is not None:
         q, k, v = reference.sage_dequantize(q, k, v, *plan.scales)
-    return reference.attention(q, k, v, plan.token_mask, plan.sm_scale)
+    options, mask = plan.logits, plan.token_mask
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    if options.element_mask is not None:
+        mask = mask & options.element_mask
+    elif options.causal:  # (FlashInfer: causal only applies without a mask)
+        mask = mask & reference.causal_mask(seq_q, seq_k)
+    if options.pos_encoding_mode == "ROPE_LLAMA":
+        # Positions as the causal mask aligns them: the sequences end together.
+        rope = (options.rope_scale, options.rope_theta)
+        q = reference.rope_llama(q, torch.arange(seq_q) + (seq_k - seq_q), *rope)
+        k = reference.rope_llama(k, torch.arange(seq_k), *rope)
+    slopes = None
+    if options.pos_encoding_mode == "ALIBI":
+        slopes = reference.alibi_slopes(q.shape[0])
+    return reference.attention(
+        q, k, v, mask, plan.sm_scale, logits_soft_cap=options.soft_cap or None,
+        alibi_slopes=slopes,
+    )  # fmt: skip
 
 
 def _token_mask(selection: Selection) -> torch.Tensor:

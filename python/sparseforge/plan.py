@@ -12,6 +12,36 @@ from sparseforge._library import BoundLaunch, Kernel
 
 
 @dataclass(frozen=True)
+class LogitOptions:
+    """What plan() asked of the logits besides sm_scale (FlashInfer's plan() options). Our
+    kernels take none of them yet: a plan with any of them runs the PyTorch reference
+    (reference.attention, rope_llama), with a warning under backend="auto"."""
+
+    causal: bool = False  # bottom-right aligned (reference.causal_mask)
+    soft_cap: float = 0.0  # > 0: cap * tanh(logits / cap)
+    pos_encoding_mode: str = "NONE"  # or "ROPE_LLAMA" (q and k rotated), "ALIBI"
+    rope_scale: float = 1.0
+    rope_theta: float = 1e4
+    element_mask: torch.Tensor | None = None  # (Sq, Sk) bool: masks inside BSR blocks
+
+    def named(self) -> list[str]:
+        """The options that are set, as the caller wrote them (for messages)."""
+        named = []
+        if self.element_mask is not None:
+            named.append("mask")
+        if self.causal:
+            named.append("causal=True")
+        if self.soft_cap:
+            named.append(f"logits_soft_cap={self.soft_cap!r}")
+        if self.pos_encoding_mode != "NONE":
+            named.append(f"pos_encoding_mode={self.pos_encoding_mode!r}")
+        return named
+
+
+NO_LOGIT_OPTIONS = LogitOptions()
+
+
+@dataclass(frozen=True)
 class Plan:
     path: str  # the template that runs, or "torch" (the PyTorch reference)
     dtype: torch.dtype  # of q, k and v
@@ -30,6 +60,7 @@ class Plan:
     refresh: Callable | None = None  # brings plan-time copies of caller tensors up to date
     lse_scratch: torch.Tensor | None = None  # lse when the caller wants none (no allocation)
     token_mask: torch.Tensor | None = None  # the reference path's (Hkv, Sq, Sk) mask
+    logits: LogitOptions = NO_LOGIT_OPTIONS  # the reference path's options beyond sm_scale
 
     def _layout(self, heads: int, seq: int, *rest) -> tuple:
         return (heads, seq, *rest) if self.hnd else (seq, heads, *rest)

@@ -16,12 +16,18 @@ from sparseforge.planner import tile_padded_keys, tile_padded_scales
 from sparseforge.sage import SageFP8Tensors
 
 
-def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
+def attention(
+    q, k, v, mask=None, sm_scale=None, compute_dtype=None, logits_soft_cap=None,
+    alibi_slopes=None,
+):  # fmt: skip
     """Masked softmax attention with GQA; returns (out (Hq, Sq, D), lse (Hq, Sq)).
 
     mask: bool, broadcastable per head to (Hq, Sq, Sk); a (Hkv, Sq, Sk) mask is shared by
     the query heads of each group. Rows that attend to no key give out 0 and lse -inf.
-    lse is the natural-log log-sum-exp of the scaled logits.
+    The logits are sm_scale * q.k, then, with logits_soft_cap > 0, cap * tanh(logits / cap),
+    then plus alibi_slopes[h] * (key position - query position) with alibi_slopes (Hq,)
+    (query i at position i + Sk - Sq: the two sequences end together). lse is the
+    natural-log log-sum-exp of the final logits.
     """
     hq, hkv = q.shape[0], k.shape[0]
     if hq % hkv:
@@ -34,6 +40,11 @@ def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
     kc = k.to(compute_dtype).repeat_interleave(group, dim=0)
     vc = v.to(compute_dtype).repeat_interleave(group, dim=0)
     logits = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    if alibi_slopes is not None:
+        distance = key_minus_query_positions(q.shape[1], k.shape[1], q.device)
+        logits = logits + alibi_slopes.to(q.device, compute_dtype)[:, None, None] * distance
     if mask is not None:
         mask = mask.to(q.device)
         if mask.dim() == 3 and mask.shape[0] == hkv and hkv != hq:
@@ -44,6 +55,66 @@ def attention(q, k, v, mask=None, sm_scale=None, compute_dtype=None):
     probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs, vc)
     return out, lse
+
+
+def key_minus_query_positions(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
+    """(Sq, Sk) int64: key position j minus query position i + Sk - Sq (the query and key
+    sequences end together, as FlashInfer aligns them when Sq != Sk)."""
+    query = torch.arange(seq_q, device=device) + (seq_k - seq_q)
+    return torch.arange(seq_k, device=device)[None, :] - query[:, None]
+
+
+def causal_mask(seq_q: int, seq_k: int, device=None) -> torch.Tensor:
+    """(Sq, Sk) bool: query i sees key j when j <= i + Sk - Sq (bottom-right aligned)."""
+    return key_minus_query_positions(seq_q, seq_k, device) <= 0
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """(num_heads,) fp32 ALiBi slopes as FlashInfer defines them: for n, the largest power of
+    two <= num_heads, 2^(-8 i / n) for i = 1..n, then for the heads beyond n,
+    2^(-4 j / n) for odd j = 1, 3, ..."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-4.0 * j / n) for j in range(1, 2 * (num_heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def rope_llama(x, positions, rope_scale: float = 1.0, rope_theta: float = 1e4):
+    """LLaMA-style rotary embedding of x (H, S, D) at positions (S,), in fp32 or wider
+    (x's own dtype if wider): channel i < D / 2 pairs with i + D / 2, rotated by the angle
+    positions / rope_scale * rope_theta^(-2i / D)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    half = x.shape[-1] // 2
+    frequencies = rope_theta ** (
+        -torch.arange(half, dtype=dtype, device=x.device) * 2 / x.shape[-1]
+    )
+    angles = positions.to(x.device, dtype)[:, None] / rope_scale * frequencies[None, :]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    first, second = x.to(dtype)[..., :half], x.to(dtype)[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def unpack_bits(packed, count: int) -> torch.Tensor:
+    """The first `count` bits of a uint8 tensor as bools, little-endian within each byte
+    (flashinfer.quantization.packbits(x, bitorder="little") inverted)."""
+    bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, device=packed.device)) & 1
+    return bits.flatten()[:count].bool()
+
+
+def bsr_element_mask(indptr, indices, mask, seq_q: int, seq_k: int, R: int, C: int):
+    """(Sq, Sk) bool of a BSR matrix's per-element masks: mask (nnz, R, C) is the mask of
+    the nnz-th stored block (row block r for indptr[r] <= nnz < indptr[r + 1], column
+    block indices[nnz]); rows past Sq in the last row block are dropped. Unstored blocks
+    are False."""
+    indptr = indptr.to(torch.int64).cpu()
+    indices = indices.to(torch.int64).cpu()
+    mask = mask.to(torch.bool).cpu()
+    out = torch.zeros(-(-seq_q // R) * R, seq_k, dtype=torch.bool)
+    for r in range(indptr.numel() - 1):
+        for j in range(int(indptr[r]), int(indptr[r + 1])):
+            c = int(indices[j])
+            out[r * R : (r + 1) * R, c * C : (c + 1) * C] = mask[j]
+    return out[:seq_q]
 
 
 def bsr_to_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):

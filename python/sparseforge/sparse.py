@@ -25,12 +25,13 @@ default is the wgmma kernel when it is built).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 
 import torch
 
-from sparseforge import dispatch, sparsity, validation
+from sparseforge import dispatch, reference, sparsity, validation
 from sparseforge.checks import (
     check_heads,
     check_index_tensor,
@@ -41,7 +42,7 @@ from sparseforge.checks import (
 )
 from sparseforge.dtypes import as_dtype
 from sparseforge.families import sage_fp8_fwd
-from sparseforge.plan import Plan
+from sparseforge.plan import NO_LOGIT_OPTIONS, LogitOptions, Plan
 
 BACKENDS = dispatch.BACKENDS
 SAGE_DTYPE = torch.float8_e4m3fn
@@ -49,42 +50,63 @@ ATTENTION_DTYPES = (torch.float16, torch.bfloat16, SAGE_DTYPE)
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-def _check_common_options(
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+
+def _logit_options(
     causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta
-):
-    reject(
-        "causal", causal, (False,), "is not supported (no causal block-sparse kernels are built)"
+) -> LogitOptions:
+    """FlashInfer's logit options of plan(), checked. use_fp16_qk_reduction is accepted
+    and changes nothing: q.k always accumulates in fp32. rope_scale / rope_theta are used
+    with pos_encoding_mode="ROPE_LLAMA" only (FlashInfer ignores them otherwise too)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(use_fp16_qk_reduction, bool):
+        raise TypeError(
+            f"use_fp16_qk_reduction must be a bool, got {type(use_fp16_qk_reduction).__name__}"
+        )
+    if pos_encoding_mode not in POS_ENCODING_MODES:
+        raise ValueError(
+            f"pos_encoding_mode={pos_encoding_mode!r} is not one of {POS_ENCODING_MODES}"
+        )
+
+    def number(name, value, default, allow_zero):
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            least = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{name}={value!r} must be a finite number {least}")
+        return float(value)
+
+    return LogitOptions(
+        causal=causal,
+        soft_cap=number("logits_soft_cap", logits_soft_cap, 0.0, allow_zero=True),
+        pos_encoding_mode=pos_encoding_mode,
+        rope_scale=number("rope_scale", rope_scale, 1.0, allow_zero=False),
+        rope_theta=number("rope_theta", rope_theta, 1e4, allow_zero=False),
     )
-    reject(
-        "pos_encoding_mode",
-        pos_encoding_mode,
-        ("NONE",),
-        "is not supported: apply RoPE before calling; ALiBi is not available",
-    )
-    reject(
-        "use_fp16_qk_reduction",
-        use_fp16_qk_reduction,
-        (False,),
-        "is not supported (QK^T accumulates in fp32)",
-    )
-    reject(
-        "logits_soft_cap",
-        logits_soft_cap,
-        (None, 0, 0.0),
-        "is not supported (no soft-capping kernels are built)",
-    )
-    reject(
-        "rope_scale",
-        rope_scale,
-        (None,),
-        "is not used: RoPE (pos_encoding_mode='ROPE_LLAMA') is not supported",
-    )
-    reject(
-        "rope_theta",
-        rope_theta,
-        (None,),
-        "is not used: RoPE (pos_encoding_mode='ROPE_LLAMA') is not supported",
-    )
+
+
+def _element_mask(mask, packed_mask, indptr, indices, M: int, N: int, R: int, C: int):
+    """The (M, N) bool mask of the BSR blocks' per-element masks (packed_mask, bits of the
+    (nnz, R, C) mask flattened, little-endian, wins over mask), or None. Built on the host:
+    only the PyTorch reference path reads it."""
+    if mask is None and packed_mask is None:
+        return None
+    if indptr is None or indices is None:
+        raise ValueError("mask / packed_mask need the BSR form (indptr and indices)")
+    nnz = indices.shape[0]
+    if packed_mask is not None:
+        need = -(-nnz * R * C // 8)
+        check_tensor("packed_mask", packed_mask, (need,), torch.uint8)
+        mask = reference.unpack_bits(packed_mask.cpu(), nnz * R * C).view(nnz, R, C)
+    else:
+        check_tensor("mask", mask, (nnz, R, C))
+        if mask.dtype not in (torch.bool, torch.uint8, torch.int32, torch.int64):
+            raise ValueError(f"mask has dtype {mask.dtype}, expected bool (or 0/1 integers)")
+    return reference.bsr_element_mask(indptr, indices, mask != 0, M, N, R, C)
 
 
 def _sm_scale(sm_scale, head_dim: int) -> float:
@@ -146,6 +168,7 @@ class _BlockSparseBase:
         scales,
         hnd: bool,
         blocks: str,
+        logits: LogitOptions = NO_LOGIT_OPTIONS,
     ) -> None:
         """The checks every plan shares, then the plan (dispatch.py)."""
         dtype = as_dtype(q_data_type, "q_data_type", ATTENTION_DTYPES)
@@ -207,6 +230,7 @@ class _BlockSparseBase:
             backend=self._backend,
             device=self._device,
             blocks=blocks,
+            logits=logits,
         )
         # The plan and its GPU checks are committed together: a plan() that raised above left
         # the wrapper as it was (its previous plan, and that plan's checks).
@@ -289,21 +313,10 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         k_scale=None,
         v_scale=None,
     ) -> None:
-        _check_common_options(
-            causal,
-            pos_encoding_mode,
-            use_fp16_qk_reduction,
-            logits_soft_cap,
-            rope_scale,
+        logits = _logit_options(
+            causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale,
             rope_theta,
-        )
-        reject("mask", mask, (None,), "(masks inside blocks) is not supported: give whole blocks")
-        reject(
-            "packed_mask",
-            packed_mask,
-            (None,),
-            "(masks inside blocks) is not supported: give whole blocks",
-        )
+        )  # fmt: skip
         reject("kv_splits", kv_splits, (None, 1), "is not supported (no split-KV path)")
         reject("use_clc", use_clc, (None,), "is an SM100 scheduler option; not supported")
         for name, value in (("M", M), ("N", N), ("R", R), ("C", C)):
@@ -327,6 +340,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             device=self._device,
             non_blocking=non_blocking,
         )
+        element_mask = _element_mask(mask, packed_mask, indptr, indices, M, N, R, C)
+        if element_mask is not None:
+            logits = dataclasses.replace(logits, element_mask=element_mask)
         self._plan_attention(
             selection,
             num_qo_heads,
@@ -339,6 +355,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             (q_scale, k_scale, v_scale),
             hnd=False,
             blocks=f"blocks of {R}x{C} tokens",
+            logits=logits,
         )
 
     def run(
@@ -389,14 +406,10 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         k_scale=None,
         v_scale=None,
     ) -> None:
-        _check_common_options(
-            causal,
-            pos_encoding_mode,
-            use_fp16_qk_reduction,
-            logits_soft_cap,
-            rope_scale,
+        logits = _logit_options(
+            causal, pos_encoding_mode, use_fp16_qk_reduction, logits_soft_cap, rope_scale,
             rope_theta,
-        )
+        )  # fmt: skip
         check_heads(num_qo_heads, num_kv_heads, head_dim)
         device = self._device
         if not isinstance(block_mask_map, torch.Tensor) or block_mask_map.dim() != 3:
@@ -439,6 +452,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
             (q_scale, k_scale, v_scale),
             hnd=True,
             blocks="block sizes (but each head's last)",
+            logits=logits,
         )
 
     def _host_sizes(self, sizes: torch.Tensor):

@@ -1,0 +1,187 @@
+"""FlashInfer's logit options of plan() (per-element masks, packed masks, causal, soft cap,
+RoPE LLaMA, ALiBi, use_fp16_qk_reduction) on the CPU, through the PyTorch reference path
+they run on: each against an expectation written here independently of
+sparseforge.reference, and the refusal of the kernel backends."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+
+WS = torch.empty(16, dtype=torch.uint8)
+
+
+def bsr(M, N, R, C, seed=0, density=0.6):
+    """A random BSR structure with at least one block in every row block."""
+    gen = torch.Generator().manual_seed(seed)
+    mb, nb = -(-M // R), N // C
+    blocks = torch.rand(mb, nb, generator=gen) < density
+    blocks[torch.arange(mb), torch.randint(0, nb, (mb,), generator=gen)] = True
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int32), blocks.sum(1).cumsum(0).int()])
+    indices = blocks.nonzero()[:, 1].int()
+    token = blocks.repeat_interleave(R, 0)[:M].repeat_interleave(C, 1)
+    return indptr, indices, token
+
+
+def qkv(M, N, hq, hkv, d, seed=1, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(M, hq, d, generator=gen).to(dtype)
+    k = torch.randn(N, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(N, hkv, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def expected(q, k, v, allowed, scale, transform=lambda logits: logits):
+    """fp64 attention of NHD q / k / v: softmax over the allowed keys of transform(scale
+    q.k) (per head, broadcast (Hq, M, N)); rows with no key give 0 and lse -inf."""
+    hq, hkv = q.shape[1], k.shape[1]
+    qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))
+    kd, vd = (t.repeat_interleave(hq // hkv, 0) for t in (kd, vd))
+    logits = transform(torch.einsum("hmd,hnd->hmn", qd, kd) * scale)
+    logits = logits.masked_fill(~allowed.expand_as(logits), -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    weights = torch.nan_to_num(torch.exp(logits - lse[..., None]))
+    return torch.einsum("hmn,hnd->hmd", weights, vd).transpose(0, 1), lse.transpose(0, 1)
+
+
+def run_bsr(args, q, k, v, backend="torch", **options):
+    wrapper = BlockSparseAttentionWrapper(WS, backend=backend)
+    wrapper.plan(*args, q_data_type=q.dtype, **options)
+    return wrapper.run(q, k, v, return_lse=True)
+
+
+def assert_close(got, want):
+    out, lse = got
+    want_out, want_lse = want
+    assert torch.allclose(out.double(), want_out, atol=2e-3, rtol=1e-3)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse.double()[finite], want_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M, N, R, C", [(128, 128, 64, 64), (100, 192, 16, 32)])
+def test_soft_cap(M, N, R, C):
+    indptr, indices, token = bsr(M, N, R, C)
+    q, k, v = qkv(M, N, 4, 2, 64)
+    q = q * 4  # logits well past the cap
+    cap, scale = 5.0, 0.125
+    got = run_bsr(
+        (indptr, indices, M, N, R, C, 4, 2, 64), q, k, v, logits_soft_cap=cap, sm_scale=scale
+    )
+    assert_close(got, expected(q, k, v, token, scale, lambda x: cap * torch.tanh(x / cap)))
+
+
+@pytest.mark.parametrize("M, N", [(128, 128), (96, 192), (100, 256)])
+def test_causal_is_bottom_right_aligned(M, N):
+    indptr, indices, token = bsr(M, N, 32, 64, density=1.0)
+    q, k, v = qkv(M, N, 4, 4, 32)
+    got = run_bsr((indptr, indices, M, N, 32, 64, 4, 4, 32), q, k, v, causal=True)
+    i, j = torch.arange(M)[:, None], torch.arange(N)[None, :]
+    assert_close(got, expected(q, k, v, token & (j <= i + N - M), 32**-0.5))
+
+
+def test_alibi_slopes_and_bias():
+    M, N, hq = 64, 96, 12
+    indptr, indices, token = bsr(M, N, 32, 32)
+    q, k, v = qkv(M, N, hq, 4, 32)
+    got = run_bsr((indptr, indices, M, N, 32, 32, hq, 4, 32), q, k, v, pos_encoding_mode="ALIBI")
+    # 8 heads: 2^-1 .. 2^-8; the 4 beyond: 2^(-4 j / 8) for j = 1, 3, 5, 7.
+    slopes = torch.tensor([2.0**-i for i in range(1, 9)] + [2.0 ** (-j / 2) for j in (1, 3, 5, 7)])
+    distance = torch.arange(N)[None, :] - (torch.arange(M)[:, None] + N - M)
+    bias = slopes.double()[:, None, None] * distance
+    assert_close(got, expected(q, k, v, token, 32**-0.5, lambda x: x + bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_llama(dtype):
+    M, N, d, scale, theta = 48, 80, 64, 2.0, 500.0
+    indptr, indices, token = bsr(M, N, 16, 16)
+    q, k, v = qkv(M, N, 2, 1, d, dtype=dtype)
+    got = run_bsr(
+        (indptr, indices, M, N, 16, 16, 2, 1, d), q, k, v, pos_encoding_mode="ROPE_LLAMA",
+        rope_scale=scale, rope_theta=theta,
+    )  # fmt: skip
+
+    def rotate(x, positions):  # channel i and i + d/2 as one complex number
+        z = torch.complex(x.double()[..., : d // 2], x.double()[..., d // 2 :])
+        angle = positions.double()[:, None] / scale * theta ** (-torch.arange(d // 2) * 2 / d)
+        z = z * torch.polar(torch.ones_like(angle), angle)[:, None, :]
+        return torch.cat([z.real, z.imag], -1)
+
+    rq, rk = rotate(q, torch.arange(M) + N - M), rotate(k, torch.arange(N))
+    want = expected(rq, rk, v, token, d**-0.5)
+    out, lse = got
+    assert torch.allclose(out.double(), want[0], atol=1e-2)  # rotated in fp32 there
+    assert torch.allclose(lse.double(), want[1], atol=1e-3)
+
+
+def test_masks_inside_blocks_and_packed_masks():
+    M, N, R, C = 70, 128, 16, 32
+    indptr, indices, token = bsr(M, N, R, C)
+    q, k, v = qkv(M, N, 4, 2, 32)
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.rand(indices.shape[0], R, C, generator=gen) < 0.5
+    mask[:, 3] = False  # row 3 of every block row sees nothing: 0 and lse -inf
+    allowed = torch.zeros(-(-M // R) * R, N, dtype=torch.bool)
+    for r in range(indptr.numel() - 1):
+        for j in range(int(indptr[r]), int(indptr[r + 1])):
+            c = int(indices[j])
+            allowed[r * R : (r + 1) * R, c * C : (c + 1) * C] = mask[j]
+    want = expected(q, k, v, allowed[:M], 32**-0.5)
+    args = (indptr, indices, M, N, R, C, 4, 2, 32)
+    assert_close(run_bsr(args, q, k, v, mask=mask), want)
+    assert_close(run_bsr(args, q, k, v, mask=mask, causal=True), want)  # causal ignored
+    packed = torch.from_numpy(np.packbits(mask.flatten().numpy(), bitorder="little"))
+    assert_close(run_bsr(args, q, k, v, packed_mask=packed, mask=~mask), want)  # packed wins
+    assert not torch.isfinite(run_bsr(args, q, k, v, mask=mask)[1][3]).any()
+
+
+def test_fp16_qk_reduction_is_accepted_and_changes_nothing():
+    indptr, indices, _ = bsr(64, 64, 32, 32)
+    q, k, v = qkv(64, 64, 2, 2, 32)
+    args = (indptr, indices, 64, 64, 32, 32, 2, 2, 32)
+    plain, reduced = run_bsr(args, q, k, v), run_bsr(args, q, k, v, use_fp16_qk_reduction=True)
+    assert torch.equal(plain[0], reduced[0]) and torch.equal(plain[1], reduced[1])
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(causal=True), "causal=True"),
+        (dict(logits_soft_cap=30.0), "logits_soft_cap=30.0"),
+        (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI'"),
+        (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA'"),
+        (dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)), "mask"),
+    ],
+)
+def test_kernel_backends_refuse_and_auto_warns(options, named):
+    args = (torch.arange(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    args += (256, 256, 64, 64, 4, 2, 64)
+    with pytest.raises(NotImplementedError, match=f"{named}.*backend='sparseforge' has no kernel"):
+        BlockSparseAttentionWrapper(WS, backend="sparseforge").plan(*args, **options)
+    wrapper = BlockSparseAttentionWrapper(WS)
+    with pytest.warns(UserWarning, match=f"{named}.*running the PyTorch reference"):
+        wrapper.plan(*args, **options)
+    assert wrapper.backend_in_use == "torch"
+
+
+def test_variable_wrapper_takes_the_options_too():
+    heads, rows, cols = 2, torch.tensor([[32, 32]] * 2), torch.tensor([[16, 48]] * 2)
+    block_mask = torch.tensor([[[True, False], [True, True]], [[True, True], [False, True]]])
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(heads, 64, 32, generator=gen).half() for _ in range(3))
+    wrapper = VariableBlockSparseAttentionWrapper(WS, backend="torch")
+    wrapper.plan(
+        block_mask, rows.int(), cols.int(), heads, heads, 32, causal=True, logits_soft_cap=2.0,
+        q_data_type=torch.float16,
+    )  # fmt: skip
+    out, lse = wrapper.run(q, k, v, return_lse=True)
+    token = block_mask.repeat_interleave(32, 1).repeat_interleave(cols[0], 2)
+    causal = torch.arange(64)[None, :] <= torch.arange(64)[:, None]
+    want = expected(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), token & causal, 32**-0.5,
+        lambda x: 2.0 * torch.tanh(x / 2.0),
+    )  # fmt: skip
+    assert_close((out.transpose(0, 1), lse.transpose(0, 1)), want)
