@@ -2,12 +2,14 @@
 
     python ci/ab_builds.py --builds old=.gpu/base,new=.gpu/site --workloads W1,W3,F1 \
         --rounds 3 --out $OUT/ab.md
+    python ci/ab_builds.py --builds old=.gpu/base,new=.gpu/site --workloads SDSA --rounds 2
 
 Two builds cannot share a process (both are `sparseforge`), so each (round, build) is one
 process that imports the build from its directory and times the workloads with
-sparseforge.bench.run_workload, cuDNN dense SDPA in the same process. The order of the
-builds alternates from round to round (ABBA...). Prints and writes a table of effective
-TFLOPS and the ratio to cuDNN per round, and the medians.
+sparseforge.bench.run_workload, cuDNN dense SDPA in the same process (SDSA: every SD1 / SD2
+line of sparseforge.bench.sdsa_times, in microseconds and share of HBM). The order of the
+builds alternates from round to round (ABBA...). Prints and writes a table per round and
+the medians: effective TFLOPS and the ratio to cuDNN, or microseconds and HBM share.
 """
 
 from __future__ import annotations
@@ -29,10 +31,23 @@ for name in sys.argv[1].split(","):
 """
 
 
+# SDSA: each line of sdsa_times as a row whose "workload" is the line up to its time, less
+# the count of repaired rows (which the builds need not share).
+SDSA_CHILD = """
+import json, re, sys
+from sparseforge.bench import sdsa_times
+for line in sdsa_times(iters=int(sys.argv[2])):
+    what, us, share = re.match(r"(.*?): ([0-9.]+) us .*?([0-9]+)% of HBM", line).groups()
+    what = re.sub(r" [(][0-9]+ rows repaired[)]", "", what)
+    print("ROW " + json.dumps({"workload": what, "us": float(us), "hbm": int(share)}))
+"""
+
+
 def run_build(path: str, workloads: str, iters: int) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+    child = SDSA_CHILD if workloads == "SDSA" else CHILD
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, workloads, str(iters)],
+        [sys.executable, "-c", child, workloads, str(iters)],
         env=env,
         capture_output=True,
         text=True,
@@ -56,40 +71,59 @@ def main(argv=None) -> int:
         for name, path in builds if r % 2 == 0 else builds[::-1]:
             for row in run_build(path, args.workloads, args.iters):
                 results.append((r, name, row))
-                quant = "" if row["quant_ms"] is None else f", quantizer {row['quant_ms']:.3f} ms"
-                print(
-                    f"round {r} {name} {row['workload']}: {row['tflops']:.0f} TFLOPS, "
-                    f"cuDNN {row['dense_tflops']:.0f}, err {row['err']:.2e}{quant}",
-                    flush=True,
-                )
-    names = [name for name, _ in builds]
+                print(f"round {r} {name} {describe(row)}", flush=True)
+    table = ab_table(results, [name for name, _ in builds], args.rounds)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+def describe(row: dict) -> str:
+    if "us" in row:
+        return f"{row['workload']}: {row['us']:.1f} us, {row['hbm']}% of HBM"
+    quant = "" if row["quant_ms"] is None else f", quantizer {row['quant_ms']:.3f} ms"
+    return (
+        f"{row['workload']}: {row['tflops']:.0f} TFLOPS, cuDNN {row['dense_tflops']:.0f}, "
+        f"err {row['err']:.2e}{quant}"
+    )
+
+
+def ab_table(results: list, names: list[str], rounds: int) -> str:
+    """Markdown: a row per (workload, round) and the medians, a column per build."""
+    timed = "us" in results[0][2]
+
+    def cell(rows: list[dict]) -> str:
+        median = statistics.median
+        if timed:
+            return f"{median(x['us'] for x in rows):.0f} us ({median(x['hbm'] for x in rows):.0f}%)"
+        return (
+            f"{median(x['tflops'] for x in rows):.0f} "
+            f"({median(x['tflops'] / x['dense_tflops'] for x in rows):.3f})"
+        )
+
+    unit = "us (share of HBM)" if timed else "TFLOPS (ratio to cuDNN)"
     lines = [
-        "| workload | round | " + " | ".join(f"{n} TFLOPS (ratio to cuDNN)" for n in names) + " |",
+        "| workload | round | " + " | ".join(f"{n} {unit}" for n in names) + " |",
         "| --- | --- |" + " --- |" * len(names),
     ]
-    for workload in args.workloads.split(","):
+    workloads = list(dict.fromkeys(row["workload"] for _, _, row in results))
+    for workload in workloads:
         per_build = {n: [] for n in names}
-        for r in range(args.rounds):
+        for r in range(rounds):
             cells = []
             for n in names:
                 row = next(
                     x for rr, nn, x in results if rr == r and nn == n and x["workload"] == workload
                 )
                 per_build[n].append(row)
-                cells.append(f"{row['tflops']:.0f} ({row['tflops'] / row['dense_tflops']:.3f})")
+                cells.append(cell([row]))
             lines.append(f"| {workload} | {r} | " + " | ".join(cells) + " |")
-        medians = [
-            f"{statistics.median(x['tflops'] for x in per_build[n]):.0f} "
-            f"({statistics.median(x['tflops'] / x['dense_tflops'] for x in per_build[n]):.3f})"
-            for n in names
-        ]
-        lines.append(f"| {workload} | median | " + " | ".join(medians) + " |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
-    return 0
+        lines.append(
+            f"| {workload} | median | " + " | ".join(cell(per_build[n]) for n in names) + " |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
