@@ -70,14 +70,15 @@ def plan_attention(
         hnd=hnd,
         scales=scales,
     )
-    if backend == "torch":
-        return Plan(path="torch", token_mask=_token_mask(selection), logits=logits, **common)
-    if logits.named():
+    if backend != "torch" and logits.named():
         why = f"{', '.join(logits.named())}: not in our kernels yet"
         if backend != "auto":
             raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
         warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
-        return Plan(path="torch", token_mask=_token_mask(selection), logits=logits, **common)
+    if backend == "torch" or logits.named():
+        return Plan(
+            path="torch", token_mask=_token_mask(selection, logits), logits=logits, **common
+        )
     family = attention_family(dtype)
     spec = families.spec(family.FAMILIES[0])
     unit_rows, tile_keys = spec.constant("unit_rows"), spec.constant("tile_keys")
@@ -89,7 +90,7 @@ def plan_attention(
         if backend != "auto":
             raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
         warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
-        return Plan(path="torch", token_mask=_token_mask(selection), **common)
+        return Plan(path="torch", token_mask=_token_mask(selection, logits), **common)
     family.check_sm_scale(sm_scale)
     hkv = selection.mask.shape[0]
     units, tiles = (
@@ -177,12 +178,7 @@ def _reference(plan: Plan, q, k, v):
     with the plan's logit options."""
     if plan.scales is not None:
         q, k, v = reference.sage_dequantize(q, k, v, *plan.scales)
-    options, mask = plan.logits, plan.token_mask
-    seq_q, seq_k = q.shape[1], k.shape[1]
-    if options.element_mask is not None:
-        mask = mask & options.element_mask
-    elif options.causal:  # (FlashInfer: causal only applies without a mask)
-        mask = mask & reference.causal_mask(seq_q, seq_k)
+    options, seq_q, seq_k = plan.logits, q.shape[1], k.shape[1]
     if options.pos_encoding_mode == "ROPE_LLAMA":
         # Positions as the causal mask aligns them: the sequences end together.
         rope = (options.rope_scale, options.rope_theta)
@@ -192,17 +188,25 @@ def _reference(plan: Plan, q, k, v):
     if options.pos_encoding_mode == "ALIBI":
         slopes = reference.alibi_slopes(q.shape[0])
     return reference.attention(
-        q, k, v, mask, plan.sm_scale, logits_soft_cap=options.soft_cap or None,
+        q, k, v, plan.token_mask, plan.sm_scale, logits_soft_cap=options.soft_cap or None,
         alibi_slopes=slopes,
     )  # fmt: skip
 
 
-def _token_mask(selection: Selection) -> torch.Tensor:
-    """(Hkv, Sq, Sk) token mask for the reference path."""
+def _token_mask(selection: Selection, logits: LogitOptions) -> torch.Tensor:
+    """(Hkv, Sq, Sk) token mask for the reference path: the selected blocks, and within them
+    the masks inside blocks or else, if asked, the causal mask (FlashInfer applies causal
+    only without a mask)."""
     lens = selection.kv_block_lens
-    return reference.block_mask_to_token_mask(
+    mask = reference.block_mask_to_token_mask(
         selection.mask.cpu(),
         selection.row_sizes.cpu(),
         selection.col_sizes.cpu(),
         None if lens is None else lens.cpu(),
     )
+    seq_q, seq_k = mask.shape[1:]
+    if logits.element_mask is not None:
+        return mask & logits.element_mask
+    if logits.causal:
+        return mask & reference.causal_mask(seq_q, seq_k)
+    return mask

@@ -107,14 +107,11 @@ def bsr_element_mask(indptr, indices, mask, seq_q: int, seq_k: int, R: int, C: i
     block indices[nnz]); rows past Sq in the last row block are dropped. Unstored blocks
     are False."""
     indptr = indptr.to(torch.int64).cpu()
-    indices = indices.to(torch.int64).cpu()
-    mask = mask.to(torch.bool).cpu()
-    out = torch.zeros(-(-seq_q // R) * R, seq_k, dtype=torch.bool)
-    for r in range(indptr.numel() - 1):
-        for j in range(int(indptr[r]), int(indptr[r + 1])):
-            c = int(indices[j])
-            out[r * R : (r + 1) * R, c * C : (c + 1) * C] = mask[j]
-    return out[:seq_q]
+    row_blocks = indptr.numel() - 1
+    rows = torch.repeat_interleave(torch.arange(row_blocks), indptr[1:] - indptr[:-1])
+    out = torch.zeros(row_blocks, R, seq_k // C, C, dtype=torch.bool)
+    out[rows, :, indices.to(torch.int64).cpu(), :] = mask.to(torch.bool).cpu()
+    return out.view(row_blocks * R, seq_k)[:seq_q]
 
 
 def bsr_to_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
