@@ -185,3 +185,12 @@ def test_variable_wrapper_takes_the_options_too():
         lambda x: 2.0 * torch.tanh(x / 2.0),
     )  # fmt: skip
     assert_close((out.transpose(0, 1), lse.transpose(0, 1)), want)
+
+
+def test_masks_inside_blocks_need_the_bsr_form():
+    q2k = torch.zeros(2, 4, 1, dtype=torch.int32)  # direct selections, no indptr / indices
+    with pytest.raises(ValueError, match="mask / packed_mask need the BSR form"):
+        BlockSparseAttentionWrapper(WS, backend="torch").plan(
+            None, None, 256, 256, 64, 64, 2, 2, 64, q2k_indices=q2k,
+            mask=torch.ones(4, 64, 64, dtype=torch.bool),
+        )  # fmt: skip
