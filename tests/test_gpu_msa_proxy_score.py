@@ -1,5 +1,6 @@
 """msa_proxy_score on the GPU against the fp64 PyTorch reference: flat and paged keys, bf16,
-fp16 and e4m3, causal with default (right-aligned) and explicit query offsets and not, GQA,
+fp16, e4m3 and NVFP4 (msa_proxy_score_fp4, against the reference on the dequantized values),
+causal with default (right-aligned) and explicit query offsets and not, GQA,
 reduce_heads, ragged sequences (a partial last block, a sequence without keys, several
 64-query tiles, decode rows of one query), an output wider than the sequences' blocks,
 outputs poisoned with NaN before the run, a CUDA graph replay; and the chain an engine runs
@@ -9,7 +10,7 @@ import pytest
 import torch
 from sparseforge import reference
 from sparseforge.check import proxy_score_inputs
-from sparseforge.msa_ops import msa_proxy_score, msa_topk_select
+from sparseforge.msa_ops import msa_proxy_score, msa_proxy_score_fp4, msa_topk_select
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +29,9 @@ def assert_scores_match(got, want):
     assert float((got[finite] - want[finite]).abs().max() / scale) <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, "nvfp4"], ids=str
+)
 @pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize(
@@ -45,14 +48,15 @@ def test_matches_the_reference(dtype, paged, shape, causal, offsets, reduce_head
         )
     tiles = -(-max(seq_k) // 128) + 2
     out = torch.full((1 if reduce_heads else hq, tiles, sum(seq_q)), float("nan"), device="cuda")
-    got = msa_proxy_score(
+    run, ref = msa_proxy_score, reference.msa_proxy_score
+    if dtype == "nvfp4":
+        run, ref = msa_proxy_score_fp4, reference.msa_proxy_score_fp4
+    got = run(
         **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles, output=out,
         max_seqlen_q=max(seq_q),
     )  # fmt: skip
     assert got is out
-    want = reference.msa_proxy_score(
-        **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles
-    )
+    want = ref(**args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles)
     torch.cuda.synchronize()
     assert_scores_match(got, want.to(got.device))
 
@@ -65,16 +69,18 @@ def test_default_sizes_are_read_from_the_gpu():
     assert_scores_match(got, reference.msa_proxy_score(**args).to(got.device))
 
 
-def test_replays_in_a_cuda_graph():
-    args = proxy_score_inputs(torch.bfloat16, True, [70, 1], [300, 129], device="cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "nvfp4"])
+def test_replays_in_a_cuda_graph(dtype):
+    args = proxy_score_inputs(dtype, True, [70, 1], [300, 129], device="cuda")
+    run = msa_proxy_score_fp4 if dtype == "nvfp4" else msa_proxy_score
     out = torch.empty(4, 3, 71, device="cuda")
     kwargs = dict(max_seqlen_q=70, max_k_tiles=3, output=out)
-    msa_proxy_score(**args, **kwargs)  # binds before capture
+    run(**args, **kwargs)  # binds before capture
     want = out.clone()
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        msa_proxy_score(**args, **kwargs)
+        run(**args, **kwargs)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)

@@ -144,3 +144,96 @@ def test_paged_proxy_score_arguments_are_checked_by_name():
         msa_proxy_score(**{**args, "k": args["k"][:, :, :64]})
     with pytest.raises(ValueError, match="hold their heads contiguously"):
         msa_proxy_score(**{**args, "k": args["k"].transpose(0, 1).contiguous().transpose(0, 1)})
+
+
+# --- msa_proxy_score_fp4: the 128x4 tiled scales, the reference, the argument checks -------
+
+
+def test_scale_offsets_follow_the_128x4_tiled_layout():
+    """A plain reading of the layout: 512-byte tiles of 128 rows x 4 groups, row r of a tile
+    at (r % 32) * 16 + (r // 32) * 4, the group's byte after it; tiles of a band in group
+    order, then the next band's. Every byte of the padded buffer is used once."""
+    offsets = reference.scale_offsets_128x4(256, 8)
+    assert offsets[0, 0] == 0 and offsets[0, 3] == 3
+    assert offsets[1, 0] == 16 and offsets[31, 0] == 31 * 16
+    assert offsets[32, 0] == 4 and offsets[127, 2] == 31 * 16 + 3 * 4 + 2
+    assert offsets[0, 4] == 512 and offsets[5, 6] == 512 + 5 * 16 + 2
+    assert offsets[128, 0] == 1024 and offsets[255, 7] == 2047
+    assert torch.equal(offsets.flatten().sort().values, torch.arange(2048))
+
+
+def test_nvfp4_128x4_round_trip_matches_the_plain_quantizer():
+    x = torch.randn(5, 3, 128, generator=torch.Generator().manual_seed(1)) * 10
+    codes, scales = reference.nvfp4_quantize_128x4(x, 0.01)
+    assert codes.shape == (5, 3, 64) and codes.dtype == torch.uint8
+    assert scales.shape == (128 * 8,)  # 15 rows: one 128-row band of 8 groups
+    plain_codes, plain_scales = reference.nvfp4_quantize(x, 0.01)
+    want = reference.nvfp4_dequantize(plain_codes, plain_scales, 0.01)
+    assert torch.equal(reference.nvfp4_dequantize_128x4(codes, scales, 0.01), want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp4_reference_is_the_proxy_score_of_the_dequantized_inputs(paged):
+    from sparseforge.check import proxy_score_fp4_inputs, proxy_score_inputs
+
+    args = proxy_score_fp4_inputs(paged, [3, 70], [300, 100])
+    q = reference.nvfp4_dequantize_128x4(args["q_fp4"], args["q_scale"], args["q_global_scale"])
+    k = reference.nvfp4_dequantize_128x4(args["k_fp4"], args["k_scale"], args["k_global_scale"])
+    keys = {"k": k, "cu_seqlens_q": args["cu_seqlens_q"]}
+    for name in ("cu_seqlens_k", "page_table", "seqused_k"):
+        if name in args:
+            keys[name] = args[name]
+    want = reference.msa_proxy_score(q=q, **keys)
+    got = reference.msa_proxy_score_fp4(**args)
+    assert torch.equal(got, want)
+    # ... and close to the unquantized inputs' scores (the quantization's error only).
+    exact = reference.msa_proxy_score(
+        **proxy_score_inputs(torch.float32, paged, [3, 70], [300, 100])
+    )
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert float((got[finite] - exact[finite]).abs().max() / exact[finite].abs().max()) < 0.2
+
+
+def fp4_args(paged=False, **changes):
+    from sparseforge.check import proxy_score_fp4_inputs
+
+    args = proxy_score_fp4_inputs(paged, [3, 70], [300, 100])
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(q_fp4=torch.zeros(73, 4, 64, dtype=torch.int8)), "q_fp4 must be a uint8"),
+        (dict(k_scale=torch.zeros(8, dtype=torch.float32)), "k_scale must be a uint8"),
+        (dict(q_fp4=torch.zeros(73, 4, 128, dtype=torch.uint8)), "q_fp4 must be (total_q, Hq, 64)"),
+        (dict(k_fp4=torch.zeros(400, 2, 128, dtype=torch.uint8)), "flat k_fp4 must be"),
+        (dict(q_global_scale=float("inf")), "q_global_scale must be a finite number"),
+        (dict(k_global_scale=None), "k_global_scale must be a finite number"),
+        (dict(q_scale=torch.zeros(1024, dtype=torch.uint8)), "q_scale must be a contiguous uint8"),
+        (
+            dict(k_scale=torch.zeros(2, 8192, dtype=torch.uint8)[:, ::2]),
+            "k_scale must be a contiguous uint8",
+        ),
+        (dict(), "msa_proxy_score_fp4 needs a CUDA device"),
+    ],
+)
+def test_fp4_arguments_are_checked_by_name(changes, words):
+    from sparseforge.msa_ops import msa_proxy_score_fp4
+
+    with pytest.raises(ValueError) as info:
+        msa_proxy_score_fp4(**fp4_args(**changes))
+    assert words in str(info.value), str(info.value)
+
+
+def test_paged_fp4_arguments_are_checked_by_name():
+    from sparseforge.msa_ops import msa_proxy_score_fp4
+
+    args = fp4_args(paged=True)
+    with pytest.raises(ValueError, match=r"paged k_fp4 must be \(pages, Hkv, 128, 64\)"):
+        msa_proxy_score_fp4(**{**args, "k_fp4": args["k_fp4"][:, :, :64, :]})
+    small = args["k_scale"][: args["k_scale"].numel() - 1024]
+    with pytest.raises(ValueError, match="k_scale must be a contiguous uint8 tensor of the 128x4"):
+        msa_proxy_score_fp4(**{**args, "k_scale": small})

@@ -6,6 +6,12 @@ query's, q_offset[b] + i. A block with no visible key gets -inf, and so does eve
 from the sequence's last visible one up to the output's width (max_k_tiles). Keys come flat
 ((total_k, Hkv, D) with cu_seqlens_k) or paged ((pages, Hkv, 128, D) with a page table and
 seqused_k): one variant per key layout.
+
+msa_proxy_score_nvfp4 (msa_ops.msa_proxy_score_fp4) scores NVFP4 q and k: e2m1 codes, two a
+byte (the even element in the low nibble), with one e4m3 scale per 16 values in the cuBLAS
+128x4 tiled layout (SCALE_TILE_* below), indexed by a logical row: token * Hq + head for q,
+token * Hkv + head for flat k, (page * Hkv + head) * 128 + row for paged k. The scores are
+those of the dequantized values times logit_scale (the product of the global scales).
 """
 
 from generator.abi import ScalarArg, TensorArg
@@ -16,6 +22,11 @@ QUERY_ROWS = 64  # query rows of one CTA
 HEAD_DIM = 128
 DTYPES = ("bf16", "fp16", "e4m3")  # e4m3: q and k both
 KEY_LAYOUTS = ("flat", "paged")
+NVFP4_GROUP = 16  # values per e4m3 scale
+# The cuBLAS 128x4 tiled scale layout: 512-byte tiles of 128 rows x 4 scales, scale
+# (r, g) of a tile at (r % 32) * 16 + (r // 32) * 4 + g; the tiles of a 128-row band
+# follow each other (HEAD_DIM / 16 / 4 = 2 of them), then the next band.
+SCALE_TILE_ROWS, SCALE_TILE_GROUPS = 128, 4
 
 
 def abi(head_dim=HEAD_DIM):
@@ -53,13 +64,33 @@ def abi(head_dim=HEAD_DIM):
     )
 
 
+def abi_nvfp4(head_dim=HEAD_DIM):
+    """mQ         (total_q, Hq, D / 2) u8: e2m1 codes, two a byte
+    mK         flat: (total_k, Hkv, D / 2); paged: (pages * Hkv, 128, D / 2), the cache viewed so
+    mQScale, mKScale   u8 vectors: the e4m3 scales in the 128x4 tiled layout
+    ... then abi()'s index tensors, output and scalars, and
+    logit_scale  f32: what the dequantized q.k is multiplied by (q_global * k_global)"""
+    codes = dict(shape=(None, None, head_dim // 2), stride=(None, None, 1), divisibility=16)
+    vector = dict(shape=(None,), stride=(1,))
+    _, _, *rest = abi(head_dim)
+    return (
+        TensorArg("mQ", "u8", **codes),
+        TensorArg("mK", "u8", **codes),
+        TensorArg("mQScale", "u8", **vector),
+        TensorArg("mKScale", "u8", **vector),
+        *rest,
+        ScalarArg("logit_scale", "f32"),
+    )
+
+
+CONSTANTS = {"block_keys": BLOCK_KEYS, "head_dim": HEAD_DIM}
 FAMILIES = (
     Family(
         name="msa_proxy_score",
         doc="MSA proxy score: max of q.k per 128-key block, bf16 / fp16 / e4m3 (msa_proxy_score)",
         abi=abi,
         dtypes=DTYPES,
-        constants={"block_keys": BLOCK_KEYS, "head_dim": HEAD_DIM},
+        constants=CONSTANTS,
         templates=(
             # mma.sync on every arch (e4m3: m16n8k32); the sm_90a wgmma template is to come.
             Template(
@@ -71,6 +102,23 @@ FAMILIES = (
                     for t in DTYPES
                     for layout in KEY_LAYOUTS
                 ),
+                portable=True,
+            ),
+        ),
+    ),
+    Family(
+        name="msa_proxy_score_nvfp4",
+        doc="MSA proxy score of NVFP4 q and k (msa_proxy_score_fp4)",
+        abi=abi_nvfp4,
+        constants=CONSTANTS,
+        templates=(
+            # mma.sync on every arch, the codes decoded to fp16 (exactly) in shared memory;
+            # SM120's block-scaled FP4 MMA is to come.
+            Template(
+                "warp_mma",
+                "generator.kernels.portable.msa_proxy_score",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(head_dim=HEAD_DIM, key_layout=layout) for layout in KEY_LAYOUTS),
                 portable=True,
             ),
         ),

@@ -467,32 +467,47 @@ def selection_times(iters: int = 50) -> list[str]:
             f"{name}: {us:.1f} us, {moved / us / 1e3:.0f} GB/s "
             f"({moved / us / 1e6 / HBM_TBPS:.0%} of HBM) on {moved / 1e6:.1f} MB read + written"
         )
-    return lines + [proxy_score_time(iters)]
+    return lines + proxy_score_times(iters)
 
 
-def proxy_score_time(iters: int) -> str:
+def proxy_score_times(iters: int) -> list[str]:
     """MS1: msa_proxy_score of one causal sequence of 32768 tokens, 4 index heads, 1 kv head,
-    bf16, flat K; TFLOPS on the causal FLOPs (2 * heads * 128 per visible (query, key))."""
-    from sparseforge import msa_ops
+    flat K, in bf16 and e4m3, and msa_proxy_score_fp4 of the same q and k in NVFP4; TFLOPS on
+    the causal FLOPs (2 * heads * 128 per visible (query, key)) against the matmul ceiling of
+    the tensor cores' input type (NVFP4 is decoded to fp16: the bf16 ceiling)."""
+    from sparseforge import msa_ops, reference
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     seq, heads = 32768, 4
-    q = torch.randn(seq, heads, 128, device=device, generator=gen).to(torch.bfloat16)
-    k = torch.randn(seq, 1, 128, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(seq, heads, 128, device=device, generator=gen)
+    k = torch.randn(seq, 1, 128, device=device, generator=gen)
     cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
     out = torch.empty(heads, seq // 128, seq, device=device)
-
-    def proxy():
-        msa_ops.msa_proxy_score(q, k, cu, cu, max_seqlen_q=seq, max_k_tiles=seq // 128, output=out)
-
-    us = cuda_time_ms(proxy, warmup=3, iters=iters) * 1e3
-    tflops = 2 * heads * 128 * seq * (seq + 1) / 2 / us / 1e6
-    return (
-        f"MS1 msa_proxy_score (bf16, flat K, causal, S {seq}, 4 heads): {us:.1f} us, "
-        f"{tflops:.0f} TFLOPS on the causal FLOPs ({tflops / MATMUL_CEILING_TFLOPS:.0%} of "
-        f"{MATMUL_CEILING_TFLOPS})"
-    )
+    sizes = dict(max_seqlen_q=seq, max_k_tiles=seq // 128, output=out)
+    fp4 = {}
+    for name, x in (("q", q), ("k", k)):
+        global_scale = float(x.abs().max()) / (6 * 448)
+        fp4[f"{name}_fp4"], fp4[f"{name}_scale"] = reference.nvfp4_quantize_128x4(x, global_scale)
+        fp4[f"{name}_global_scale"] = global_scale
+    runs = [
+        (f"{t}, flat K", ceiling, msa_ops.msa_proxy_score, dict(q=q.to(dtype), k=k.to(dtype)))
+        for t, dtype, ceiling in (
+            ("bf16", torch.bfloat16, MATMUL_CEILING_TFLOPS),
+            ("e4m3", torch.float8_e4m3fn, FP8_MATMUL_CEILING_TFLOPS),
+        )
+    ]
+    runs.append(("nvfp4, flat K", MATMUL_CEILING_TFLOPS, msa_ops.msa_proxy_score_fp4, fp4))
+    lines = []
+    for what, ceiling, fn, inputs in runs:
+        call = functools.partial(fn, **inputs, cu_seqlens_q=cu, cu_seqlens_k=cu, **sizes)
+        us = cuda_time_ms(call, warmup=3, iters=iters) * 1e3
+        tflops = 2 * heads * 128 * seq * (seq + 1) / 2 / us / 1e6
+        lines.append(
+            f"MS1 msa_proxy_score ({what}, causal, S {seq}, 4 heads): {us:.1f} us, "
+            f"{tflops:.0f} TFLOPS on the causal FLOPs ({tflops / ceiling:.0%} of {ceiling})"
+        )
+    return lines
 
 
 def msa_kv(fmt: str, pages: int, hkv: int, gen):

@@ -8,7 +8,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
 - tile_compact: run by every attention plan;
-- msa_proxy_score: ragged sequences (keys past the last full block, a sequence without
+- msa_proxy_score (and msa_proxy_score_fp4, against the reference on the dequantized
+  values): ragged sequences (keys past the last full block, a sequence without
   keys, more than 64 queries), GQA, causal with default and explicit query offsets and not,
   flat and paged keys, reduce_heads, a wider output than needed; scores within 1e-5 of the
   fp64 reference, -inf exactly where it has them;
@@ -51,7 +52,7 @@ from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
-PROXY_FAMILY = "msa_proxy_score"
+PROXY_FAMILIES = ("msa_proxy_score", "msa_proxy_score_nvfp4")
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
 SDSA_FAMILIES = tuple(f for f in sdsa_family.FAMILIES if f != SDSA_QUANTIZE_FAMILY)
@@ -263,7 +264,9 @@ def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, de
     """msa_proxy_score arguments (q, k, cu_seqlens_q, and cu_seqlens_k or page_table and
     seqused_k) for sequences of seq_q queries and seq_k keys; paged keys sit in 128-key pages
     of one cache in random order (a spare page, and page-table entries past a sequence's
-    pages, point at garbage)."""
+    pages, point at garbage). dtype "nvfp4": msa_proxy_score_fp4's arguments instead."""
+    if dtype == "nvfp4":
+        return proxy_score_fp4_inputs(paged, seq_q, seq_k, hq, hkv, seed, device)
     gen = torch.Generator().manual_seed(seed)
     d = 128
     q = torch.randn(sum(seq_q), hq, d, generator=gen).to(dtype)
@@ -281,6 +284,20 @@ def proxy_score_inputs(dtype, paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, de
         cache, table = paged_cache(keys, gen, garbage=100.0)
         args.update(k=cache, page_table=table, seqused_k=torch.tensor(seq_k, dtype=torch.int32))
     return {name: t.to(device) for name, t in args.items()}
+
+
+def proxy_score_fp4_inputs(paged: bool, seq_q, seq_k, hq=4, hkv=2, seed=0, device="cpu"):
+    """msa_proxy_score_fp4 arguments: proxy_score_inputs' fp32 q and k (the garbage pages
+    too) quantized to NVFP4 with 128x4 tiled scales, global scales that put each tensor's
+    largest magnitude at 6 x 448."""
+    args = proxy_score_inputs(torch.float32, paged, seq_q, seq_k, hq, hkv, seed)
+    q, k = args.pop("q"), args.pop("k")
+    for name, x in (("q", q), ("k", k)):
+        global_scale = float(x.abs().max().clamp_min(1e-12)) / (6 * 448)
+        codes, scales = reference.nvfp4_quantize_128x4(x, global_scale)
+        args.update({f"{name}_fp4": codes, f"{name}_scale": scales})
+        args[f"{name}_global_scale"] = global_scale
+    return {name: t.to(device) if torch.is_tensor(t) else t for name, t in args.items()}
 
 
 def msa_selections(seq_q, seq_k, hkv, topk, gen):
@@ -375,23 +392,22 @@ def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
 
 
 def check_proxy_score(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
-    from sparseforge.msa_ops import msa_proxy_score
+    from sparseforge import msa_ops
 
     paged = v["params"]["key_layout"] == "paged"
     seq_q, seq_k = ([3, 70, 1], [300, 100, 0]) if small else ([1, 200, 77, 5], [5000, 700, 77, 0])
-    args = proxy_score_inputs(
-        BY_NAME[v["params"]["dtype"]], paged, seq_q, seq_k, seed=seed, device="cuda"
-    )
+    if v["family"] == "msa_proxy_score_nvfp4":
+        dtype, run, ref = "nvfp4", msa_ops.msa_proxy_score_fp4, reference.msa_proxy_score_fp4
+    else:
+        dtype = BY_NAME[v["params"]["dtype"]]
+        run, ref = msa_ops.msa_proxy_score, reference.msa_proxy_score
+    args = proxy_score_inputs(dtype, paged, seq_q, seq_k, seed=seed, device="cuda")
     ok = True
     for causal, reduce_heads in ((True, False), (False, True)):
         tiles = -(-max(seq_k) // 128) + 1  # one block more than any sequence has
         out = torch.full((1 if reduce_heads else 4, tiles, sum(seq_q)), float("nan"), device="cuda")
-        msa_proxy_score(
-            **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles, output=out
-        )
-        want = reference.msa_proxy_score(
-            **args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles
-        )
+        run(**args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles, output=out)
+        want = ref(**args, causal=causal, reduce_heads=reduce_heads, max_k_tiles=tiles)
         ok &= torch.equal(torch.isinf(out), torch.isinf(want))
         finite = torch.isfinite(want)
         ok &= bool((out[finite] - want[finite]).abs().max() <= 1e-5 * want[finite].abs().max())
@@ -774,7 +790,7 @@ def main(argv=None) -> int:
             *ATTENTION_FAMILIES,
             QUANTIZER_FAMILY,
             TOPK_FAMILY,
-            PROXY_FAMILY,
+            *PROXY_FAMILIES,
             NVFP4_WRITE_FAMILY,
             SDSA_QUANTIZE_FAMILY,
             *SDSA_FAMILIES,
@@ -794,7 +810,7 @@ def main(argv=None) -> int:
             runs = [check_quantizer(v, args.small)]
         elif v["family"] == TOPK_FAMILY:
             runs = [check_topk_select(args.small)]
-        elif v["family"] == PROXY_FAMILY:
+        elif v["family"] in PROXY_FAMILIES:
             runs = [check_proxy_score(v, args.small)]
         elif v["family"] == NVFP4_WRITE_FAMILY:
             runs = [check_nvfp4_write(v, args.small)]

@@ -2,6 +2,7 @@
 
     msa_proxy_score   per (query head, 128-key block, token), the max of the unscaled q.k
                       over the keys the token may see
+    msa_proxy_score_fp4   the same of NVFP4 q and k (scales in the cuBLAS 128x4 layout)
     msa_topk_select   per (token, query head), the 16 key blocks it attends to, from the
                       proxy scores
     quantize_write_kv_nvfp4   new tokens' K and V into packed NVFP4 pages at their slots
@@ -66,8 +67,6 @@ def msa_proxy_score(
     bounds. use_fp32_acc=False is accepted; the products are always summed in fp32."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         raise TypeError(f"q and k must be torch.Tensors, got {describe(q)} and {describe(k)}")
-    head_dim = proxy_family.constant("head_dim")
-    block = proxy_family.constant("block_keys")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise NotImplementedError(
             f"q has dtype {q.dtype}: bf16, fp16 and float8_e4m3fn (with k of the same dtype) "
@@ -75,29 +74,107 @@ def msa_proxy_score(
         )
     if k.dtype != q.dtype:
         raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
-    _check_rows("q", q, "total_q, Hq", head_dim)
+    return _proxy_score(
+        "msa_proxy_score", NAME_OF[q.dtype], q, k, (), 1.0, cu_seqlens_q, cu_seqlens_k,
+        page_table, seqused_k, causal, max_seqlen_q, max_k_tiles, output, reduce_heads, q_offset,
+    )  # fmt: skip
+
+
+def msa_proxy_score_fp4(
+    q_fp4,
+    k_fp4,
+    q_scale,
+    k_scale,
+    q_global_scale: float,
+    k_global_scale: float,
+    cu_seqlens_q,
+    cu_seqlens_k=None,
+    *,
+    page_table=None,
+    seqused_k=None,
+    causal: bool = True,
+    max_seqlen_q=None,
+    max_k_tiles=None,
+    output=None,
+    reduce_heads: bool = False,
+    q_offset=None,
+):
+    """msa_proxy_score of NVFP4 q and k: the same output and rules, with the scores those of
+    the dequantized values times q_global_scale * k_global_scale (folded in before the block
+    max), i.e. torch's dequantization of the same packed inputs (reference.msa_proxy_score_fp4).
+
+    q_fp4 (total_q, Hq, 64) uint8 and k_fp4 flat (total_k, Hkv, 64) or paged
+    (pages, Hkv, 128, 64) uint8: E2M1 codes, two a byte, the even element in the low nibble.
+    q_scale and k_scale: contiguous uint8 tensors (any shape; read flat) of e4m3 scale bytes,
+    one per 16 values, in the cuBLAS 128x4 tiled layout (reference.nvfp4_quantize_128x4),
+    by logical row token * Hq + head for q, token * Hkv + head for flat k and
+    (page * Hkv + head) * 128 + row for paged k; each must hold the tiled layout of all its
+    rows (rows rounded up to 128, times 8 bytes). q_global_scale and k_global_scale: the
+    dequantization multipliers (1 / the quantizer's global scale), finite.
+
+    Every GPU runs it with the codes decoded to fp16 in shared memory (exact: a code times
+    an e4m3 scale fits fp16) and fp32 sums on mma.sync; no arch needs FP4 tensor cores."""
+    for name, x in (("q_fp4", q_fp4), ("k_fp4", k_fp4), ("q_scale", q_scale), ("k_scale", k_scale)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
+            raise ValueError(f"{name} must be a uint8 torch.Tensor, got {describe(x)}")
+    for name, value in (("q_global_scale", q_global_scale), ("k_global_scale", k_global_scale)):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    scales = (("q_scale", q_scale), ("k_scale", k_scale))
+    logit_scale = float(q_global_scale) * float(k_global_scale)
+    return _proxy_score(
+        "msa_proxy_score_fp4", "nvfp4", q_fp4, k_fp4, scales, logit_scale, cu_seqlens_q,
+        cu_seqlens_k, page_table, seqused_k, causal, max_seqlen_q, max_k_tiles, output,
+        reduce_heads, q_offset,
+    )  # fmt: skip
+
+
+def _proxy_score(
+    api, dtype, q, k, scales, logit_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k,
+    causal, max_seqlen_q, max_k_tiles, output, reduce_heads, q_offset,
+):  # fmt: skip
+    """The checks and launch both proxy scores share; `dtype` names the kernel's inputs
+    (bf16, fp16, e4m3 or nvfp4: rows of 64 code bytes, with `scales` the (name, tensor) of
+    q's and k's scales)."""
+    head_dim = proxy_family.constant("head_dim")
+    block = proxy_family.constant("block_keys")
+    width = head_dim // 2 if dtype == "nvfp4" else head_dim  # elements of a stored row
+    q_name, k_name = ("q_fp4", "k_fp4") if dtype == "nvfp4" else ("q", "k")
+    _check_rows(q_name, q, "total_q, Hq", width)
     total_q, heads = q.shape[:2]
     device = q.device
-    paged = _key_layout(cu_seqlens_k, page_table, seqused_k, "k")
+    paged = _key_layout(cu_seqlens_k, page_table, seqused_k, k_name)
     if paged:
-        if k.dim() != 4 or k.shape[2:] != (block, head_dim) or k.stride(3) != 1:
+        if k.dim() != 4 or k.shape[2:] != (block, width) or k.stride(3) != 1:
             raise ValueError(
-                f"paged k must be (pages, Hkv, {block}, {head_dim}) with unit stride on the "
+                f"paged {k_name} must be (pages, Hkv, {block}, {width}) with unit stride on the "
                 f"last dim, got {describe(k)}"
             )
         if k.stride(0) != k.shape[1] * k.stride(1):
             raise ValueError(
-                f"paged k's pages must hold their heads contiguously (stride(0) = Hkv * "
+                f"paged {k_name}'s pages must hold their heads contiguously (stride(0) = Hkv * "
                 f"stride(1)), got {describe(k)}"
             )
         kv_heads = k.shape[1]
         kernel_k = k.flatten(0, 1)
     else:
-        _check_rows("flat k", k, "total_k, Hkv", head_dim)
+        _check_rows(f"flat {k_name}", k, "total_k, Hkv", width)
         kv_heads = k.shape[1]
         kernel_k = k
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"Hq = {heads} must be a multiple of Hkv = {kv_heads}")
+    scale_rows = (total_q * heads, kernel_k.shape[0] * kernel_k.shape[1])[: len(scales)]
+    for (name, x), rows in zip(scales, scale_rows, strict=True):
+        needed = -(-rows // block) * block * (head_dim // 16)  # the 128x4 tiles of all rows
+        if not x.is_contiguous() or x.numel() < needed or x.numel() >= 2**31:
+            raise ValueError(
+                f"{name} must be a contiguous uint8 tensor of the 128x4 tiled scales of "
+                f"{rows} rows ({needed} bytes, below 2^31), got {describe(x)}"
+            )
     _check_sequences(cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, q_offset, device)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
@@ -109,7 +186,7 @@ def msa_proxy_score(
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     shape = (1 if reduce_heads else heads, max_k_tiles, total_q)
     output = _output(output, shape, torch.float32, device)
-    index_inputs = [("cu_seqlens_q", cu_seqlens_q), ("q", q), ("k", k)]
+    index_inputs = [("cu_seqlens_q", cu_seqlens_q), (q_name, q), (k_name, k), *scales]
     for name, t in (
         ("cu_seqlens_k", cu_seqlens_k),
         ("page_table", page_table),
@@ -120,25 +197,28 @@ def msa_proxy_score(
             index_inputs.append((name, t))
     check_writable("output", output, index_inputs)
     if device.type != "cuda":
-        raise ValueError(f"q is on {device}; msa_proxy_score needs a CUDA device")
-    if k.device != device:
-        raise ValueError(f"k is on {k.device}, q on {device}")
+        raise ValueError(f"{q_name} is on {device}; {api} needs a CUDA device")
+    for name, x in ((k_name, k), *scales):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, {q_name} on {device}")
     if output.numel() == 0 or max_seqlen_q == 0:
         return output
     unused = _constant_count(device, 0)
     launch = proxy_family.launch(
         device.index,
-        NAME_OF[q.dtype],
+        dtype,
         "paged" if paged else "flat",
         max_seqlen_q,
         kv_heads,
         bool(causal),
         q_offset is not None,
         bool(reduce_heads),
+        logit_scale,
     )
     tensors = (
         q,
         kernel_k,
+        *(x.view(-1) for _, x in scales),
         cu_seqlens_q,
         unused if paged else cu_seqlens_k,
         seqused_k if paged else unused,

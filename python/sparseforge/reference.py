@@ -606,6 +606,53 @@ def nvfp4_dequantize(codes, scales, global_scale: float) -> torch.Tensor:
     return (values * scales.float()[..., None] * global_scale).flatten(-2)
 
 
+def scale_offsets_128x4(rows: int, groups: int, device=None) -> torch.Tensor:
+    """int64 (rows, groups): the byte of scale (row, group) in the cuBLAS 128x4 tiled layout:
+    512-byte tiles of 128 rows x 4 groups, (r, g) of a tile at (r % 32) * 16 + (r // 32) * 4
+    + g; a 128-row band's tiles in group order, then the next band's."""
+    r = torch.arange(rows, device=device)[:, None]
+    g = torch.arange(groups, device=device)[None, :]
+    tiles_per_band = -(-groups // 4)
+    band, within = r // 128, r % 128
+    return (band * tiles_per_band + g // 4) * 512 + within % 32 * 16 + within // 32 * 4 + g % 4
+
+
+def nvfp4_quantize_128x4(x: torch.Tensor, global_scale: float):
+    """nvfp4_quantize of x (..., D) with its codes packed ((..., D / 2) uint8, two a byte) and
+    its scales as the flat uint8 bytes of the cuBLAS 128x4 tiled layout (rows: x's leading
+    dims flattened in order, rounded up to 128; groups D / 16 rounded up to 4; padding 0)."""
+    codes, scales = nvfp4_quantize(x, global_scale)
+    rows, groups = scales[..., 0].numel(), scales.shape[-1]
+    flat = torch.zeros(
+        -(-rows // 128) * 128 * -(-groups // 4) * 4, dtype=torch.uint8, device=x.device
+    )
+    flat[scale_offsets_128x4(rows, groups, x.device)] = scales.view(torch.uint8).reshape(
+        rows, groups
+    )
+    return pack_e2m1(codes), flat
+
+
+def nvfp4_dequantize_128x4(packed, flat_scales, global_scale: float) -> torch.Tensor:
+    """float32 values of packed codes (..., D / 2) with their 128x4 tiled scales (flat
+    bytes, read at the offsets of the leading dims' rows)."""
+    codes = unpack_e2m1(packed)
+    rows, groups = codes[..., 0].numel(), codes.shape[-1] // NVFP4_GROUP
+    offsets = scale_offsets_128x4(rows, groups, packed.device)
+    scales = flat_scales.reshape(-1)[offsets].view(torch.float8_e4m3fn)
+    return nvfp4_dequantize(codes, scales.reshape(*codes.shape[:-1], groups), global_scale)
+
+
+def msa_proxy_score_fp4(
+    q_fp4, k_fp4, q_scale, k_scale, q_global_scale, k_global_scale, cu_seqlens_q,
+    cu_seqlens_k=None, **options,
+):  # fmt: skip
+    """flashinfer.msa_ops.msa_proxy_score_fp4: msa_proxy_score (the same options) of q and k
+    dequantized from NVFP4 with 128x4 tiled scales, each times its global scale."""
+    q = nvfp4_dequantize_128x4(q_fp4, q_scale, q_global_scale)
+    k = nvfp4_dequantize_128x4(k_fp4, k_scale, k_global_scale)
+    return msa_proxy_score(q, k, cu_seqlens_q, cu_seqlens_k, **options)
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """(..., D) codes -> (..., D / 2) bytes, the even element in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -4,7 +4,8 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16_pair).
+and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16_pair,
+decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
 import cutlass
@@ -101,3 +102,37 @@ def e2m1_word_as_fp16_pair(word, j: cutlass.Constexpr):
     a dot product whose operands are both permuted alike, channel order is free."""
     shifted = word >> (4 * j)
     return ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)
+
+
+@cute.jit
+def decode_chunks(raw, scales, dst, dtype: cutlass.Constexpr):
+    """For every (m, k): the 8 values of dst[None, m, k] (one 16-byte shared-memory chunk of a
+    row-copy fragment, in dtype) = the E2M1 codes of the 4 bytes raw[None, m, k] (the even
+    element in each low nibble) times the e4m3 scale whose byte is scales[0, m, k].
+    scales is (2, M, K): its row 1 is scratch (e4m3 converts in pairs). Exact in bf16 and
+    fp16 (a code has 2 significant bits, a scale 4)."""
+    for i in cutlass.range_constexpr(cute.size(scales, mode=[1])):
+        for j in cutlass.range_constexpr(cute.size(scales, mode=[2])):
+            scales[1, i, j] = scales[0, i, j]
+    steps = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
+    steps.store(cute.recast_tensor(scales, cutlass.Float8E4M3FN).load().to(cutlass.Float32))
+    halves = cute.make_rmem_tensor((4,), cutlass.Int32)
+    for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
+        for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
+            for b in cutlass.range_constexpr(4):
+                halves[b] = e2m1_pair_as_fp16(cutlass.Int32(raw[b, m, k]))
+            values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
+            # x 2^14: the fp16 bits of e2m1_pair_as_fp16 are the values / 2^14.
+            chunk = cute.make_tensor(dst[None, m, k].iterator, cute.make_layout(8))
+            chunk.store((values * (steps[0, m, k] * E2M1_FP16_FACTOR)).to(dtype))
+
+
+@cute.jit
+def scale_offset_128x4(row, group, groups_per_row: cutlass.Constexpr):
+    """Byte offset of the scale of (logical row, 16-value group) in the cuBLAS 128x4 tiled
+    layout: 512-byte tiles of 128 rows x 4 groups, (r, g) of a tile at (r % 32) * 16 +
+    (r // 32) * 4 + g; a 128-row band's tiles follow each other (groups_per_row / 4 of
+    them, rounded up), then the next band's."""
+    tiles_per_band = (groups_per_row + 3) // 4
+    band, r = row // 128, row % 128
+    return (band * tiles_per_band + group // 4) * 512 + (r % 32) * 16 + (r // 32) * 4 + group % 4

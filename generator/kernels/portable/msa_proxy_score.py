@@ -12,14 +12,20 @@ block, loading the next tile while the tensor cores multiply the current one:
                       block max (per row, over u's block so far); written after its 2nd tile
 Blocks past the last visible one, up to the output's width, are written -inf. Keys of a
 tile past the sequence end are zero-filled in shared memory (and masked).
+
+NVFP4 q and k (msa_proxy_score_nvfp4) take the same path with fp16 tiles: a tile's codes and
+scales are loaded into registers (the next key tile's before the current one's MMAs) and
+decoded into shared memory after them, exactly (a code times its e4m3 scale fits fp16), and
+the fp32 scores are multiplied by logit_scale before the block max.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM, QUERY_ROWS
+from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM, NVFP4_GROUP, QUERY_ROWS
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.nvfp4 import decode_chunks, scale_offset_128x4
 from generator.kernels.common.softmax import acc_mn_view, quad_max
 from generator.kernels.portable.block_sparse_fwd import (
     NUM_THREADS,
@@ -38,12 +44,17 @@ class ProxyScore:
     """The kernel; `paged` (the key layout) is set by the classes below."""
 
     paged: bool
+    nvfp4 = False  # q and k as NVFP4 codes, decoded into shared memory through registers
+
+    def tile_copy_op(self):
+        """How tiles reach shared memory: cp.async from global memory."""
+        return cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
 
     @cute.jit
     def launch(self, args, stream):
         # The attention template's shared tiles: Q, and its K and V tiles as two K buffers.
         sQ_layout, sK_layout, SharedStorage = self.shared_tiles()
-        gmem_load = self.load_copy(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        gmem_load = self.load_copy(self.tile_copy_op())
         tiled_mma = self.tiled_mma()
         # With reduce_heads one CTA walks every head of its rows, keeping the max.
         heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, args.mQ.shape[1]))
@@ -138,24 +149,44 @@ class ProxyScore:
         # The previous head's last reads of sQ / sK are done and its copies landed.
         cute.arch.cp_async_wait_group(0)
         self.barrier.arrive_and_wait()
-        self.load_rows(gmem_load, tQgQ, thr_load.partition_D(sQ), tQcQ, rows_left)
+        codes = scales = staged = None
+        if cutlass.const_expr(self.nvfp4):
+            # A tile's codes and scales in registers between their loads and decoding.
+            codes = cute.make_rmem_tensor((4,) + tKsK[0].shape[1:], cutlass.Uint8)
+            scales = cute.make_rmem_tensor((2,) + tKsK[0].shape[1:], cutlass.Uint8)
+            staged = cute.make_fragment_like(tKsK[0])
+            q_codes = cute.domain_offset(
+                (q_start + chunk * QUERY_ROWS, 0), args.mQ[None, head, None]
+            )
+            first_row = (q_start + chunk * QUERY_ROWS) * args.mQ.shape[1] + head
+            self.fetch_codes(
+                q_codes, rows_left, args.mQScale, first_row, args.mQ.shape[1], tQcQ, codes, scales
+            )
+            self.decode(gmem_load, codes, scales, staged, thr_load.partition_D(sQ))
+        else:
+            self.load_rows(gmem_load, tQgQ, thr_load.partition_D(sQ), tQcQ, rows_left)
         if tiles > 0:
             self.load_key_tile(
-                args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, 0, seqlen_k
-            )
+                args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, 0, seqlen_k, codes,
+                scales,
+            )  # fmt: skip
+            if cutlass.const_expr(self.nvfp4):
+                self.decode(gmem_load, codes, scales, staged, tKsK[0])
         cute.arch.cp_async_commit_group()
         for u in cutlass.range(tiles, unroll=1):
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if u + 1 < tiles:
-                if (u + 1) % 2 == 0:
+                if u % 2 == 1:
                     self.load_key_tile(
-                        args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, u + 1, seqlen_k
-                    )
+                        args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, u + 1,
+                        seqlen_k, codes, scales,
+                    )  # fmt: skip
                 else:
                     self.load_key_tile(
-                        args, gmem_load, thr_load, tKsK[1], tKcK, batch, kv_head, u + 1, seqlen_k
-                    )
+                        args, gmem_load, thr_load, tKsK[1], tKcK, batch, kv_head, u + 1,
+                        seqlen_k, codes, scales,
+                    )  # fmt: skip
                 cute.arch.cp_async_commit_group()
             acc_S = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((QUERY_ROWS, TILE_N)), cutlass.Float32
@@ -165,6 +196,14 @@ class ProxyScore:
                 self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
             else:
                 self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
+            if cutlass.const_expr(self.nvfp4):
+                # The other buffer's last reader was tile u - 1, before this tile's barrier.
+                if u + 1 < tiles:
+                    if u % 2 == 0:
+                        self.decode(gmem_load, codes, scales, staged, tKsK[1])
+                    else:
+                        self.decode(gmem_load, codes, scales, staged, tKsK[0])
+                acc_S.store(acc_S.load() * args.logit_scale)
             acc_S_mn = acc_mn_view(acc_S)
             for r in cutlass.range_constexpr(rows):
                 row_pos = first_pos + tScS_mn[r, 0][0]
@@ -183,17 +222,57 @@ class ProxyScore:
                 block_max.fill(NEG_INF)
 
     @cute.jit
-    def load_key_tile(self, args, gmem_load, thr_load, tKsK, tKcK, batch, kv_head, u, seqlen_k):
-        """cp.async the u-th 64-key tile of the sequence (keys past its end zeroed)."""
-        d = HEAD_DIM
+    def load_key_tile(
+        self, args, gmem_load, thr_load, tKsK, tKcK, batch, kv_head, u, seqlen_k, codes, scales
+    ):
+        """Start loading the u-th 64-key tile of the sequence: cp.async into tKsK (keys past its
+        end zeroed), or for NVFP4 its codes and scales into registers."""
         if cutlass.const_expr(self.paged):
             page = args.mPageTable[batch, u // TILES_PER_BLOCK]
-            block = args.mK[page * args.kv_heads + kv_head, None, None]
-            tile = cute.local_tile(block, (TILE_N, d), (u % TILES_PER_BLOCK, 0))
+            view = args.mK[page * args.kv_heads + kv_head, None, None]
+            first = (u % TILES_PER_BLOCK) * TILE_N
+            scale_row = (page * args.kv_heads + kv_head) * BLOCK_KEYS + first
+            scale_row_step = 1
         else:
-            keys = cute.domain_offset((args.mCuK[batch], 0), args.mK[None, kv_head, None])
-            tile = cute.local_tile(keys, (TILE_N, d), (u, 0))
-        self.load_rows(gmem_load, thr_load.partition_S(tile), tKsK, tKcK, seqlen_k - u * TILE_N)
+            view = args.mK[None, kv_head, None]
+            first = args.mCuK[batch] + u * TILE_N
+            scale_row = first * args.kv_heads + kv_head
+            scale_row_step = args.kv_heads
+        rows = cute.domain_offset((first, 0), view)
+        keys_left = seqlen_k - u * TILE_N
+        if cutlass.const_expr(self.nvfp4):
+            self.fetch_codes(
+                rows, keys_left, args.mKScale, scale_row, scale_row_step, tKcK, codes, scales
+            )
+        else:
+            tile = cute.local_tile(rows, (TILE_N, HEAD_DIM), (0, 0))
+            self.load_rows(gmem_load, thr_load.partition_S(tile), tKsK, tKcK, keys_left)
+
+    @cute.jit
+    def fetch_codes(self, rows, valid_rows, mScale, first_row, row_step, coords, codes, scales):
+        """Load this thread's chunks of a 64-row NVFP4 tile into registers: row r is rows[r]
+        (64 bytes of codes), its scales at logical row first_row + r * row_step of mScale;
+        rows from valid_rows on are zero. coords: the chunks' (row, channel) in the fp16 tile
+        (8 channels: 4 bytes of codes, in one 16-value scale group)."""
+        for m in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(coords, mode=[2])):
+                row, channel = coords[0, m, k][0], coords[0, m, k][1]
+                if row < valid_rows:
+                    chunk = cute.local_tile(rows[row, None], (4,), (channel // 8,))
+                    codes[None, m, k].store(chunk.load())
+                    offset = scale_offset_128x4(
+                        first_row + row * row_step, channel // NVFP4_GROUP, HEAD_DIM // NVFP4_GROUP
+                    )
+                    scales[0, m, k] = mScale[offset]
+                else:
+                    codes[None, m, k].fill(0)
+                    scales[0, m, k] = cutlass.Uint8(0)
+
+    @cute.jit
+    def decode(self, rows_copy, codes, scales, staged, dst):
+        """The loaded codes times their scales, in fp16, into the shared tile partition dst."""
+        decode_chunks(codes, scales, staged, self.dtype)
+        cute.copy(rows_copy, staged, dst)
 
     @cute.jit
     def store_block_max(
@@ -225,9 +304,22 @@ class MsaProxyScoreE4m3(ProxyScore, SageFp8FwdWarpMma):
         self.paged = paged
 
 
+class MsaProxyScoreNvfp4(ProxyScore, BlockSparseFwdWarpMma):
+    nvfp4 = True
+
+    def __init__(self, paged: bool):
+        BlockSparseFwdWarpMma.__init__(self, cutlass.Float16, HEAD_DIM)
+        self.paged = paged
+
+    def tile_copy_op(self):
+        return cute.nvgpu.CopyUniversalOp()  # registers to shared memory
+
+
 def make_kernel(variant):
     p = variant.params
     paged = p["key_layout"] == "paged"
+    if variant.family.name == "msa_proxy_score_nvfp4":
+        return MsaProxyScoreNvfp4(paged)
     if p["dtype"] == "e4m3":
         return MsaProxyScoreE4m3(paged)
     return MsaProxyScore16Bit(element_type(p["dtype"]), paged)

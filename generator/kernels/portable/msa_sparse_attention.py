@@ -39,7 +39,7 @@ from generator.families.msa_sparse_attention import (
 )
 from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_pair_as_fp16
+from generator.kernels.common.nvfp4 import decode_chunks
 from generator.kernels.common.softmax import (
     LN_2,
     acc_mn_view,
@@ -356,21 +356,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         elif cutlass.const_expr(self.kv_format == "e4m3"):
             rKV.store(raw.load().to(cutlass.Float32).to(self.dtype))
         else:
-            for i in cutlass.range_constexpr(cute.size(scales, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(scales, mode=[2])):
-                    scales[1, i, j] = scales[0, i, j]
-            scale_f32 = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
-            as_e4m3 = cute.recast_tensor(scales, cutlass.Float8E4M3FN)
-            scale_f32.store(as_e4m3.load().to(cutlass.Float32))
-            halves = cute.make_rmem_tensor((4,), cutlass.Int32)
-            for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
-                for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
-                    for b in cutlass.range_constexpr(4):
-                        halves[b] = e2m1_pair_as_fp16(cutlass.Int32(raw[b, m, k]))
-                    values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
-                    # x 2^14: the fp16 bits of e2m1_pair_as_fp16 are the values / 2^14.
-                    step = scale_f32[0, m, k] * E2M1_FP16_FACTOR
-                    chunk8(rKV, m, k).store((values * step).to(self.dtype))
+            decode_chunks(raw, scales, rKV, self.dtype)
 
     @cute.jit
     def temperature_update(self, t_max, t_sum, t_scale_log2, acc_S_mn):
