@@ -27,7 +27,7 @@ memory no row may read.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.families.msa_sparse_attention import (
     BLOCK_KEYS,
@@ -73,13 +73,18 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
             kv_format
         ]
+        # K/V in q's dtype go to shared memory by cp.async, a tile ahead into a second
+        # buffer (no registers in between); the others through registers to be decoded.
+        self.stages = 2 if kv_format == "16bit" else 1
 
     def shared_storage(self, sQ_layout, sKV_layout):
+        kv_size = self.stages * cute.cosize(sKV_layout)
+
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_size], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_size], 1024]
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
@@ -213,64 +218,138 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             if row_token[r] >= tokens:
                 key_end[r] = 0
 
-        raw_shape = (RAW_ELEMENTS[self.kv_format],) + tKsK.shape[1:]
-        rawK = cute.make_rmem_tensor(raw_shape, self.raw_type)
-        rawV = cute.make_rmem_tensor(raw_shape, self.raw_type)
-        scaleK = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
-        scaleV = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
-        rKV = cute.make_fragment_like(tKsK)
-        tiles = num_union * HALVES
-        if tiles > 0:
-            self.fetch(args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, 0, seqlen_k, key_start)
-
         row_max, row_sum = new_softmax_state(rows)
         t_max, t_sum = new_softmax_state(rows)  # the temperature lse's
         with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
-        t_scale_log2 = args.scale_log2 * args.temperature
-        for u in cutlass.range(tiles, unroll=1):
-            self.dequantize(rawK, scaleK, rKV, tXcX, False)
-            cute.copy(rows_copy, rKV, tKsK)
-            self.barrier.arrive_and_wait()
-            self.fetch(args, rawV, scaleV, tXcX, True, seq, kv_head, sIds, u, seqlen_k, key_start)
-            acc_S = cute.make_rmem_tensor(
-                thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
+        state = (row_max, row_sum, t_max, t_sum, with_temperature)
+        tiles = num_union * HALVES
+        masks = (sIds, sMask, row_token, key_end, tScS_mn)
+        fetch_args = (seq, kv_head, sIds, seqlen_k, key_start)
+        if cutlass.const_expr(self.stages == 2):
+            # Two buffers: tile u + 1's cp.async copies run under tile u's MMAs and softmax.
+            sK2 = cute.make_tensor(sK.iterator + cute.cosize(sKV_layout), sKV_layout)
+            sV2 = cute.make_tensor(sV.iterator + cute.cosize(sKV_layout), sKV_layout)
+            sVt2 = cute.composition(sV2, cute.make_layout((HEAD_DIM, TILE_N), stride=(TILE_N, 1)))
+            ldsm_k = cute.make_copy_atom(ldsm, self.dtype)
+            ldsm_v = cute.make_copy_atom(ldsm_t, self.dtype)
+            k_operands = (k_operand, self.operand_b(tiled_mma, tidx, ldsm_k, sK2))
+            v_operands = (v_operand, self.operand_b(tiled_mma, tidx, ldsm_v, sVt2))
+            kv_dst = ((tKsK, tVsV), (thr_rows.partition_D(sK2), thr_rows.partition_D(sV2)))
+            async_copy = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
             )
-            acc_S.fill(0.0)
-            self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
-            self.dequantize(rawV, scaleV, rKV, tXcX, True)
-            cute.copy(rows_copy, rKV, tVsV)
-            self.barrier.arrive_and_wait()
-            if u + 1 < tiles:
-                self.fetch(
-                    args, rawK, scaleK, tXcX, False, seq, kv_head, sIds, u + 1, seqlen_k, key_start
+            if tiles > 0:
+                self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, 0)
+            cute.arch.cp_async_commit_group()
+            for u in cutlass.range(tiles, unroll=1):
+                cute.arch.cp_async_wait_group(0)
+                # Tile u landed for every thread, and every warp is done with tile u - 1's
+                # buffer, which tile u + 1 now fills.
+                self.barrier.arrive_and_wait()
+                if u + 1 < tiles:
+                    if u % 2 == 0:
+                        self.copy_tile_async(args, async_copy, kv_dst[1], tXcX, fetch_args, u + 1)
+                    else:
+                        self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, u + 1)
+                cute.arch.cp_async_commit_group()
+                acc_S = cute.make_rmem_tensor(
+                    thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                 )
-
-            # Each row keeps the keys of its token's blocks, before its key_end.
-            j = u // HALVES
-            first_key = sIds[j] * BLOCK_KEYS + (u % HALVES) * TILE_N
-            acc_S_mn = acc_mn_view(acc_S)
-            for r in cutlass.range_constexpr(rows):
-                token = row_token[r]
-                selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
-                limit = key_end[r] - first_key
-                if selected == 0:
-                    limit = 0
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    if tScS_mn[r, c][1] >= limit:
-                        acc_S_mn[r, c] = NEG_INF
-            if with_temperature:
-                self.temperature_update(t_max, t_sum, t_scale_log2, acc_S_mn)
-            softmax_update(
-                row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
-            )
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
+                acc_S.fill(0.0)
+                if u % 2 == 0:
+                    self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
+                    self.attend_scores(
+                        args, tiled_mma, acc_S, acc_O, v_operands[0], u, masks, state
+                    )
+                else:
+                    self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
+                    self.attend_scores(
+                        args, tiled_mma, acc_S, acc_O, v_operands[1], u, masks, state
+                    )
+        else:
+            raw_shape = (RAW_ELEMENTS[self.kv_format],) + tKsK.shape[1:]
+            rawK = cute.make_rmem_tensor(raw_shape, self.raw_type)
+            rawV = cute.make_rmem_tensor(raw_shape, self.raw_type)
+            scaleK = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
+            scaleV = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
+            rKV = cute.make_fragment_like(tKsK)
+            if tiles > 0:
+                self.fetch(args, rawK, scaleK, tXcX, False, fetch_args, 0)
+            for u in cutlass.range(tiles, unroll=1):
+                self.dequantize(rawK, scaleK, rKV, tXcX, False)
+                cute.copy(rows_copy, rKV, tKsK)
+                self.barrier.arrive_and_wait()
+                self.fetch(args, rawV, scaleV, tXcX, True, fetch_args, u)
+                acc_S = cute.make_rmem_tensor(
+                    thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
+                )
+                acc_S.fill(0.0)
+                self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
+                self.dequantize(rawV, scaleV, rKV, tXcX, True)
+                cute.copy(rows_copy, rKV, tVsV)
+                self.barrier.arrive_and_wait()
+                if u + 1 < tiles:
+                    self.fetch(args, rawK, scaleK, tXcX, False, fetch_args, u + 1)
+                self.attend_scores(args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state)
 
         self.store_rows(
             args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum, with_temperature,
             sQ, sQ_layout, tXcX, tidx, kv_head, first_token, tokens,
         )  # fmt: skip
+
+    @cute.jit
+    def attend_scores(self, args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state):
+        """Tile u's scores: each row keeps the keys of its token's blocks before its key_end;
+        online softmax (and the temperature lse's sums); O += P V."""
+        sIds, sMask, row_token, key_end, tScS_mn = masks
+        row_max, row_sum, t_max, t_sum, with_temperature = state
+        j = u // HALVES
+        first_key = sIds[j] * BLOCK_KEYS + (u % HALVES) * TILE_N
+        acc_S_mn = acc_mn_view(acc_S)
+        for r in cutlass.range_constexpr(cute.size(row_token)):
+            token = row_token[r]
+            selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
+            limit = key_end[r] - first_key
+            if selected == 0:
+                limit = 0
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                if tScS_mn[r, c][1] >= limit:
+                    acc_S_mn[r, c] = NEG_INF
+        if with_temperature:
+            self.temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
+        softmax_update(
+            row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
+        )
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
+
+    @cute.jit
+    def copy_tile_async(self, args, async_copy, kv_dst, tXcX, fetch_args, u):
+        """cp.async this thread's chunks of tile u's K and V (in q's dtype) into the shared
+        tiles kv_dst = (K partition, V partition); keys past the sequence: zero."""
+        seq, kv_head, sIds, seqlen_k, key_start = fetch_args
+        block = sIds[u // HALVES]
+        first_key = block * BLOCK_KEYS + (u % HALVES) * TILE_N
+        page = cutlass.Int32(0)
+        page_row = (u % HALVES) * TILE_N  # row of the tile's first key in its page
+        if args.paged != 0:
+            page = args.mPageTable[seq, block]
+        else:
+            page_row = key_start + first_key
+        for x in cutlass.range_constexpr(2):
+            mX = args.mK if x == 0 else args.mV
+            for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                    row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
+                    dst = kv_dst[x][None, m, k]
+                    if first_key + row < seqlen_k:
+                        src = mX[page, kv_head, page_row + row, None]
+                        cute.copy(async_copy, cute.local_tile(src, (8,), (col // 8,)), dst)
+                    else:
+                        dst.fill(0)
 
     @cute.jit
     def block_union(
@@ -305,9 +384,10 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         return num_union
 
     @cute.jit
-    def fetch(self, args, raw, scales, tXcX, is_v, seq, kv_head, sIds, u, seqlen_k, key_start):
+    def fetch(self, args, raw, scales, tXcX, is_v, fetch_args, u):
         """Issue the loads of tile u's K (or V) chunks of this thread into registers, as
         stored (keys past the sequence: zero)."""
+        seq, kv_head, sIds, seqlen_k, key_start = fetch_args
         mX = args.mK
         mScale = args.mKScale
         if cutlass.const_expr(is_v):
