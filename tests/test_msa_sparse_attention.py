@@ -152,6 +152,8 @@ NVFP4 = dict(
         (NVFP4 | {"k_global_scale": None}, ValueError, "k_global_scale and v_global_scale"),
         (NVFP4 | {"k_scale": torch.zeros(3, 4, 128, 4, dtype=torch.uint8)}, ValueError,
          "k_scale must be the NVFP4 scales"),
+        (NVFP4 | {"v_scale": torch.zeros(3, 4, 128, 16, dtype=torch.uint8)[..., :8]}, ValueError,
+         "v_scale must be the NVFP4 scales"),
         ({"k": torch.zeros(3, 4, 128, 128, dtype=torch.float8_e4m3fn),
           "v": torch.zeros(3, 4, 128, 128, dtype=torch.float8_e4m3fn),
           "k_global_scale": 1.0}, ValueError, "k_global_scale applies to NVFP4"),

@@ -44,8 +44,8 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
     """mQ          (total_q, Hq, D)
     mK, mV      (pages, Hkv, rows, X): paged (rows = 128) or flat (one page of total_k rows);
                 X = D, or D / 2 bytes for NVFP4
-    mKScale, mVScale   (pages, Hkv, rows, D / 16) u8: the NVFP4 scales' e4m3 bytes (any
-                one-row tensor otherwise)
+    mKScale, mVScale   (pages, Hkv, rows, D / 16) u8: the NVFP4 scales' e4m3 bytes, rows
+                contiguous, page and head strides multiples of 16 (any such tensor otherwise)
     mIdx        (Hkv, total_q, topk) i32: each token's blocks, -1 for none
     mCuQ        (B + 1,) i32: query offsets of the sequences
     mCuK        (B + 1,) i32: key offsets (flat; any one-element tensor when paged)
@@ -62,7 +62,9 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
     rows = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
     vector = dict(shape=(None,), stride=(1,))
     kv = dict(shape=(None, None, None, x), stride=(None, None, None, 1), divisibility=16)
-    scales = dict(shape=(None, None, None, head_dim // NVFP4_GROUP), stride=(None, None, None, 1))
+    # Scales: rows of 8 bytes, each (page, head)'s rows contiguous (16-byte cp.async).
+    groups = head_dim // NVFP4_GROUP
+    scales = dict(shape=(None, None, None, groups), stride=(None, None, groups, 1), divisibility=16)
     stats = dict(shape=(None, None), stride=(None, 1), output=True)
     return (
         TensorArg("mQ", "input", **rows),

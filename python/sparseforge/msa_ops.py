@@ -554,7 +554,9 @@ def msa_sparse_attention(
         (pages, Hkv, 128, 8) (uint8 or float8_e4m3fn; V's in the 4x4 swizzle of the
         packed page) and the required k_global_scale / v_global_scale: value = code x
         scale x global scale. The regions of packed pages are strided views
-        (reference.nvfp4_page_views); separate tensors work the same.
+        (reference.nvfp4_page_views); separate tensors work the same. Scales: each
+        (page, head)'s 128 rows of 8 bytes contiguous, page and head strides multiples of
+        16 bytes (what packed pages and contiguous tensors give).
     Layout: flat (total_k, Hkv, X) with cu_seqlens_k, or paged (pages, Hkv, 128, X) with
     page_table (B, W) and seqused_k (B,); unit stride on the last dim (strided views such
     as the halves of an interleaved (pages, Hkv, 128, 256) FP8 cache are fine).
@@ -631,7 +633,7 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
 @functools.lru_cache(maxsize=16)
 def _no_scales(device: torch.device) -> torch.Tensor:
     """The NVFP4 scale arguments of the other K/V formats' kernels (never read)."""
-    return torch.zeros((1, 1, 1, 8), dtype=torch.uint8, device=device)
+    return torch.zeros((1, 1, 2, 8), dtype=torch.uint8, device=device)
 
 
 def _positive(name: str, value, default: float) -> float:
@@ -902,12 +904,16 @@ def _nvfp4_scales(name: str, scales, data, block: int, device) -> torch.Tensor:
         or scales.dtype not in (torch.uint8, torch.float8_e4m3fn)
         or scales.dim() != 4
         or scales.shape != (data.shape[0], data.shape[1], block, groups)
-        or scales.stride(3) != 1
+        or scales.stride()[2:] != (groups, 1)
+        or scales.stride(0) % 16
+        or scales.stride(1) % 16
+        or scales.data_ptr() % 16
         or scales.device != device
     ):
         raise ValueError(
             f"{name} must be the NVFP4 scales, uint8 or float8_e4m3fn "
-            f"(pages, Hkv, {block}, {groups}) with unit stride on the last dim on {device}, "
+            f"(pages, Hkv, {block}, {groups}) on {device}, each (page, head)'s rows contiguous "
+            f"(strides (*, *, {groups}, 1), the first two multiples of 16, 16-byte aligned), "
             f"got {describe(scales)}"
         )
     return scales.view(torch.uint8)

@@ -74,17 +74,26 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             kv_format
         ]
         # K/V in q's dtype go to shared memory by cp.async, a tile ahead into a second
-        # buffer (no registers in between); the others through registers to be decoded.
+        # buffer; FP8 and NVFP4 K/V go by cp.async, a tile ahead, into two buffers of raw
+        # tiles (codes and scales as stored), each decoded from there into the one K and V
+        # tile the MMAs read.
         self.stages = 2 if kv_format == "16bit" else 1
+        self.row_bytes = {"16bit": 0, "e4m3": HEAD_DIM, "nvfp4": HEAD_DIM // 2}[kv_format]
+        self.scale_bytes = HEAD_DIM // NVFP4_GROUP if kv_format == "nvfp4" else 0
 
     def shared_storage(self, sQ_layout, sKV_layout):
         kv_size = self.stages * cute.cosize(sKV_layout)
+        # Raw tiles: two stages of (K, V) x 64 rows; at least one byte each (unused for 16-bit).
+        raw_size = max(1, 2 * 2 * TILE_N * self.row_bytes)
+        scale_size = max(1, 2 * 2 * TILE_N * self.scale_bytes)
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_size], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_size], 1024]
+            sRaw: cute.struct.Align[cute.struct.MemRange[self.raw_type, raw_size], 128]
+            sRawScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, scale_size], 128]
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
@@ -269,29 +278,71 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                         args, tiled_mma, acc_S, acc_O, v_operands[1], u, masks, state
                     )
         else:
+            # raw[stage][x]: tile rows of K (x = 0) or V (x = 1) as stored, and their scales.
+            raw_tiles = tuple(
+                tuple(
+                    cute.make_tensor(
+                        storage.sRaw.data_ptr() + (2 * stage + x) * TILE_N * self.row_bytes,
+                        cute.make_layout((TILE_N, self.row_bytes), stride=(self.row_bytes, 1)),
+                    )
+                    for x in range(2)
+                )
+                for stage in range(2)
+            )
+            raw_scales = tuple(
+                tuple(
+                    cute.make_tensor(
+                        storage.sRawScale.data_ptr()
+                        + (2 * stage + x) * TILE_N * max(1, self.scale_bytes),
+                        cute.make_layout(
+                            (TILE_N, max(1, self.scale_bytes)), stride=(max(1, self.scale_bytes), 1)
+                        ),
+                    )
+                    for x in range(2)
+                )
+                for stage in range(2)
+            )
             raw_shape = (RAW_ELEMENTS[self.kv_format],) + tKsK.shape[1:]
-            rawK = cute.make_rmem_tensor(raw_shape, self.raw_type)
-            rawV = cute.make_rmem_tensor(raw_shape, self.raw_type)
-            scaleK = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
-            scaleV = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
+            raw = cute.make_rmem_tensor(raw_shape, self.raw_type)
+            scales = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
             rKV = cute.make_fragment_like(tKsK)
             if tiles > 0:
-                self.fetch(args, rawK, scaleK, tXcX, False, fetch_args, 0)
+                self.copy_raw_async(args, raw_tiles[0], raw_scales[0], tidx, fetch_args, 0)
+            cute.arch.cp_async_commit_group()
             for u in cutlass.range(tiles, unroll=1):
-                self.dequantize(rawK, scaleK, rKV, tXcX, False)
-                cute.copy(rows_copy, rKV, tKsK)
+                cute.arch.cp_async_wait_group(0)
+                # Raw tile u landed for every thread; every warp is done with tile u - 1 (its
+                # raw stage, which tile u + 1 now fills, and the K and V tiles).
                 self.barrier.arrive_and_wait()
-                self.fetch(args, rawV, scaleV, tXcX, True, fetch_args, u)
+                if u + 1 < tiles:
+                    if u % 2 == 0:
+                        self.copy_raw_async(
+                            args, raw_tiles[1], raw_scales[1], tidx, fetch_args, u + 1
+                        )
+                    else:
+                        self.copy_raw_async(
+                            args, raw_tiles[0], raw_scales[0], tidx, fetch_args, u + 1
+                        )
+                cute.arch.cp_async_commit_group()
+                first_key = sIds[u // HALVES] * BLOCK_KEYS + (u % HALVES) * TILE_N
+                valid_rows = seqlen_k - first_key
+                for x in cutlass.range_constexpr(2):
+                    if u % 2 == 0:
+                        self.read_raw(
+                            raw, scales, tXcX, x == 1, raw_tiles[0][x], raw_scales[0][x], valid_rows
+                        )
+                    else:
+                        self.read_raw(
+                            raw, scales, tXcX, x == 1, raw_tiles[1][x], raw_scales[1][x], valid_rows
+                        )
+                    self.dequantize(raw, scales, rKV)
+                    cute.copy(rows_copy, rKV, tKsK if x == 0 else tVsV)
+                self.barrier.arrive_and_wait()
                 acc_S = cute.make_rmem_tensor(
                     thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                 )
                 acc_S.fill(0.0)
                 self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
-                self.dequantize(rawV, scaleV, rKV, tXcX, True)
-                cute.copy(rows_copy, rKV, tVsV)
-                self.barrier.arrive_and_wait()
-                if u + 1 < tiles:
-                    self.fetch(args, rawK, scaleK, tXcX, False, fetch_args, u + 1)
                 self.attend_scores(args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state)
 
         self.store_rows(
@@ -384,15 +435,10 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         return num_union
 
     @cute.jit
-    def fetch(self, args, raw, scales, tXcX, is_v, fetch_args, u):
-        """Issue the loads of tile u's K (or V) chunks of this thread into registers, as
-        stored (keys past the sequence: zero)."""
+    def copy_raw_async(self, args, tiles, scale_tiles, tidx, fetch_args, u):
+        """cp.async tile u's K and V rows as stored (and their NVFP4 scale rows) into the raw
+        tiles (K, V) and scale tiles; rows past the sequence: zero."""
         seq, kv_head, sIds, seqlen_k, key_start = fetch_args
-        mX = args.mK
-        mScale = args.mKScale
-        if cutlass.const_expr(is_v):
-            mX = args.mV
-            mScale = args.mVScale
         block = sIds[u // HALVES]
         first_key = block * BLOCK_KEYS + (u % HALVES) * TILE_N
         page = cutlass.Int32(0)
@@ -401,39 +447,78 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             page = args.mPageTable[seq, block]
         else:
             page_row = key_start + first_key
+        chunks_per_row = self.row_bytes // 16
+        data_copy = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.raw_type,
+            num_bits_per_copy=128,
+        )
+        for x in cutlass.range_constexpr(2):
+            mX = args.mK if x == 0 else args.mV
+            for i in cutlass.range_constexpr(TILE_N * chunks_per_row // NUM_THREADS):
+                c = tidx + i * NUM_THREADS
+                row, chunk = c // chunks_per_row, c % chunks_per_row
+                dst = cute.local_tile(tiles[x][row, None], (16,), (chunk,))
+                if first_key + row < seqlen_k:
+                    src = mX[page, kv_head, page_row + row, None]
+                    cute.copy(data_copy, cute.local_tile(src, (16,), (chunk,)), dst)
+                else:
+                    dst.fill(0)
+        if cutlass.const_expr(self.kv_format == "nvfp4"):
+            # A tile's scale rows are 512 contiguous bytes (rows of 8): 32 chunks of 16 bytes,
+            # K's on threads 0-31, V's on 32-63. Paged only: the page holds every row, and
+            # read_raw zeroes the scales of rows past the sequence.
+            scale_copy = cute.make_copy_atom(
+                cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128
+            )
+            chunks = TILE_N * self.scale_bytes // 16
+            for x in cutlass.range_constexpr(2):
+                if tidx // chunks == x:
+                    mScale = args.mKScale if x == 0 else args.mVScale
+                    rows = cute.local_tile(
+                        mScale[page, kv_head, None, None],
+                        (TILE_N, self.scale_bytes),
+                        (u % HALVES, 0),
+                    )
+                    src_rows = cute.make_tensor(
+                        rows.iterator, cute.make_layout(TILE_N * self.scale_bytes)
+                    )
+                    dst_rows = cute.make_tensor(
+                        scale_tiles[x].iterator, cute.make_layout(TILE_N * self.scale_bytes)
+                    )
+                    chunk = tidx % chunks
+                    cute.copy(
+                        scale_copy,
+                        cute.local_tile(src_rows, (16,), (chunk,)),
+                        cute.local_tile(dst_rows, (16,), (chunk,)),
+                    )
+
+    @cute.jit
+    def read_raw(self, raw, scales, tXcX, is_v, tile, scale_tile, valid_rows):
+        """This thread's chunks of a raw tile (and their scales) from shared memory into
+        registers; scales of rows from valid_rows on are zero (their codes are). V scales are
+        read through the 4x4 swizzle of their rows: (row, group) stored at
+        ((row // 4) * 4 + group // 2, (group % 2) * 4 + row % 4) of the tile."""
         for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
                 row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
-                if first_key + row < seqlen_k:
-                    src = mX[page, kv_head, page_row + row, None]
-                    chunk = cute.local_tile(src, (raw.shape[0],), (col // 8,))
-                    raw[None, m, k].store(chunk.load())
-                    if cutlass.const_expr(self.kv_format == "nvfp4"):
-                        scales[0, m, k] = self.group_scale(
-                            mScale, page, kv_head, page_row + row, col // NVFP4_GROUP, is_v
-                        )
-                else:
-                    raw[None, m, k].fill(0)
-                    if cutlass.const_expr(self.kv_format == "nvfp4"):
-                        scales[0, m, k] = cutlass.Uint8(0)
+                chunk = cute.local_tile(tile[row, None], (raw.shape[0],), (col // 8,))
+                raw[None, m, k].store(chunk.load())
+                if cutlass.const_expr(self.kv_format == "nvfp4"):
+                    group = col // NVFP4_GROUP
+                    scales[0, m, k] = cutlass.Uint8(0)
+                    if row < valid_rows:
+                        if cutlass.const_expr(is_v):
+                            scales[0, m, k] = scale_tile[
+                                row - row % 4 + group // 2, group % 2 * 4 + row % 4
+                            ]
+                        else:
+                            scales[0, m, k] = scale_tile[row, group]
 
     @cute.jit
-    def group_scale(self, mScale, page, kv_head, row, group, is_v):
-        """The e4m3 scale of (key row, 16-value group): K scales linear, V scales in the 4x4
-        swizzle, (row, group) stored at ((row // 4) * 4 + group // 2, (group % 2) * 4 +
-        row % 4) of the page."""
-        if cutlass.const_expr(is_v):
-            stored_row = row - row % 4 + group // 2
-            return mScale[page, kv_head, stored_row, group % 2 * 4 + row % 4]
-        return mScale[page, kv_head, row, group]
-
-    @cute.jit
-    def dequantize(self, raw, scales, rKV, tXcX, is_v):
-        """The fetched chunks in q's dtype, into rKV (a 16-byte chunk of the shared tile
-        each)."""
-        if cutlass.const_expr(self.kv_format == "16bit"):
-            rKV.store(raw.load())
-        elif cutlass.const_expr(self.kv_format == "e4m3"):
+    def dequantize(self, raw, scales, rKV):
+        """The read chunks in q's dtype, into rKV (a 16-byte chunk of the shared tile each)."""
+        if cutlass.const_expr(self.kv_format == "e4m3"):
             rKV.store(raw.load().to(cutlass.Float32).to(self.dtype))
         else:
             decode_chunks(raw, scales, rKV, self.dtype)
