@@ -458,7 +458,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             for i in cutlass.range_constexpr(TILE_N * chunks_per_row // NUM_THREADS):
                 c = tidx + i * NUM_THREADS
                 row, chunk = c // chunks_per_row, c % chunks_per_row
-                dst = cute.local_tile(tiles[x][row, None], (16,), (chunk,))
+                dst = cute.local_tile(tiles[x][row, None], (16,), (chunk ^ self.swizzle(row),))
                 if first_key + row < seqlen_k:
                     src = mX[page, kv_head, page_row + row, None]
                     cute.copy(data_copy, cute.local_tile(src, (16,), (chunk,)), dst)
@@ -493,16 +493,28 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                         cute.local_tile(dst_rows, (16,), (chunk,)),
                     )
 
+    def swizzle(self, row):
+        """The XOR on the 16-byte chunk index of a raw tile's row: the four rows a warp reads
+        at once (8 lanes a row, 4 or 8 bytes each) land in different banks (FP8 rows of 128
+        bytes: odd rows in the other half of the banks; NVFP4 rows of 64: rows 2, 3 of
+        every 4 in the other quarter)."""
+        if cutlass.const_expr(self.kv_format == "e4m3"):
+            return (row & 1) << 2
+        return ((row >> 1) & 1) << 1
+
     @cute.jit
     def read_raw(self, raw, scales, tXcX, is_v, tile, scale_tile, valid_rows):
-        """This thread's chunks of a raw tile (and their scales) from shared memory into
-        registers; scales of rows from valid_rows on are zero (their codes are). V scales are
-        read through the 4x4 swizzle of their rows: (row, group) stored at
+        """This thread's chunks of a raw tile (stored swizzled: swizzle) and their scales, from
+        shared memory into registers; scales of rows from valid_rows on are zero (their codes
+        are). V scales are read through the 4x4 swizzle of their rows: (row, group) stored at
         ((row // 4) * 4 + group // 2, (group % 2) * 4 + row % 4) of the tile."""
         for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
                 row, col = tXcX[0, m, k][0], tXcX[0, m, k][1]
-                chunk = cute.local_tile(tile[row, None], (raw.shape[0],), (col // 8,))
+                # col // 8: the chunk's index in units of raw.shape[0] bytes, 16 // raw.shape[0]
+                # of them in a 16-byte chunk of the row.
+                place = (col // 8) ^ (self.swizzle(row) * (16 // raw.shape[0]))
+                chunk = cute.local_tile(tile[row, None], (raw.shape[0],), (place,))
                 raw[None, m, k].store(chunk.load())
                 if cutlass.const_expr(self.kv_format == "nvfp4"):
                     group = col // NVFP4_GROUP
