@@ -233,6 +233,9 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         state = (row_max, row_sum, t_max, t_sum, with_temperature)
         tiles = num_union * HALVES
         masks = (sIds, sMask, row_token, key_end, tScS_mn)
+        # A warp whose 16 rows are all past the tile's tokens (decode: G heads of one token
+        # fill 16 of the 64 rows) skips the MMAs and softmax; it still loads and decodes.
+        warp_has_rows = (tidx // 32) * (TILE_M // 4) // group < tokens
         fetch_args = (seq, kv_head, sIds, seqlen_k, key_start)
         if cutlass.const_expr(self.stages == 2):
             # Two buffers: tile u + 1's cp.async copies run under tile u's MMAs and softmax.
@@ -263,20 +266,21 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                     else:
                         self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, u + 1)
                 cute.arch.cp_async_commit_group()
-                acc_S = cute.make_rmem_tensor(
-                    thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
-                )
-                acc_S.fill(0.0)
-                if u % 2 == 0:
-                    self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
-                    self.attend_scores(
-                        args, tiled_mma, acc_S, acc_O, v_operands[0], u, masks, state
+                if warp_has_rows:
+                    acc_S = cute.make_rmem_tensor(
+                        thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                     )
-                else:
-                    self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
-                    self.attend_scores(
-                        args, tiled_mma, acc_S, acc_O, v_operands[1], u, masks, state
-                    )
+                    acc_S.fill(0.0)
+                    if u % 2 == 0:
+                        self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
+                        self.attend_scores(
+                            args, tiled_mma, acc_S, acc_O, v_operands[0], u, masks, state
+                        )
+                    else:
+                        self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
+                        self.attend_scores(
+                            args, tiled_mma, acc_S, acc_O, v_operands[1], u, masks, state
+                        )
         else:
             # raw[stage][x]: tile rows of K (x = 0) or V (x = 1) as stored, and their scales.
             raw_tiles = tuple(
@@ -338,12 +342,13 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                     self.dequantize(raw, scales, rKV)
                     cute.copy(rows_copy, rKV, tKsK if x == 0 else tVsV)
                 self.barrier.arrive_and_wait()
-                acc_S = cute.make_rmem_tensor(
-                    thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
-                )
-                acc_S.fill(0.0)
-                self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
-                self.attend_scores(args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state)
+                if warp_has_rows:
+                    acc_S = cute.make_rmem_tensor(
+                        thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
+                    )
+                    acc_S.fill(0.0)
+                    self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
+                    self.attend_scores(args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state)
 
         self.store_rows(
             args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum, with_temperature,
