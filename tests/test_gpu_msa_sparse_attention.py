@@ -6,7 +6,8 @@ dequantized values), flat and paged (pages shuffled, garbage past each sequence)
 batches with a partial last block, -1 entries, repeats and ids past the sequence, empty
 selections (0 and LSE -inf), causal with default and explicit offsets and non-causal, GQA
 1 / 4 / 16, topk 1 to 32, LSE and temperature LSE, decode with 1 and 4 tokens, graph
-replay."""
+replay; launches whose tiles' keys are split across CTAs (small batches) and unsplit ones
+(the split count forced both ways), each against the reference."""
 
 import math
 
@@ -142,6 +143,40 @@ def test_decode(kv_format, seqlen_q):
     want, want_lse, _ = run_reference(ref, True)
     assert rel_l2(got, want) < TOLERANCE[kv_format]
     check_lse(lse, want_lse)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_split_keys_merge_to_the_reference(kv_format, seqlen_q, splits, monkeypatch):
+    """The split count forced: 1 (one CTA per tile), 3 (uneven shares) and 16 (more splits
+    than some tiles have 64-key tiles: empty splits). The first request selects nothing."""
+    monkeypatch.setattr(msa_ops, "_splits", lambda *args: splits)
+    batch, hq, hkv = 3, 16, 4
+    seq_k = [3000, 129, 700]
+    kernel, ref = msa_attention_inputs(kv_format, True, [seqlen_q] * batch, seq_k, hq, hkv, 16, 9)
+    kernel.pop("cu_seqlens_q")
+    q, k, v, q2k = (kernel.pop(n) for n in ("q", "k", "v", "q2k_indices"))
+    out = poisoned_out(q)
+    got, lse, lse_t = msa_ops.msa_sparse_decode_attention(
+        q, k, v, q2k, seqlen_q=seqlen_q, return_temperature_lse=True, lse_temperature_scale=0.5,
+        out=out, **kernel,
+    )  # fmt: skip
+    want, want_lse, want_lse_t = run_reference(ref, True, temp=0.5)
+    assert got is out
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+    check_lse(lse, want_lse)
+    check_lse(lse_t, want_lse_t)
+
+
+def test_small_batches_split_and_large_ones_do_not():
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    # One decode token of 16 heads per (request, kv head): 2 CTAs per request and kv head.
+    assert msa_ops._splits(torch.device(DEV), 1, 16, 1, 4, 16) == 16
+    # 8 requests: (8 // 4 + 8) x 4 = 40 CTAs in the kernel's grid.
+    assert msa_ops._splits(torch.device(DEV), 8, 16, 8, 4, 16) == min(16, -(-2 * sms // 40))
+    assert msa_ops._splits(torch.device(DEV), 256, 16, 256, 4, 16) == 1
+    assert msa_ops._splits(torch.device(DEV), 1, 16, 1, 4, 2) == 2  # at most topk
 
 
 def test_graph_replay_is_bit_equal_to_eager():

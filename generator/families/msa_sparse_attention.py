@@ -31,6 +31,7 @@ MAX_TOPK = 32
 MAX_GROUP = 16  # query heads per kv head
 # A CTA keeps the union of its tokens' blocks as a bitmap over the sequence's blocks.
 MAX_BLOCKS = 16384  # per sequence: 2M keys
+MAX_SPLITS = 16  # CTAs a tile's keys may be split across (the runtime picks, for small grids)
 NVFP4_GROUP = 16  # values per e4m3 scale
 Q_DTYPES = ("bf16", "fp16")
 KV_FORMATS = {  # family -> (K/V element type, bytes of a 128-value row)
@@ -54,10 +55,15 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
     mQOffset    (B,)     i32: position of each sequence's first query (if has_q_offset)
     mO          (total_q, Hq, D) out, q's dtype
     mLSE, mLSET (total_q, Hq) f32 out: lse and temperature lse (written if want_lse)
+    mOSplit     (S, total_q, Hq, D) f32 out, with splits S > 1: each split's normalized O
+                (times out_scale) over its share of the tile's keys
+    mLSESplit   (S, 2, total_q, Hq) f32 out, with splits > 1: each split's lse and
+                temperature lse (msa_attention_combine merges the splits)
     scale_log2  softmax scale (times the K dequantization scale) times log2(e)
     out_scale   the V dequantization scale times v_global_scale
     temperature the temperature lse's factor on the scale
-    group, paged, causal, has_q_offset, want_lse   ints (flags 0 or 1)"""
+    group, paged, causal, has_q_offset, want_lse   ints (flags 0 or 1)
+    splits      CTAs per tile (grid z), each over a contiguous share of its 64-key tiles"""
     x = head_dim // 2 if kv_dtype == "u8" else head_dim
     rows = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
     vector = dict(shape=(None,), stride=(1,))
@@ -66,6 +72,10 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
     groups = head_dim // NVFP4_GROUP
     scales = dict(shape=(None, None, None, groups), stride=(None, None, groups, 1), divisibility=16)
     stats = dict(shape=(None, None), stride=(None, 1), output=True)
+    partial_rows = dict(
+        shape=(None, None, None, head_dim), stride=(None, None, None, 1), output=True
+    )
+    partial_stats = dict(shape=(None, None, None, None), stride=(None, None, None, 1), output=True)
     return (
         TensorArg("mQ", "input", **rows),
         TensorArg("mK", kv_dtype, **kv),
@@ -81,6 +91,8 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
         TensorArg("mO", "input", **rows, output=True),
         TensorArg("mLSE", "f32", **stats),
         TensorArg("mLSET", "f32", **stats),
+        TensorArg("mOSplit", "f32", **partial_rows),
+        TensorArg("mLSESplit", "f32", **partial_stats),
         ScalarArg("scale_log2", "f32"),
         ScalarArg("out_scale", "f32"),
         ScalarArg("temperature", "f32"),
@@ -89,6 +101,7 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
         ScalarArg("causal", "i32"),
         ScalarArg("has_q_offset", "i32"),
         ScalarArg("want_lse", "i32"),
+        ScalarArg("splits", "i32"),
     )
 
 
@@ -106,6 +119,7 @@ def _family(name: str, doc: str) -> Family:
             "max_topk": MAX_TOPK,
             "max_group": MAX_GROUP,
             "max_blocks": MAX_BLOCKS,
+            "max_splits": MAX_SPLITS,
         },
         templates=(
             # mma.sync on every arch, K/V dequantized into shared memory in q's dtype; the
@@ -121,8 +135,41 @@ def _family(name: str, doc: str) -> Family:
     )
 
 
+def combine_abi(head_dim=HEAD_DIM):
+    """mOSplit    (S, total_q, Hq, D) f32: the splits' normalized O
+    mLSESplit  (S, 2, total_q, Hq) f32: their lse and temperature lse
+    mO         (total_q, Hq, D) out, q's dtype: sum over s of exp(lse_s - lse) O_s
+    mLSE, mLSET (total_q, Hq) f32 out: logsumexp over the splits (written if want_lse)"""
+    return (
+        TensorArg(
+            "mOSplit", "f32", shape=(None, None, None, head_dim), stride=(None, None, None, 1)
+        ),
+        TensorArg("mLSESplit", "f32", shape=(None, None, None, None), stride=(None, None, None, 1)),
+        TensorArg("mO", "input", shape=(None, None, head_dim), stride=(None, None, 1), output=True),
+        TensorArg("mLSE", "f32", shape=(None, None), stride=(None, 1), output=True),
+        TensorArg("mLSET", "f32", shape=(None, None), stride=(None, 1), output=True),
+        ScalarArg("want_lse", "i32"),
+    )
+
+
 FAMILIES = (
     _family("msa_sparse_attention", "MSA sparse attention, bf16 / fp16 K/V"),
     _family("msa_sparse_attention_fp8kv", "MSA sparse attention, e4m3 K/V"),
     _family("msa_sparse_attention_nvfp4", "MSA sparse attention, NVFP4 K/V (e2m1 + e4m3 scales)"),
+    Family(
+        name="msa_attention_combine",
+        doc="MSA sparse attention: the splits of a tile merged by their lse",
+        abi=combine_abi,
+        dtypes=Q_DTYPES,
+        constants={"head_dim": HEAD_DIM},
+        templates=(
+            Template(
+                "combine",
+                "generator.kernels.portable.msa_attention_combine",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
+                portable=True,
+            ),
+        ),
+    ),
 )

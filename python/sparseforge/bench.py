@@ -600,10 +600,29 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
             )
         del kv
 
-    # MD1 / MD4: decode, 16 random blocks per (request, kv head[, token]), the last included.
+    return lines + msa_decode_times(iters, formats)
+
+
+# MSA decode workloads: name, requests, seqlen_q (BENCHMARKS.md MD1 / MD4, and MD1 at small
+# batches, where the kernel splits each tile's keys across CTAs).
+MSA_DECODE = (("MD1", 256, 1), ("MD4", 64, 4), ("MD1 batch 8", 8, 1), ("MD1 batch 1", 1, 1))
+
+
+def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=MSA_DECODE):
+    """msa_sparse_decode_attention at 64k context, Hq 64, Hkv 4, 16 random blocks per
+    (request, kv head[, token]) with the last included, cold L2 (256 MB overwritten before
+    each call, that write's time subtracted: the small batches' times carry its noise);
+    bandwidth on the distinct selected K/V bytes (with scales) against HBM."""
+    from sparseforge import msa_ops
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(1)
+    i32 = dict(dtype=torch.int32, device=device)
+    hq, hkv = 64, 4
+    lines = []
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     flush_ms = cuda_time_ms(flush.zero_, iters=iters)
-    for name, batch, seqlen_q in (("MD1", 256, 1), ("MD4", 64, 4)):
+    for name, batch, seqlen_q in shapes:
         ctx, pages = 65536, 512
         qd = torch.randn(batch * seqlen_q, hq, 128, device=device, generator=gen).to(torch.bfloat16)
         table = torch.arange(batch * pages, **i32).view(batch, pages)

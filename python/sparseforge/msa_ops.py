@@ -10,12 +10,14 @@
                       each query token attends to the 128-key blocks it selected, K/V in
                       q's dtype, FP8 or NVFP4, flat or paged
 
-Each call is one launch on the current stream with no host synchronisation when the sizes
-it would otherwise read from the GPU are given (msa_proxy_score: max_seqlen_q and
+Each call is one launch on the current stream (the attention: two when it splits a small
+batch's keys across CTAs, the second merging the splits) with no host synchronisation when
+the sizes it would otherwise read from the GPU are given (msa_proxy_score: max_seqlen_q and
 max_k_tiles), so it can be captured in a CUDA graph. Kernels:
 generator/kernels/portable/{msa_proxy_score,msa_topk_select,nvfp4_kv_write,
-msa_sparse_attention}.py (every arch); PyTorch references: sparseforge.reference.msa_proxy_score,
-.msa_topk_select, .nvfp4_write_slots and .msa_sparse_attention.
+msa_sparse_attention,msa_attention_combine}.py (every arch); PyTorch references:
+sparseforge.reference.msa_proxy_score, .msa_topk_select, .nvfp4_write_slots and
+.msa_sparse_attention.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from sparseforge import ops
 from sparseforge.checks import check_writable, describe
 from sparseforge.dtypes import NAME_OF
+from sparseforge.families import msa_attention_combine as combine_family
 from sparseforge.families import msa_proxy_score as proxy_family
 from sparseforge.families import msa_sparse_attention as attention_family
 from sparseforge.families import msa_topk_select as topk_family
@@ -564,7 +567,8 @@ def msa_sparse_attention(
     Returns out (total_q, Hq, 128) in q's dtype (into `out` if given), with
     return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
-    One launch, no host synchronisation: CUDA-graph capturable (`workspace`, an
+    One launch (two when a small batch's keys are split across CTAs: a second merges the
+    fp32 partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
     MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
     checked on the GPU: ids outside [0, blocks of the sequence) are skipped, but a page id
     outside the cache or offsets past the tensors read out of bounds."""
@@ -603,9 +607,11 @@ def msa_sparse_decode_attention(
     """Sparse decode: q (B * seqlen_q, Hq, 128), request b's token j at position
     seqlen_k - seqlen_q + j; otherwise msa_sparse_attention's contract (K/V formats and
     layouts, q2k_indices (Hkv, B * seqlen_q, topk), returns). The kernel is the prefill's
-    union tile (a request's seqlen_q tokens and G heads share one tile), so there are no
-    split-K partials: partial_dtype (None or torch.float32) and force_fused are accepted
-    and change nothing. `lse`: a buffer (B * seqlen_q, Hq) fp32 for the lse (natural log)."""
+    union tile (a request's seqlen_q tokens and G heads share one tile); when the batch
+    gives fewer tiles than the GPU has SMs, each tile's keys are split across CTAs whose
+    fp32 partials (O, lse) a second launch merges by their lse. partial_dtype (None or
+    torch.float32: the partials are fp32) and force_fused are accepted and change nothing.
+    `lse`: a buffer (B * seqlen_q, Hq) fp32 for the lse (natural log)."""
     if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or seqlen_q < 1:
         raise ValueError(f"seqlen_q must be an int >= 1, got {seqlen_q!r}")
     if partial_dtype not in (None, torch.float32):
@@ -631,6 +637,33 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
 
 
 @functools.lru_cache(maxsize=16)
+def _splits(device, total_q: int, group: int, batch: int, kv_heads: int, topk: int) -> int:
+    """CTAs per union tile: 1, or, when the launch has fewer tiles than the GPU has SMs
+    (small-batch decode), enough to give each SM about two CTAs, at most max_splits and at
+    most topk (a one-token tile has at most 2 * topk 64-key tiles to share)."""
+    tokens_per_cta = attention_family.constant("tile_rows") // group
+    ctas = (total_q // tokens_per_cta + batch) * kv_heads  # the kernel's grid, as it bounds it
+    sms = _multiprocessors(device)
+    if ctas >= sms:
+        return 1
+    return max(1, min(attention_family.constant("max_splits"), -(-2 * sms // ctas), topk))
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=16)
+def _no_partials(device: torch.device) -> tuple:
+    """The split outputs of a launch without splits (never written)."""
+    head_dim = attention_family.constant("head_dim")
+    return (
+        torch.empty((1, 1, 1, head_dim), device=device),
+        torch.empty((1, 1, 1, 1), device=device),
+    )
+
+
 def _no_scales(device: torch.device) -> torch.Tensor:
     """The NVFP4 scale arguments of the other K/V formats' kernels (never read)."""
     return torch.zeros((1, 1, 2, 8), dtype=torch.uint8, device=device)
@@ -814,6 +847,12 @@ def _attention(
 
     if total_q:
         unused = _constant_count(device, 0)
+        splits = _splits(device, total_q, heads // kv_heads, cu_seqlens_q.shape[0] - 1, kv_heads,
+                         q2k_indices.shape[2])  # fmt: skip
+        partial_o, partial_lse = _no_partials(device)
+        if splits > 1:
+            partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)
+            partial_lse = torch.empty((splits, 2, total_q, heads), device=device)
         launch = attention_family.launch(
             device.index,
             kv_format,
@@ -826,6 +865,7 @@ def _attention(
             bool(causal),
             q_offset is not None,
             want_lse,
+            splits,
         )
         tensors = (
             q,
@@ -842,9 +882,14 @@ def _attention(
             out,
             lse,
             lse_t,
+            partial_o,
+            partial_lse,
         )
         with torch.cuda.device(device):
             ops.launch(launch, tensors)
+            if splits > 1:
+                combine = combine_family.launch(device.index, NAME_OF[q.dtype], want_lse)
+                ops.launch(combine, (partial_o, partial_lse, out, lse, lse_t))
     if return_temperature_lse:
         return out, lse, lse_t
     if return_softmax_lse:

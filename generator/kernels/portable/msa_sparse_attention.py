@@ -112,7 +112,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         tokens_per_cta = TILE_ROWS // args.group
         tiles_bound = args.mQ.shape[0] // tokens_per_cta + args.mCuQ.shape[0] - 1
         self.kernel(args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage).launch(
-            grid=[tiles_bound, args.mK.shape[1], 1],
+            grid=[tiles_bound, args.mK.shape[1], args.splits],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -129,7 +129,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, kv_head, _ = cute.arch.block_idx()
+        cta, kv_head, split = cute.arch.block_idx()
         group = args.group
         tokens_per_cta = TILE_ROWS // group
         # This CTA's sequence and token tile: the tiles of the sequences in order.
@@ -145,13 +145,13 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         if seq >= 0:
             self.attend_tile(
                 args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage, tidx,
-                kv_head, seq, chunk,
+                kv_head, seq, chunk, split,
             )  # fmt: skip
 
     @cute.jit
     def attend_tile(
         self, args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage, tidx,
-        kv_head, seq, chunk,
+        kv_head, seq, chunk, split,
     ):  # fmt: skip
         group = args.group
         tokens_per_cta = TILE_ROWS // group
@@ -231,7 +231,11 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         t_max, t_sum = new_softmax_state(rows)  # the temperature lse's
         with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
         state = (row_max, row_sum, t_max, t_sum, with_temperature)
-        tiles = num_union * HALVES
+        # This split's share of the union's 64-key tiles: [first_tile, first_tile + tiles).
+        all_tiles = num_union * HALVES
+        share = cute.ceil_div(all_tiles, args.splits)
+        first_tile = cutlass.min(split * share, all_tiles)
+        tiles = cutlass.min(all_tiles - first_tile, share)
         masks = (sIds, sMask, row_token, key_end, tScS_mn)
         # A warp whose 16 rows are all past the tile's tokens (decode: G heads of one token
         # fill 16 of the 64 rows) skips the MMAs and softmax; it still loads and decodes.
@@ -253,15 +257,16 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 num_bits_per_copy=128,
             )
             if tiles > 0:
-                self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, 0)
+                self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, first_tile)
             cute.arch.cp_async_commit_group()
-            for u in cutlass.range(tiles, unroll=1):
+            for i in cutlass.range(tiles, unroll=1):
+                u = first_tile + i  # the union's tile; i picks the buffer
                 cute.arch.cp_async_wait_group(0)
                 # Tile u landed for every thread, and every warp is done with tile u - 1's
                 # buffer, which tile u + 1 now fills.
                 self.barrier.arrive_and_wait()
-                if u + 1 < tiles:
-                    if u % 2 == 0:
+                if i + 1 < tiles:
+                    if i % 2 == 0:
                         self.copy_tile_async(args, async_copy, kv_dst[1], tXcX, fetch_args, u + 1)
                     else:
                         self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, u + 1)
@@ -271,7 +276,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                         thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                     )
                     acc_S.fill(0.0)
-                    if u % 2 == 0:
+                    if i % 2 == 0:
                         self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
                         self.attend_scores(
                             args, tiled_mma, acc_S, acc_O, v_operands[0], u, masks, state
@@ -311,15 +316,16 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             scales = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
             rKV = cute.make_fragment_like(tKsK)
             if tiles > 0:
-                self.copy_raw_async(args, raw_tiles[0], raw_scales[0], tidx, fetch_args, 0)
+                self.copy_raw_async(args, raw_tiles[0], raw_scales[0], tidx, fetch_args, first_tile)
             cute.arch.cp_async_commit_group()
-            for u in cutlass.range(tiles, unroll=1):
+            for i in cutlass.range(tiles, unroll=1):
+                u = first_tile + i  # the union's tile; i picks the raw stage
                 cute.arch.cp_async_wait_group(0)
                 # Raw tile u landed for every thread; every warp is done with tile u - 1 (its
                 # raw stage, which tile u + 1 now fills, and the K and V tiles).
                 self.barrier.arrive_and_wait()
-                if u + 1 < tiles:
-                    if u % 2 == 0:
+                if i + 1 < tiles:
+                    if i % 2 == 0:
                         self.copy_raw_async(
                             args, raw_tiles[1], raw_scales[1], tidx, fetch_args, u + 1
                         )
@@ -331,7 +337,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 first_key = sIds[u // HALVES] * BLOCK_KEYS + (u % HALVES) * TILE_N
                 valid_rows = seqlen_k - first_key
                 for x in cutlass.range_constexpr(2):
-                    if u % 2 == 0:
+                    if i % 2 == 0:
                         self.read_raw(
                             raw, scales, tXcX, x == 1, raw_tiles[0][x], raw_scales[0][x], valid_rows
                         )
@@ -350,10 +356,19 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                     self.gemm_smem(tiled_mma, acc_S, q_operand, k_operand)
                     self.attend_scores(args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state)
 
-        self.store_rows(
-            args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum, with_temperature,
-            sQ, sQ_layout, tXcX, tidx, kv_head, first_token, tokens,
-        )  # fmt: skip
+        row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        self.finish_rows(args, acc_O, state, row_lse, row_lse_t)
+        if args.splits > 1:
+            self.store_split(
+                args, tiled_mma, acc_O, row_lse, row_lse_t, tidx, kv_head, first_token, tokens,
+                split,
+            )  # fmt: skip
+        else:
+            self.store_rows(
+                args, tiled_mma, rows_copy, acc_O, row_lse, row_lse_t, sQ, sQ_layout, tXcX,
+                tidx, kv_head, first_token, tokens,
+            )  # fmt: skip
 
     @cute.jit
     def attend_scores(self, args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state):
@@ -559,34 +574,69 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 t_max[r] = tile_max
 
     @cute.jit
-    def store_rows(
-        self, args, tiled_mma, rows_copy, acc_O, row_max, row_sum, t_max, t_sum,
-        with_temperature, sQ, sQ_layout, tXcX, tidx, kv_head, first_token, tokens,
+    def finish_rows(self, args, acc_O, state, row_lse, row_lse_t):
+        """O / rowsum x out_scale in acc_O; each row's lse and temperature lse (the lse when
+        no temperature is asked), natural log."""
+        row_max, row_sum, t_max, t_sum, with_temperature = state
+        softmax_finalize(
+            row_max, row_sum, args.scale_log2, acc_mn_view(acc_O), row_lse, self.p_offset
+        )
+        acc_O.store(acc_O.load() * args.out_scale)
+        for r in cutlass.range_constexpr(cute.size(row_lse)):
+            row_lse_t[r] = row_lse[r]
+            if with_temperature:
+                total = quad_sum(t_sum[r])
+                row_lse_t[r] = NEG_INF
+                if total > 0.0:
+                    log_total = cute.math.log2(total, fastmath=True)
+                    row_lse_t[r] = (
+                        t_max[r] * args.scale_log2 * args.temperature + log_total
+                    ) * LN_2
+
+    @cute.jit
+    def store_split(
+        self, args, tiled_mma, acc_O, row_lse, row_lse_t, tidx, kv_head, first_token, tokens,
+        split,
     ):  # fmt: skip
-        """O / rowsum x out_scale (saturated to q's dtype) through shared memory to each row's
-        (token, head); lse and the temperature lse when asked."""
+        """This split's rows in fp32 (O, lse, temperature lse) for msa_attention_combine:
+        straight from the accumulators (two adjacent columns a store)."""
+        group = args.group
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM))))
+        acc_O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_lse)):
+            row = tOcO_mn[r, 0][0]
+            token = row // group
+            if token < tokens:
+                head = kv_head * group + row % group
+                dst = args.mOSplit[split, first_token + token, head, None]
+                for c in cutlass.range_constexpr(0, cute.size(acc_O_mn, mode=[1]), 2):
+                    col = tOcO_mn[r, c][1]
+                    pair = cute.local_tile(dst, (2,), (col // 2,))
+                    pair[0] = acc_O_mn[r, c]
+                    pair[1] = acc_O_mn[r, c + 1]
+                if tidx % 4 == 0:
+                    args.mLSESplit[split, 0, first_token + token, head] = row_lse[r]
+                    args.mLSESplit[split, 1, first_token + token, head] = row_lse_t[r]
+
+    @cute.jit
+    def store_rows(
+        self, args, tiled_mma, rows_copy, acc_O, row_lse, row_lse_t, sQ, sQ_layout, tXcX,
+        tidx, kv_head, first_token, tokens,
+    ):  # fmt: skip
+        """O (saturated to q's dtype) through shared memory to each row's (token, head); lse
+        and the temperature lse when asked."""
         group = args.group
         self.barrier.arrive_and_wait()  # every warp is done with sQ (and wrote its Q rows)
         thr_mma = tiled_mma.get_slice(tidx)
         tOcO_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM))))
-        row_lse = cute.make_rmem_tensor(cute.size(row_max), cutlass.Float32)
-        acc_O_mn = acc_mn_view(acc_O)
-        softmax_finalize(row_max, row_sum, args.scale_log2, acc_O_mn, row_lse, self.p_offset)
-        acc_O.store(acc_O.load() * args.out_scale)
         if args.want_lse != 0:
             for r in cutlass.range_constexpr(cute.size(row_lse)):
                 row = tOcO_mn[r, 0][0]
-                lse_t = row_lse[r]
-                if with_temperature:
-                    total = quad_sum(t_sum[r])
-                    lse_t = NEG_INF
-                    if total > 0.0:
-                        log_total = cute.math.log2(total, fastmath=True)
-                        lse_t = (t_max[r] * args.scale_log2 * args.temperature + log_total) * LN_2
                 if (tidx % 4 == 0) & (row // group < tokens):
                     head = kv_head * group + row % group
                     args.mLSE[first_token + row // group, head] = row_lse[r]
-                    args.mLSET[first_token + row // group, head] = lse_t
+                    args.mLSET[first_token + row // group, head] = row_lse_t[r]
 
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(saturated(acc_O.load(), self.dtype).to(self.dtype))

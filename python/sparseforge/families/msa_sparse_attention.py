@@ -11,7 +11,15 @@ from sparseforge.errors import VariantNotBuiltError
 
 FAMILIES = ("msa_sparse_attention", "msa_sparse_attention_fp8kv", "msa_sparse_attention_nvfp4")
 FAMILY_OF_FORMAT = dict(zip(("16bit", "e4m3", "nvfp4"), FAMILIES, strict=True))
-CONSTANTS = ("block_keys", "head_dim", "tile_rows", "max_topk", "max_group", "max_blocks")
+CONSTANTS = (
+    "block_keys",
+    "head_dim",
+    "tile_rows",
+    "max_topk",
+    "max_group",
+    "max_blocks",
+    "max_splits",
+)
 CONSTRAINTS = ()
 
 
@@ -46,6 +54,7 @@ def launch(
     causal: bool,
     has_q_offset: bool,
     want_lse: bool,
+    splits: int,
 ):
     kernel = families.choose(
         FAMILY_OF_FORMAT[kv_format],
@@ -63,4 +72,5 @@ def launch(
         int(causal),
         int(has_q_offset),
         int(want_lse),
+        splits,
     )
