@@ -7,7 +7,8 @@ batches with a partial last block, -1 entries, repeats and ids past the sequence
 selections (0 and LSE -inf), causal with default and explicit offsets and non-causal, GQA
 1 / 4 / 16, topk 1 to 32, LSE and temperature LSE, decode with 1 and 4 tokens, graph
 replay; launches whose tiles' keys are split across CTAs (small batches) and unsplit ones
-(the split count forced both ways), each against the reference."""
+(the split count forced both ways), each against the reference; page ids outside the
+cache skipped."""
 
 import math
 
@@ -177,6 +178,24 @@ def test_small_batches_split_and_large_ones_do_not():
     assert msa_ops._splits(torch.device(DEV), 8, 16, 8, 4, 16) == min(16, -(-2 * sms // 40))
     assert msa_ops._splits(torch.device(DEV), 256, 16, 256, 4, 16) == 1
     assert msa_ops._splits(torch.device(DEV), 1, 16, 1, 4, 2) == 2  # at most topk
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "nvfp4"])
+def test_blocks_whose_page_id_leaves_the_cache_are_skipped(kv_format):
+    """A page id past the cache or negative: its block is skipped like a -1 (never read)."""
+    kernel, ref = msa_attention_inputs(kv_format, True, [5, 3], [900, 300], 16, 4, seed=11)
+    table = kernel["page_table"].clone()
+    table[0, 1] = kernel["k"].shape[0]
+    table[1, 0] = -3
+    got = msa_ops.msa_sparse_attention(**{**kernel, "page_table": table}, causal=True)
+    # The reference skips them too; and equals the reference without those selections.
+    want, _, _ = run_reference({**ref, "page_table": table}, True)
+    q2k = ref["q2k_indices"].clone()
+    q2k[:, :5] = torch.where(q2k[:, :5] == 1, -1, q2k[:, :5])  # sequence 0's block 1
+    q2k[:, 5:] = torch.where(q2k[:, 5:] == 0, -1, q2k[:, 5:])  # sequence 1's block 0
+    without, _, _ = run_reference({**ref, "q2k_indices": q2k}, True)
+    assert torch.allclose(want, without, atol=1e-6)
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
 
 
 def test_graph_replay_is_bit_equal_to_eager():

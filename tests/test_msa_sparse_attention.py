@@ -93,6 +93,29 @@ def test_matches_the_plain_reading(hq, hkv, causal, explicit_offsets):
     assert torch.isinf(flat[1][0]).all()
 
 
+def test_reference_skips_blocks_whose_page_id_leaves_the_cache():
+    seq_q, seq_k = [3, 1, 4], [300, 128, 5]
+    q, keys, values, cu_q, q2k = problem(seq_q, seq_k, 8, 2, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    k_cache, table = paged_cache(keys, gen)
+    v_cache, _ = paged_cache(values, gen, table)
+    used = torch.tensor(seq_k, dtype=torch.int32)
+    bad = table.clone()
+    bad[0, 1] = k_cache.shape[0]  # past the cache
+    bad[2, 0] = -2
+    got = reference.msa_sparse_attention(
+        q, k_cache, v_cache, q2k, cu_q, page_table=bad, seqused_k=used
+    )
+    dropped = q2k.clone()
+    dropped[:, :3] = torch.where(dropped[:, :3] == 1, -1, dropped[:, :3])
+    dropped[:, 4:] = torch.where(dropped[:, 4:] == 0, -1, dropped[:, 4:])
+    want = reference.msa_sparse_attention(
+        q, k_cache, v_cache, dropped, cu_q, page_table=table, seqused_k=used
+    )
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def api_args(**change):
     """Valid msa_sparse_attention arguments on the CPU (paged bf16 K/V, G 4, topk 16) with
     `change` applied: every check runs before the device check, which then refuses."""

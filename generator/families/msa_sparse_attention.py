@@ -2,8 +2,9 @@
 blocks (msa_ops.msa_sparse_attention and msa_sparse_decode_attention).
 
 Query (i, h) of sequence b sees the keys of the blocks listed in q2k[h // G, i] (-1 entries,
-repeats and ids past the sequence's blocks ignored) that lie inside the sequence and, with
-causal, at positions <= q_offset[b] + i. out = softmax(scale * q.k) V * out_scale; lse and
+repeats, ids past the sequence's blocks and, paged, blocks whose page id lies outside the
+cache ignored) that lie inside the sequence and, with causal, at positions <=
+q_offset[b] + i. out = softmax(scale * q.k) V * out_scale; lse and
 the temperature lse (scale * temperature) in natural log; a query that sees no key gets 0
 and -inf.
 

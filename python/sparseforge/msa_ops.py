@@ -570,8 +570,9 @@ def msa_sparse_attention(
     One launch (two when a small batch's keys are split across CTAs: a second merges the
     fp32 partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
     MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
-    checked on the GPU: ids outside [0, blocks of the sequence) are skipped, but a page id
-    outside the cache or offsets past the tensors read out of bounds."""
+    checked on the host (that would need a host synchronisation): ids outside [0, blocks
+    of the sequence) and blocks whose page id lies outside the cache are skipped like -1;
+    offsets (cu_seqlens_q / _k, seqused_k) past the tensors read out of bounds."""
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,

@@ -504,7 +504,8 @@ def _msa_sequence(x, b: int, length: int, cu_seqlens_k, page_table):
     """(length, Hkv, D): sequence b's keys (or values) from a flat (total_k, Hkv, D) tensor
     with cu_seqlens_k, or from paged (pages, Hkv, 128, D) with page_table."""
     if page_table is not None:
-        pages = page_table[b, : -(-length // MSA_BLOCK)].long()
+        # (Page ids outside the cache read page 0 or the last: callers skip those blocks.)
+        pages = page_table[b, : -(-length // MSA_BLOCK)].long().clamp(0, x.shape[0] - 1)
         return x[pages].permute(0, 2, 1, 3).flatten(0, 1)[:length]
     start = int(cu_seqlens_k[b])
     return x[start : start + length]
@@ -520,8 +521,9 @@ def msa_sparse_attention(
     lse (total_q, Hq), temperature lse (total_q, Hq)).
 
     Query i of sequence b, head h attends to the keys of the blocks in
-    q2k_indices[h // G, i] (Hkv, total_q, topk): -1 entries and ids past the sequence's
-    blocks are ignored, a block listed twice counts once; only keys < the sequence's length
+    q2k_indices[h // G, i] (Hkv, total_q, topk): -1 entries, ids past the sequence's
+    blocks and (paged) blocks whose page id lies outside the cache are ignored, a block
+    listed twice counts once; only keys < the sequence's length
     and, with causal, at positions <= q_offset[b] + i (q_offset defaults to seqlen_k -
     seqlen_q). out = softmax(scale * s) V * v_global_scale (scale defaults to 1/sqrt(D));
     lse = ln sum exp(scale * s), the temperature lse with scale * lse_temperature_scale. A
@@ -540,8 +542,13 @@ def msa_sparse_attention(
             continue
         keys, values = (_msa_sequence(x, b, sk, cu_seqlens_k, page_table) for x in (k, v))
         blocks = -(-sk // MSA_BLOCK)
+        usable = torch.ones(blocks + 1, dtype=torch.bool, device=q.device)
+        if page_table is not None:  # blocks whose page id lies outside the cache: skipped
+            ids = page_table[b, :blocks].long().to(q.device)
+            usable[:blocks] = (ids >= 0) & (ids < k.shape[0])
         chosen = q2k_indices[:, q0:q1].long().to(q.device)  # (Hkv, sq, topk)
         chosen = torch.where((chosen >= 0) & (chosen < blocks), chosen, blocks)
+        chosen = torch.where(usable[chosen], chosen, blocks)
         block_mask = torch.zeros(*chosen.shape[:2], blocks + 1, dtype=torch.bool, device=q.device)
         block_mask.scatter_(2, chosen, True)
         visible = block_mask[..., :blocks].repeat_interleave(MSA_BLOCK, -1)[..., :sk]

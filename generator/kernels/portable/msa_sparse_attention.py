@@ -183,7 +183,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         sIds = storage.sIds.get_tensor(cute.make_layout(UNION_CAPACITY))
         sMask = storage.sMask.get_tensor(cute.make_layout(2 * UNION_CAPACITY))
         num_union = self.block_union(
-            args, storage, sBits, sIds, sMask, tidx, kv_head, first_token, tokens, blocks
+            args, storage, sBits, sIds, sMask, tidx, seq, kv_head, first_token, tokens, blocks
         )
 
         # Rows of this thread's 16-byte chunks of a (64, 128) tile: Q / O rows, K / V keys.
@@ -424,9 +424,9 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
 
     @cute.jit
     def block_union(
-        self, args, storage, sBits, sIds, sMask, tidx, kv_head, first_token, tokens, blocks
+        self, args, storage, sBits, sIds, sMask, tidx, seq, kv_head, first_token, tokens, blocks
     ):
-        """The union of the tile's tokens' blocks: its ascending ids into sIds and each
+        """The union of the tile's tokens' usable blocks: its ascending ids into sIds and each
         block's token mask into sMask; returns its size."""
         sBase = storage.sBase.get_tensor(cute.make_layout(WORDS))
         sWarpSums = storage.sWarpSums.get_tensor(cute.make_layout(4))
@@ -439,20 +439,33 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         cute.arch.sync_threads()
         for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
             block = args.mIdx[kv_head, first_token + e // topk, e % topk]
-            if (block >= 0) & (block < blocks):
+            if self.usable(args, seq, block, blocks):
                 add_member(sBits, block)
         cute.arch.sync_threads()
         num_union = popcount_scan(sBits, sBase, sWarpSums, words, tidx, NUM_THREADS)
         for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
             token = e // topk
             block = args.mIdx[kv_head, first_token + token, e % topk]
-            if (block >= 0) & (block < blocks):
+            if self.usable(args, seq, block, blocks):
                 place = rank(sBits, sBase, block)
                 sIds[place] = block
                 bit = cutlass.Int32(1) << (token % 32)
                 cute.arch.atomic_or(sMask.iterator + 2 * place + token // 32, bit)
         cute.arch.sync_threads()
         return num_union
+
+    @cute.jit
+    def usable(self, args, seq, block, blocks):
+        """Whether a listed block is attended: an id of the sequence's blocks whose page id,
+        when paged, lies inside the cache. A -1, an id past the sequence or a page id outside
+        the cache is skipped (raising would need a host synchronisation; reading it would
+        leave the cache)."""
+        ok = (block >= 0) & (block < blocks)
+        if args.paged != 0:
+            if ok:
+                page = args.mPageTable[seq, block]
+                ok = (page >= 0) & (page < args.mK.shape[0])
+        return ok
 
     @cute.jit
     def copy_raw_async(self, args, tiles, scale_tiles, tidx, fetch_args, u):
