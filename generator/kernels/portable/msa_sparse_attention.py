@@ -6,21 +6,30 @@ r % G), so a block that several of the tokens select is loaded once for all of t
 CTA finds its (sequence, token tile) from cu_seqlens_q (the grid bounds their number by
 total_q / T + B: no host synchronisation).
 
-1. union: the tokens' block ids mark a bitmap over the sequence's blocks (-1, repeats and
-   ids past the sequence drop out); a popcount scan ranks them, giving the ascending list
-   of the union's blocks and, per block, a 64-bit mask of the tokens that selected it.
+1. union: the tokens' block ids mark a bitmap over the sequence's blocks (-1, repeats, ids
+   past the sequence and, paged, blocks whose page id lies outside the cache drop out); a
+   popcount scan ranks them, giving the ascending list of the union's blocks and, per
+   block, a 64-bit mask of the tokens that selected it.
 2. Q: the 64 rows through registers into shared memory (rows past the tile's tokens zero).
-3. per 64-key half of each union block: K and V are loaded into registers one step ahead
-   (while the tensor cores work on the previous tile) and written to shared memory in q's
-   dtype, dequantized on the way (e4m3 -> q's dtype exactly; NVFP4: e2m1 code x its e4m3
-   group scale, exact in bf16 and fp16); per-tensor and global scales fold into the softmax
-   scale and the output scale. S = Q K^T; a row keeps the keys of blocks its token selected,
-   inside the sequence and, with causal, at positions <= its own; online softmax (and the
-   temperature lse's running sum when asked); O += P V.
-       load K[0]                          (registers)
-       for each tile u:  K[u] -> smem; wait        load V[u]; S = Q K[u]^T
-                         V[u] -> smem; wait        load K[u + 1]; mask; softmax; O += P V[u]
-4. O / rowsum x out_scale through shared memory to the rows' own addresses; lse (natural log).
+3. per 64-key half of each union block (with `splits` > 1, grid z: only this CTA's
+   contiguous share of them): S = Q K^T; a row keeps the keys of blocks its token
+   selected, inside the sequence and, with causal, at positions <= its own; online softmax
+   (and the temperature lse's running sum when asked); O += P V. A warp whose 16 rows hold
+   no token skips the MMAs and softmax (decode: one token's G heads fill 16 rows). Loads
+   run one tile ahead, by cp.async, into two buffers:
+       K/V in q's dtype: straight into the two K/V tile buffers;
+       FP8 / NVFP4: the raw tiles (codes, and NVFP4's scale rows) into two small raw
+       buffers (16-byte chunks XOR-swizzled by row against bank conflicts), then decoded
+       from there into the one K/V tile (e4m3 -> q's dtype exactly; NVFP4: e2m1 code x its
+       e4m3 group scale, exact in bf16 and fp16). Per-tensor and global scales fold into
+       the softmax scale and the output scale.
+       copy tile[0]
+       for each tile u:  wait; barrier   copy tile[u + 1] (other buffer)
+                         (FP8 / NVFP4: decode raw[u] -> K, V tiles; barrier)
+                         S = Q K[u]^T; mask; softmax; O += P V[u]
+4. O / rowsum x out_scale through shared memory to the rows' own addresses; lse (natural
+   log). With splits, each CTA writes its rows' O and lse in fp32 instead and
+   msa_attention_combine merges them.
 Keys past the sequence are zero in shared memory (and masked), so a NaN cannot come from
 memory no row may read.
 """
@@ -398,18 +407,26 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         self.gemm_rA(tiled_mma, acc_O, self.c_frag_as_a_frag(rP), v_operand)
 
     @cute.jit
-    def copy_tile_async(self, args, async_copy, kv_dst, tXcX, fetch_args, u):
-        """cp.async this thread's chunks of tile u's K and V (in q's dtype) into the shared
-        tiles kv_dst = (K partition, V partition); keys past the sequence: zero."""
+    def locate_tile(self, args, fetch_args, u):
+        """Where tile u of the union lies: (its first key in the sequence, its page, the row
+        of that key in the page); flat K/V are one "page" from the sequence's first key."""
         seq, kv_head, sIds, seqlen_k, key_start = fetch_args
         block = sIds[u // HALVES]
         first_key = block * BLOCK_KEYS + (u % HALVES) * TILE_N
         page = cutlass.Int32(0)
-        page_row = (u % HALVES) * TILE_N  # row of the tile's first key in its page
+        page_row = (u % HALVES) * TILE_N
         if args.paged != 0:
             page = args.mPageTable[seq, block]
         else:
             page_row = key_start + first_key
+        return first_key, page, page_row
+
+    @cute.jit
+    def copy_tile_async(self, args, async_copy, kv_dst, tXcX, fetch_args, u):
+        """cp.async this thread's chunks of tile u's K and V (in q's dtype) into the shared
+        tiles kv_dst = (K partition, V partition); keys past the sequence: zero."""
+        seq, kv_head, sIds, seqlen_k, key_start = fetch_args
+        first_key, page, page_row = self.locate_tile(args, fetch_args, u)
         for x in cutlass.range_constexpr(2):
             mX = args.mK if x == 0 else args.mV
             for m in cutlass.range_constexpr(cute.size(tXcX, mode=[1])):
@@ -472,14 +489,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         """cp.async tile u's K and V rows as stored (and their NVFP4 scale rows) into the raw
         tiles (K, V) and scale tiles; rows past the sequence: zero."""
         seq, kv_head, sIds, seqlen_k, key_start = fetch_args
-        block = sIds[u // HALVES]
-        first_key = block * BLOCK_KEYS + (u % HALVES) * TILE_N
-        page = cutlass.Int32(0)
-        page_row = (u % HALVES) * TILE_N  # row of the tile's first key in its page
-        if args.paged != 0:
-            page = args.mPageTable[seq, block]
-        else:
-            page_row = key_start + first_key
+        first_key, page, page_row = self.locate_tile(args, fetch_args, u)
         chunks_per_row = self.row_bytes // 16
         data_copy = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
