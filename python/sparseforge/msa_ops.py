@@ -491,20 +491,28 @@ def _nvfp4_route_stats(kind: str) -> dict:
         "route": f"msa_sparse_{kind}_attention, NVFP4 paged K/V",
         "available": bool(torch.cuda.is_available() and supports_packed_kv()),
         "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
-        "kernel": "portable mma.sync union tile: K/V dequantized into shared memory",
+        "kernel": (
+            "portable mma.sync union tile: raw NVFP4 tiles copied a tile ahead by cp.async and "
+            "decoded into shared memory; launches with fewer tiles than SMs split each tile's "
+            "keys across CTAs, fp32 partials merged by their lse (a second launch)"
+        ),
         "head_dim": attention_family.constant("head_dim"),
         "page_size": attention_family.constant("block_keys"),
         "group_sizes": f"any Hq / Hkv <= {attention_family.constant('max_group')}",
         "topk_range": (1, attention_family.constant("max_topk")),
         "seqlen_q": "any (decode: seqlen_q tokens per request)",
-        "layouts": "packed pages (strided views) or separate tensors, paged only",
+        "layouts": (
+            "packed pages (strided views) or separate tensors, paged only; scale rows of "
+            "8 contiguous bytes, page and head strides multiples of 16"
+        ),
         "causal": "causal and non-causal",
         "lse": "lse and temperature lse",
         "out": "out= accepted",
         "q_offset": kind == "prefill",
         "graph_capture": "no workspace or warm-up needed",
         "toolkit_decline_reason": None,
-        "run_to_run_bitwise_reproducible_up_to_context": None,  # always: no atomics
+        # Always: no order-dependent atomics (the split merge sums in split order).
+        "run_to_run_bitwise_reproducible_up_to_context": None,
         "max_blocks_per_sequence": attention_family.constant("max_blocks"),
     }
 
