@@ -61,6 +61,22 @@ def test_matches_the_reference(dtype, paged, shape, causal, offsets, reduce_head
     assert_scores_match(got, want.to(got.device))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "nvfp4"], ids=str)
+def test_blocks_whose_page_id_leaves_the_cache_score_minus_inf(dtype):
+    args = proxy_score_inputs(dtype, True, [3, 70], [300, 100], device="cuda")
+    table = args["page_table"].clone()
+    table[0, 1] = (args["k_fp4"] if dtype == "nvfp4" else args["k"]).shape[0]
+    table[1, 0] = -1
+    args["page_table"] = table
+    run, ref = msa_proxy_score, reference.msa_proxy_score
+    if dtype == "nvfp4":
+        run, ref = msa_proxy_score_fp4, reference.msa_proxy_score_fp4
+    got = run(**args)
+    want = ref(**args)
+    assert torch.isinf(want[:, 1, :3]).all()
+    assert_scores_match(got, want.to(got.device))
+
+
 def test_default_sizes_are_read_from_the_gpu():
     """max_seqlen_q and max_k_tiles left out: the output is as wide as the longest sequence."""
     args = proxy_score_inputs(torch.bfloat16, False, [3, 70], [300, 100], device="cuda")

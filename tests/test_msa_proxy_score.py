@@ -237,3 +237,19 @@ def test_paged_fp4_arguments_are_checked_by_name():
     small = args["k_scale"][: args["k_scale"].numel() - 1024]
     with pytest.raises(ValueError, match="k_scale must be a contiguous uint8 tensor of the 128x4"):
         msa_proxy_score_fp4(**{**args, "k_scale": small})
+
+
+def test_reference_scores_blocks_whose_page_id_leaves_the_cache_minus_inf():
+    from sparseforge.check import proxy_score_inputs
+
+    args = proxy_score_inputs(torch.float32, True, [3, 70], [300, 100])
+    good = reference.msa_proxy_score(**args)
+    table = args["page_table"].clone()
+    table[0, 1] = args["k"].shape[0]  # past the cache
+    table[1, 0] = -1
+    bad = reference.msa_proxy_score(**{**args, "page_table": table})
+    assert torch.isinf(bad[:, 1, :3]).all() and torch.isinf(bad[:, 0, 3:]).all()
+    keep = torch.ones_like(good, dtype=torch.bool)
+    keep[:, 1, :3] = False
+    keep[:, 0, 3:] = False
+    assert torch.equal(bad[keep], good[keep])

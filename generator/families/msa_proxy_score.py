@@ -1,17 +1,19 @@
 """MSA proxy score: per (query head, 128-key block, query token), the max of the unscaled q.k
 over the keys of the block the token may see (msa_ops.msa_proxy_score).
 
-A key is visible when it lies inside its sequence and, with causal, at a position <= the
-query's, q_offset[b] + i. A block with no visible key gets -inf, and so does every block
-from the sequence's last visible one up to the output's width (max_k_tiles). Keys come flat
+A key is visible when it lies inside its sequence (paged: in a block whose page id lies
+inside the cache) and, with causal, at a position <= the query's, q_offset[b] + i. A block
+with no visible key gets -inf, and so does every block from the sequence's last visible one
+up to the output's width (max_k_tiles). Keys come flat
 ((total_k, Hkv, D) with cu_seqlens_k) or paged ((pages, Hkv, 128, D) with a page table and
 seqused_k): one variant per key layout.
 
 msa_proxy_score_nvfp4 (msa_ops.msa_proxy_score_fp4) scores NVFP4 q and k: e2m1 codes, two a
 byte (the even element in the low nibble), with one e4m3 scale per 16 values in the cuBLAS
-128x4 tiled layout (SCALE_TILE_* below), indexed by a logical row: token * Hq + head for q,
-token * Hkv + head for flat k, (page * Hkv + head) * 128 + row for paged k. The scores are
-those of the dequantized values times logit_scale (the product of the global scales).
+128x4 tiled layout (generator/kernels/common/nvfp4.py: scale_offset_128x4), indexed by a
+logical row: token * Hq + head for q, token * Hkv + head for flat k, (page * Hkv + head) *
+128 + row for paged k. The scores are those of the dequantized values times logit_scale (the
+product of the global scales).
 """
 
 from generator.abi import ScalarArg, TensorArg
@@ -23,10 +25,6 @@ HEAD_DIM = 128
 DTYPES = ("bf16", "fp16", "e4m3")  # e4m3: q and k both
 KEY_LAYOUTS = ("flat", "paged")
 NVFP4_GROUP = 16  # values per e4m3 scale
-# The cuBLAS 128x4 tiled scale layout: 512-byte tiles of 128 rows x 4 scales, scale
-# (r, g) of a tile at (r % 32) * 16 + (r // 32) * 4 + g; the tiles of a 128-row band
-# follow each other (HEAD_DIM / 16 / 4 = 2 of them), then the next band.
-SCALE_TILE_ROWS, SCALE_TILE_GROUPS = 128, 4
 
 
 def abi(head_dim=HEAD_DIM):

@@ -65,9 +65,10 @@ def msa_proxy_score(
     seqused_k (B,); int32 index tensors on q's device. max_seqlen_q and max_k_tiles are
     read from the GPU when not given (a host synchronisation; pass them under CUDA-graph
     capture). A max_seqlen_q below a sequence's length leaves that sequence's later rows
-    unwritten. The index values (offsets, lengths, page ids) are not checked on the GPU
-    (that would need a host synchronisation): a page id outside the cache reads out of
-    bounds. use_fp32_acc=False is accepted; the products are always summed in fp32."""
+    unwritten. The index values are not checked on the host (that would need a host
+    synchronisation): a block whose page id lies outside the cache is never read and
+    scores -inf; offsets and lengths past the tensors read out of bounds.
+    use_fp32_acc=False is accepted; the products are always summed in fp32."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         raise TypeError(f"q and k must be torch.Tensors, got {describe(q)} and {describe(k)}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):

@@ -466,7 +466,8 @@ def msa_proxy_score(
     sequence's length; with causal, position <= q_offset[b] + i, q_offset defaulting to
     seqlen_k - seqlen_q), -inf for a block it sees none of. q (total_q, Hq, D); k flat
     (total_k, Hkv, D) with cu_seqlens_k, or paged (pages, Hkv, 128, D) with page_table
-    (B, max pages) and seqused_k (B,). reduce_heads: the max over heads, (1, tiles, total_q)."""
+    (B, max pages) and seqused_k (B,); a block whose page id lies outside the cache gets
+    -inf. reduce_heads: the max over heads, (1, tiles, total_q)."""
     total_q, hq, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
     hkv = k.shape[1]
@@ -487,6 +488,9 @@ def msa_proxy_score(
         tiles = min(-(-sk // MSA_BLOCK), max_k_tiles)
         padded = torch.nn.functional.pad(logits, (0, tiles * MSA_BLOCK - sk), value=-math.inf)
         block_max = padded[..., : tiles * MSA_BLOCK].unflatten(-1, (tiles, MSA_BLOCK)).amax(-1)
+        if page_table is not None:  # blocks whose page id lies outside the cache: -inf
+            ids = page_table[b, :tiles].long().to(q.device)
+            block_max[:, :, (ids < 0) | (ids >= k.shape[0])] = -math.inf
         out[:, :tiles, q0:q1] = block_max.transpose(1, 2)
     if reduce_heads:
         out = out.amax(0, keepdim=True)

@@ -11,7 +11,8 @@ block, loading the next tile while the tensor cores multiply the current one:
                       keys past the sequence or above a row's position -> -inf
                       block max (per row, over u's block so far); written after its 2nd tile
 Blocks past the last visible one, up to the output's width, are written -inf. Keys of a
-tile past the sequence end are zero-filled in shared memory (and masked).
+tile past the sequence end are zero-filled in shared memory (and masked); so is, paged, a
+whole block whose page id lies outside the cache (never read; it scores -inf).
 
 NVFP4 q and k (msa_proxy_score_nvfp4) take the same path with fp16 tiles: a tile's codes and
 scales are loaded into registers (the next key tile's before the current one's MMAs) and
@@ -205,11 +206,12 @@ class ProxyScore:
                         self.decode(gmem_load, codes, scales, staged, tKsK[0])
                 acc_S.store(acc_S.load() * args.logit_scale)
             acc_S_mn = acc_mn_view(acc_S)
+            tile_keys = self.keys_in_tile(args, batch, u, seqlen_k)
             for r in cutlass.range_constexpr(rows):
                 row_pos = first_pos + tScS_mn[r, 0][0]
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     key = u * TILE_N + tScS_mn[r, c][1]
-                    visible = key < seqlen_k
+                    visible = tScS_mn[r, c][1] < tile_keys
                     if args.causal != 0:
                         visible = visible & (key <= row_pos)
                     score = cutlass.Float32(cutlass.select_(visible, acc_S_mn[r, c], NEG_INF))
@@ -220,6 +222,18 @@ class ProxyScore:
                     rows_left, first_head,
                 )  # fmt: skip
                 block_max.fill(NEG_INF)
+
+    @cute.jit
+    def keys_in_tile(self, args, batch, u, seqlen_k):
+        """How many keys the u-th 64-key tile holds (those before the sequence's end): none
+        when, paged, its block's page id lies outside the cache (the block is scored -inf,
+        never read)."""
+        keys = seqlen_k - u * TILE_N
+        if cutlass.const_expr(self.paged):
+            page = args.mPageTable[batch, u // TILES_PER_BLOCK]
+            if (page < 0) | (page * args.kv_heads >= args.mK.shape[0]):
+                keys = cutlass.Int32(0)
+        return keys
 
     @cute.jit
     def load_key_tile(
@@ -239,7 +253,7 @@ class ProxyScore:
             scale_row = first * args.kv_heads + kv_head
             scale_row_step = args.kv_heads
         rows = cute.domain_offset((first, 0), view)
-        keys_left = seqlen_k - u * TILE_N
+        keys_left = self.keys_in_tile(args, batch, u, seqlen_k)
         if cutlass.const_expr(self.nvfp4):
             self.fetch_codes(
                 rows, keys_left, args.mKScale, scale_row, scale_row_step, tKcK, codes, scales
