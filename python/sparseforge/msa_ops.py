@@ -172,8 +172,9 @@ def _proxy_score(
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"Hq = {heads} must be a multiple of Hkv = {kv_heads}")
     scale_rows = (total_q * heads, kernel_k.shape[0] * kernel_k.shape[1])[: len(scales)]
+    groups = -(-head_dim // 16 // 4) * 4  # scales a row, padded to the tiles' 4
     for (name, x), rows in zip(scales, scale_rows, strict=True):
-        needed = -(-rows // block) * block * (head_dim // 16)  # the 128x4 tiles of all rows
+        needed = -(-rows // 128) * 128 * groups  # the 128x4 tiles of all rows
         if not x.is_contiguous() or x.numel() < needed or x.numel() >= 2**31:
             raise ValueError(
                 f"{name} must be a contiguous uint8 tensor of the 128x4 tiled scales of "
@@ -646,7 +647,6 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
     return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=16)
 def _splits(device, total_q: int, group: int, batch: int, kv_heads: int, topk: int) -> int:
     """CTAs per union tile: 1, or, when the launch has fewer tiles than the GPU has SMs
     (small-batch decode), enough to give each SM about two CTAs, at most max_splits and at
@@ -674,6 +674,7 @@ def _no_partials(device: torch.device) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=16)
 def _no_scales(device: torch.device) -> torch.Tensor:
     """The NVFP4 scale arguments of the other K/V formats' kernels (never read)."""
     return torch.zeros((1, 1, 2, 8), dtype=torch.uint8, device=device)

@@ -71,8 +71,8 @@ HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles per block
 WORDS = MAX_BLOCKS // 32
 UNION_CAPACITY = TILE_ROWS * MAX_TOPK  # tokens of a CTA (<= 64) x topk
 NEG_INF = -cutlass.Float32.inf
-# Elements of one 16-byte shared-memory chunk (8 values of q's dtype) as stored in memory:
-RAW_ELEMENTS = {"16bit": 8, "e4m3": 8, "nvfp4": 4}  # nvfp4: 4 bytes of two codes each
+# FP8 / NVFP4: elements of one 16-byte shared-memory chunk (8 values of q's dtype) as stored:
+RAW_ELEMENTS = {"e4m3": 8, "nvfp4": 4}  # nvfp4: 4 bytes of two codes each
 
 
 class MsaSparseAttention(BlockSparseFwdWarpMma):
@@ -297,29 +297,8 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                         )
         else:
             # raw[stage][x]: tile rows of K (x = 0) or V (x = 1) as stored, and their scales.
-            raw_tiles = tuple(
-                tuple(
-                    cute.make_tensor(
-                        storage.sRaw.data_ptr() + (2 * stage + x) * TILE_N * self.row_bytes,
-                        cute.make_layout((TILE_N, self.row_bytes), stride=(self.row_bytes, 1)),
-                    )
-                    for x in range(2)
-                )
-                for stage in range(2)
-            )
-            raw_scales = tuple(
-                tuple(
-                    cute.make_tensor(
-                        storage.sRawScale.data_ptr()
-                        + (2 * stage + x) * TILE_N * max(1, self.scale_bytes),
-                        cute.make_layout(
-                            (TILE_N, max(1, self.scale_bytes)), stride=(max(1, self.scale_bytes), 1)
-                        ),
-                    )
-                    for x in range(2)
-                )
-                for stage in range(2)
-            )
+            raw_tiles = self.raw_buffers(storage.sRaw.data_ptr(), self.row_bytes)
+            raw_scales = self.raw_buffers(storage.sRawScale.data_ptr(), self.scale_bytes)
             raw_shape = (RAW_ELEMENTS[self.kv_format],) + tKsK.shape[1:]
             raw = cute.make_rmem_tensor(raw_shape, self.raw_type)
             scales = cute.make_rmem_tensor((2,) + tKsK.shape[1:], cutlass.Uint8)
@@ -378,6 +357,19 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 args, tiled_mma, rows_copy, acc_O, row_lse, row_lse_t, sQ, sQ_layout, tXcX,
                 tidx, kv_head, first_token, tokens,
             )  # fmt: skip
+
+    @staticmethod
+    def raw_buffers(base, width: int):
+        """Two stages of (K, V) raw tiles of 64 rows x `width` bytes (at least one) in shared
+        memory from `base`, each stage's K then V."""
+        width = max(1, width)
+        layout = cute.make_layout((TILE_N, width), stride=(width, 1))
+        return tuple(
+            tuple(
+                cute.make_tensor(base + (2 * stage + x) * TILE_N * width, layout) for x in range(2)
+            )
+            for stage in range(2)
+        )
 
     @cute.jit
     def attend_scores(self, args, tiled_mma, acc_S, acc_O, v_operand, u, masks, state):
