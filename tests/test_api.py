@@ -154,14 +154,14 @@ def test_run_before_plan():
 
 
 def test_spec_example_runs_through_the_reference():
-    """The 3x3 example of the FlashInfer docs (R = C = 1), on the CPU."""
+    """The 3x3 example of the FlashInfer docs (R = C = 1), on the CPU (on a GPU its 1x1
+    blocks run on the kernels: tests/test_gpu_logit_options.py)."""
     torch.manual_seed(0)
     num_qo_heads, num_kv_heads, head_dim = 32, 8, 128
-    wrapper = BlockSparseAttentionWrapper(WS)
+    wrapper = BlockSparseAttentionWrapper(WS, backend="torch")
     indptr = torch.tensor([0, 1, 3, 5], dtype=torch.int32)
     indices = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)
-    with pytest.warns(UserWarning, match="running the PyTorch reference"):
-        wrapper.plan(indptr, indices, 3, 3, 1, 1, num_qo_heads, num_kv_heads, head_dim)
+    wrapper.plan(indptr, indices, 3, 3, 1, 1, num_qo_heads, num_kv_heads, head_dim)
     assert wrapper.backend_in_use == "torch"
     q = torch.randn(3, num_qo_heads, head_dim, dtype=torch.float16)
     k = torch.randn(3, num_kv_heads, head_dim, dtype=torch.float16)
@@ -176,22 +176,6 @@ def test_spec_example_runs_through_the_reference():
     )
     assert torch.allclose(o.float(), want.transpose(0, 1).float(), atol=2e-3)
     assert torch.allclose(lse, want_lse.transpose(0, 1).float(), atol=1e-4)
-
-
-def test_backend_sparseforge_refuses_small_blocks():
-    wrapper = BlockSparseAttentionWrapper(WS, backend="sparseforge")
-    with pytest.raises(NotImplementedError, match="blocks of 1x1 tokens are not multiples of 64"):
-        wrapper.plan(
-            torch.tensor([0, 1, 2], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32),
-            2,
-            2,
-            1,
-            1,
-            1,
-            1,
-            64,
-        )
 
 
 def test_run_rejects_bad_tensors():
@@ -219,9 +203,8 @@ def test_variable_wrapper_torch_backend_matches_reference():
     mask = torch.rand(hkv, 3, 2) < 0.6
     row = torch.tensor([[5, 7, 3], [10, 2, 3]], dtype=torch.int32)
     col = torch.tensor([[6, 9], [14, 1]], dtype=torch.int32)
-    wrapper = VariableBlockSparseAttentionWrapper(WS)
-    with pytest.warns(UserWarning):
-        wrapper.plan(mask, row, col, hq, hkv, d, q_data_type=torch.bfloat16, sm_scale=0.3)
+    wrapper = VariableBlockSparseAttentionWrapper(WS, backend="torch")
+    wrapper.plan(mask, row, col, hq, hkv, d, q_data_type=torch.bfloat16, sm_scale=0.3)
     q = torch.randn(hq, 15, d, dtype=torch.bfloat16)
     k, v = (
         torch.randn(hkv, 15, d, dtype=torch.bfloat16),
@@ -298,7 +281,7 @@ def cake_args(**change):
 
 def test_plan_cake_vsa_runs_only_kernels():
     mask = torch.ones(2, 4, 4, dtype=torch.bool)
-    with pytest.raises(NotImplementedError, match="not multiples of 64"):
+    with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):
         sparseforge.plan_cake_vsa(None, None, mask, **cake_args(M=200, N=200, R=50, C=50))
     with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):
         sparseforge.plan_cake_vsa(None, None, mask, **cake_args())

@@ -1,13 +1,15 @@
 """FlashInfer's logit options of plan() (per-element masks, packed masks, causal, soft cap,
-RoPE LLaMA, ALiBi, use_fp16_qk_reduction) on the CPU, through the PyTorch reference path
-they run on: each against an expectation written here independently of
-sparseforge.reference, and the refusal of the kernel backends."""
+RoPE LLaMA, ALiBi, use_fp16_qk_reduction) on the CPU, through the PyTorch reference path:
+each against an expectation written here independently of sparseforge.reference; the bit
+rows the kernels read (logit_options.py) against the reference's masks; which plans reach a
+kernel. tests/test_gpu_logit_options.py runs the kernels against the same expectations."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
+from sparseforge import logit_options, reference, sparsity
 from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 WS = torch.empty(16, dtype=torch.uint8)
@@ -146,25 +148,48 @@ def test_fp16_qk_reduction_is_accepted_and_changes_nothing():
     assert torch.equal(plain[0], reduced[0]) and torch.equal(plain[1], reduced[1])
 
 
-@pytest.mark.parametrize(
-    "options, named",
-    [
-        (dict(causal=True), "causal=True"),
-        (dict(logits_soft_cap=30.0), "logits_soft_cap=30.0"),
-        (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI'"),
-        (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA'"),
-        (dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)), "mask"),
-    ],
-)
-def test_kernel_backends_refuse_and_auto_warns(options, named):
+def test_rope_runs_the_reference_and_kernel_backends_refuse_it():
     args = (torch.arange(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
     args += (256, 256, 64, 64, 4, 2, 64)
+    named = "pos_encoding_mode='ROPE_LLAMA'"
+    options = dict(pos_encoding_mode="ROPE_LLAMA")
     with pytest.raises(NotImplementedError, match=f"{named}.*backend='sparseforge' has no kernel"):
         BlockSparseAttentionWrapper(WS, backend="sparseforge").plan(*args, **options)
     wrapper = BlockSparseAttentionWrapper(WS)
     with pytest.warns(UserWarning, match=f"{named}.*running the PyTorch reference"):
         wrapper.plan(*args, **options)
     assert wrapper.backend_in_use == "torch"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(causal=True),
+        dict(logits_soft_cap=30.0),
+        dict(pos_encoding_mode="ALIBI"),
+        dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)),
+        dict(R=16, C=32),
+    ],
+)
+def test_16_bit_options_and_small_blocks_plan_kernels(options):
+    """On this CPU the kernel path is reached and stops at its device check; the same
+    plans with Sage FP8 have no kernel."""
+    sizes = dict(R=options.pop("R", 64), C=options.pop("C", 64))
+    nnz = (256 // sizes["R"]) * (256 // sizes["C"])
+    args = (torch.arange(0, nnz + 1, 256 // sizes["C"], dtype=torch.int32),)
+    args += (torch.arange(nnz, dtype=torch.int32) % (256 // sizes["C"]),)
+    args += (256, 256, sizes["R"], sizes["C"], 4, 2, 64)
+    if "mask" in options:
+        options["mask"] = torch.ones(nnz, sizes["R"], sizes["C"], dtype=torch.bool)
+    with pytest.raises(ValueError, match="sparseforge kernels need a CUDA device"):
+        BlockSparseAttentionWrapper(WS, backend="sparseforge").plan(*args, **options)
+    scales = dict(
+        q_scale=torch.ones(1, 4, 256), k_scale=torch.ones(1, 2, 16), v_scale=torch.ones(2, 64)
+    )
+    with pytest.raises(NotImplementedError, match="backend='sparseforge' has no kernel"):
+        BlockSparseAttentionWrapper(WS, backend="sparseforge").plan(
+            *args, **options, q_data_type=torch.float8_e4m3fn, **scales
+        )
 
 
 def test_variable_wrapper_takes_the_options_too():
@@ -194,3 +219,51 @@ def test_masks_inside_blocks_need_the_bsr_form():
             None, None, 256, 256, 64, 64, 2, 2, 64, q2k_indices=q2k,
             mask=torch.ones(4, 64, 64, dtype=torch.bool),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("R, C", [(64, 64), (16, 32), (7, 5), (1, 1), (128, 8)])
+def test_bsr_mask_bits_match_the_reference_masks(R, C):
+    M, N = 7 * R + 3, 9 * C
+    indptr, indices, _ = bsr(M, N, R, C, seed=R + C)
+    gen = torch.Generator().manual_seed(C)
+    mask = torch.rand(indices.shape[0], R, C, generator=gen) < 0.5
+    bits = logit_options.bsr_mask_bits(indptr, indices, mask, M, N, R, C)
+    assert bits.shape == (1, M, logit_options.words_per_row(N)) and bits.dtype == torch.int32
+    want = reference.bsr_element_mask(indptr, indices, mask, M, N, R, C)
+    assert torch.equal(logit_options.unpack_mask_bits(bits, N)[0], want)
+    # Bits past the sequence's last key are clear.
+    assert not logit_options.unpack_mask_bits(bits, bits.shape[-1] * 32)[0, :, N:].any()
+
+
+def test_bsr_mask_bits_drop_out_of_range_entries():
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32)
+    indices = torch.tensor([0, 5, -1], dtype=torch.int32)  # 5 and -1: no such column block
+    mask = torch.ones(3, 64, 64, dtype=torch.bool)
+    bits = logit_options.bsr_mask_bits(indptr, indices, mask, 128, 128, 64, 64)
+    token = logit_options.unpack_mask_bits(bits, 128)[0]
+    assert token[:64, :64].all() and not token[:64, 64:].any() and not token[64:].any()
+
+
+def test_pack_and_unpack_mask_bits_are_inverse():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 37, 131, generator=gen) < 0.3
+    bits = logit_options.pack_mask_bits(mask)
+    assert bits.shape == (3, 37, 6)
+    assert torch.equal(logit_options.unpack_mask_bits(bits, 131), mask)
+    # Key k is bit k % 32 of word k // 32, as the kernels read it.
+    k = 77
+    one = torch.zeros(1, 1, 131, dtype=torch.bool)
+    one[0, 0, k] = True
+    assert int(logit_options.pack_mask_bits(one)[0, 0, k // 32]) == 1 << (k % 32)
+
+
+def test_causal_blocks_drop_only_blocks_above_the_diagonal():
+    M, N = 192, 320  # diagonal 128: row block r sees key blocks up to its last row + 128
+    selection = sparsity.from_bsr_wrapper(
+        indptr=None, indices=None, q2k_indices=None, q2k_num=None, kv_block_lens=None,
+        block_mask=torch.ones(2, 3, 5, dtype=torch.bool), M=M, N=N, R=64, C=64,
+        num_qo_heads=2, num_kv_heads=2, device=torch.device("cpu"), non_blocking=False,
+    )  # fmt: skip
+    kept = logit_options.causal_blocks(selection).mask
+    i, j = torch.arange(3)[:, None], torch.arange(5)[None, :]
+    assert torch.equal(kept, (j * 64 <= i * 64 + 63 + 128).expand(2, -1, -1))

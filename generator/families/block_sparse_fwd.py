@@ -3,6 +3,11 @@
 The kernels see only units and tiles; the planner (python/sparseforge/planner.py) maps any
 block size that is a multiple of 64 onto them and lists, per (kv head, unit), the tiles the
 unit attends to. Both wrappers' 16-bit plans run this family.
+
+block_sparse_fwd_logits is the same kernels with FlashInfer's logit options (plan()'s
+causal, per-element masks, logits_soft_cap, ALiBi; generator/kernels/common/logit_options.py)
+applied to each tile's scores: separate variants, so that plans without options keep the
+plain kernels' registers and schedule.
 """
 
 from generator.abi import ScalarArg, TensorArg
@@ -55,35 +60,89 @@ def abi(head_dim: int):
     )
 
 
+def logit_options_args():
+    """The logit options' arguments (generator/kernels/common/logit_options.py):
+    mMaskBits  (Hkv, Sq, W)  int32 words, bit k % 32 of word k // 32 set where query row q
+                             may see key k (any head stride: 0 shares one mask)
+    mAlibi     (Hq,)         ALiBi slope / sm_scale per query head
+    diagonal                 Sk - Sq: query i sits at position i + diagonal
+    logit_flags              LOGIT_* bits of the options in use
+    cap_in, cap_out          soft cap in raw score units: s -> cap_out * tanh(s * cap_in)
+    """
+    return (
+        TensorArg("mMaskBits", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mAlibi", "f32", shape=(None,), stride=(1,)),
+        ScalarArg("diagonal", "i32"),
+        ScalarArg("logit_flags", "i32"),
+        ScalarArg("cap_in", "f32"),
+        ScalarArg("cap_out", "f32"),
+    )
+
+
+def logits_abi(head_dim: int):
+    """abi(head_dim), then logit_options_args()."""
+    return (*abi(head_dim), *logit_options_args())
+
+
+LOGIT_CAUSAL = 1
+LOGIT_MASK = 2
+LOGIT_ALIBI = 4
+LOGIT_SOFT_CAP = 8
+
+
+def templates(logits: bool):
+    """The family's templates; `logits` adds the logit options to every config."""
+    extra = {"logits": True} if logits else {}
+    return (
+        Template(
+            "sm90_wgmma",
+            "generator.kernels.sm90.block_sparse_fwd",
+            archs=("sm_90a",),
+            configs=tuple(
+                dict(dtype=t, head_dim=d, warpgroups=w, **extra)
+                for t in DTYPES
+                for d in HEAD_DIMS
+                for w in WARPGROUPS
+            ),
+        ),
+        # mma.sync: the SM100 / SM120 path until their native kernels land, built for
+        # sm_90a too so that the code shipped for Blackwell runs on the H200.
+        Template(
+            "warp_mma",
+            "generator.kernels.portable.block_sparse_fwd",
+            archs=ALL_ARCHS,
+            configs=tuple(dict(dtype=t, head_dim=d, **extra) for t in DTYPES for d in HEAD_DIMS),
+            portable=True,
+        ),
+    )
+
+
+CONSTANTS = {
+    "unit_rows": UNIT_ROWS,
+    "tile_keys": TILE_KEYS,
+    "logit_causal": LOGIT_CAUSAL,
+    "logit_mask": LOGIT_MASK,
+    "logit_alibi": LOGIT_ALIBI,
+    "logit_soft_cap": LOGIT_SOFT_CAP,
+}
+
 FAMILIES = (
     Family(
         name="block_sparse_fwd",
         doc="block-sparse attention forward, bf16 / fp16",
         abi=abi,
         dtypes=DTYPES,
-        constants={"unit_rows": UNIT_ROWS, "tile_keys": TILE_KEYS},
+        constants=CONSTANTS,
         units_per_cta_key="warpgroups",
-        templates=(
-            Template(
-                "sm90_wgmma",
-                "generator.kernels.sm90.block_sparse_fwd",
-                archs=("sm_90a",),
-                configs=tuple(
-                    dict(dtype=t, head_dim=d, warpgroups=w)
-                    for t in DTYPES
-                    for d in HEAD_DIMS
-                    for w in WARPGROUPS
-                ),
-            ),
-            # mma.sync: the SM100 / SM120 path until their native kernels land, built for
-            # sm_90a too so that the code shipped for Blackwell runs on the H200.
-            Template(
-                "warp_mma",
-                "generator.kernels.portable.block_sparse_fwd",
-                archs=ALL_ARCHS,
-                configs=tuple(dict(dtype=t, head_dim=d) for t in DTYPES for d in HEAD_DIMS),
-                portable=True,
-            ),
-        ),
+        templates=templates(logits=False),
+    ),
+    Family(
+        name="block_sparse_fwd_logits",
+        doc="block-sparse attention forward, bf16 / fp16, with causal / mask / soft cap / ALiBi",
+        abi=logits_abi,
+        dtypes=DTYPES,
+        constants=CONSTANTS,
+        units_per_cta_key="warpgroups",
+        templates=templates(logits=True),
     ),
 )

@@ -6,10 +6,11 @@
 The family is the one whose manifest dtypes hold the plan's dtype; the variant is chosen by
 families.choose (preference order per arch, units per CTA the plan's groups allow). Tile
 lists come from the planner (pure torch), compacted on the GPU by the tile_compact kernel.
-Backends: "auto" runs our kernels where the blocks are multiples of the family's tile and
-otherwise the PyTorch reference with a warning; "torch" always the reference; "warp_mma" the
-portable templates; the kernel backends ("sparseforge" and its FlashInfer synonyms) refuse
-what no kernel covers.
+Plans with logit options, or whose blocks are not multiples of the tile, run the family's
+logits variants (16-bit; logit_options.py) where it has them. Backends: "auto" runs our
+kernels where one applies and otherwise the PyTorch reference with a warning; "torch"
+always the reference; "warp_mma" the portable templates; the kernel backends ("sparseforge"
+and its FlashInfer synonyms) refuse what no kernel covers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import warnings
 
 import torch
 
-from sparseforge import families, ops, planner, reference
+from sparseforge import families, logit_options, ops, planner, reference
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import block_sparse_fwd, sage_fp8_fwd, tile_compact
@@ -70,27 +71,52 @@ def plan_attention(
         hnd=hnd,
         scales=scales,
     )
-    if backend != "torch" and logits.named():
-        why = f"{', '.join(logits.named())}: not in our kernels yet"
-        if backend != "auto":
-            raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
-        warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
-    if backend == "torch" or logits.named():
-        return Plan(
-            path="torch", token_mask=_token_mask(selection, logits), logits=logits, **common
-        )
+    if backend == "torch":
+        return _reference_plan(selection, logits, common)
     family = attention_family(dtype)
     spec = families.spec(family.FAMILIES[0])
     unit_rows, tile_keys = spec.constant("unit_rows"), spec.constant("tile_keys")
     rows, cols = selection.host_row_sizes, selection.host_col_sizes
-    if not (
-        planner.sizes_tile_aligned(rows, unit_rows) and planner.sizes_tile_aligned(cols, tile_keys)
-    ):
+    aligned = planner.sizes_tile_aligned(rows, unit_rows) and planner.sizes_tile_aligned(
+        cols, tile_keys
+    )
+    logit_family = getattr(family, "LOGITS_FAMILY", None)
+    # What no kernel of this family takes: RoPE; any option, or blocks that are not
+    # multiples of the tile, where the family has no logits variants (Sage FP8).
+    why = None
+    if logits.pos_encoding_mode == "ROPE_LLAMA":
+        why = "pos_encoding_mode='ROPE_LLAMA': not in our kernels yet"
+    elif logit_family is None and logits.named():
+        why = f"{', '.join(logits.named())}: not in the {NAME_OF[dtype]} kernels"
+    elif logit_family is None and not aligned:
         why = f"{blocks} are not multiples of {tile_keys} tokens"
+    if why is not None:
         if backend != "auto":
             raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
         warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
-        return Plan(path="torch", token_mask=_token_mask(selection, logits), **common)
+        return _reference_plan(selection, logits, common)
+    logit_args = None
+    if logits.named() or not aligned:
+        bits = logits.mask_bits
+        if not aligned:  # 64-token tiles, the blocks' edges (and the options' masks) as bits
+            selection, bits = logit_options.token_tiles(
+                _token_mask(selection, logits), selection, device
+            )
+            rows, cols = selection.host_row_sizes, selection.host_col_sizes
+        elif logits.causal and bits is None:
+            selection = logit_options.causal_blocks(selection)
+        spec = families.spec(logit_family)
+        logit_args = logit_options.kernel_arguments(
+            logits,
+            bits,
+            flags=spec.constants,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            sm_scale=sm_scale,
+            seq_q=selection.seq_q,
+            seq_k=selection.seq_k,
+            device=device,
+        )
     family.check_sm_scale(sm_scale)
     hkv = selection.mask.shape[0]
     units, tiles = (
@@ -142,7 +168,7 @@ def plan_attention(
         and planner.sizes_are_tiles(cols, tile_keys),
         compact=tile_compact.compact,
     )
-    launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales)
+    launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales, logit_args)
     return Plan(
         path=kernel.template,
         family=family,
@@ -193,6 +219,10 @@ def _reference(plan: Plan, q, k, v):
     )  # fmt: skip
 
 
+def _reference_plan(selection: Selection, logits: LogitOptions, common: dict) -> Plan:
+    return Plan(path="torch", token_mask=_token_mask(selection, logits), logits=logits, **common)
+
+
 def _token_mask(selection: Selection, logits: LogitOptions) -> torch.Tensor:
     """(Hkv, Sq, Sk) token mask for the reference path: the selected blocks, and within them
     the masks inside blocks or else, if asked, the causal mask (FlashInfer applies causal
@@ -205,8 +235,8 @@ def _token_mask(selection: Selection, logits: LogitOptions) -> torch.Tensor:
         None if lens is None else lens.cpu(),
     )
     seq_q, seq_k = mask.shape[1:]
-    if logits.element_mask is not None:
-        return mask & logits.element_mask
+    if logits.mask_bits is not None:
+        return mask & logit_options.unpack_mask_bits(logits.mask_bits.cpu(), seq_k)
     if logits.causal:
         return mask & reference.causal_mask(seq_q, seq_k)
     return mask

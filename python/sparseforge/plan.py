@@ -13,8 +13,9 @@ from sparseforge._library import BoundLaunch, Kernel
 
 @dataclass(frozen=True)
 class LogitOptions:
-    """What plan() asked of the logits besides sm_scale (FlashInfer's plan() options). Our
-    kernels take none of them yet: a plan with any of them runs the PyTorch reference
+    """What plan() asked of the logits besides sm_scale (FlashInfer's plan() options). The
+    16-bit kernels take causal, masks, the soft cap and ALiBi (block_sparse_fwd_logits,
+    logit_options.py); RoPE, and any option with Sage FP8, run the PyTorch reference
     (reference.attention, rope_llama), with a warning under backend="auto"."""
 
     causal: bool = False  # bottom-right aligned (reference.causal_mask)
@@ -22,12 +23,12 @@ class LogitOptions:
     pos_encoding_mode: str = "NONE"  # or "ROPE_LLAMA" (q and k rotated), "ALIBI"
     rope_scale: float = 1.0
     rope_theta: float = 1e4
-    element_mask: torch.Tensor | None = None  # (Sq, Sk) bool: masks inside BSR blocks
+    mask_bits: torch.Tensor | None = None  # (1, Sq, W) int32: masks inside BSR blocks
 
     def named(self) -> list[str]:
         """The options that are set, as the caller wrote them (for messages)."""
         named = []
-        if self.element_mask is not None:
+        if self.mask_bits is not None:
             named.append("mask")
         if self.causal:
             named.append("causal=True")

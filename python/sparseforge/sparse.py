@@ -15,12 +15,15 @@ return_lse) are given.
 SPARSEFORGE_VARIANT=<variant name> (see `python -m sparseforge info` / manifest.json) forces
 one kernel variant, for tuning and debugging; it must fit the plan.
 
-Backends: "auto" (default) runs our kernels when the block sizes are multiples of 64 and
-otherwise the PyTorch reference (`sparseforge.reference`, dense masked attention: correct,
-O(Sq*Sk) memory, slow) with a warning; "sparseforge" (FlashInfer's "fa2", "fa3", "cake"
-and "cake_cute" are accepted as its synonyms) refuses those block sizes instead; "torch"
-always runs the reference; "warp_mma" forces the portable mma.sync kernels (on sm_90a the
-default is the wgmma kernel when it is built).
+Backends: "auto" (default) runs our kernels wherever one applies and otherwise the PyTorch
+reference (`sparseforge.reference`, dense masked attention: correct, O(Sq*Sk) memory, slow)
+with a warning; "sparseforge" (FlashInfer's "fa2", "fa3", "cake" and "cake_cute" are
+accepted as its synonyms) refuses those plans instead; "torch" always runs the reference;
+"warp_mma" forces the portable mma.sync kernels (on sm_90a the default is the wgmma kernel
+when it is built). The 16-bit kernels take every block size (blocks that are not multiples
+of 64 run as 64-token tiles with bit masks, built on the host at plan() time) and the
+options causal, mask / packed_mask, logits_soft_cap and ALiBi; RoPE LLaMA, and Sage FP8
+with any option or with such blocks, run the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import weakref
 
 import torch
 
-from sparseforge import dispatch, reference, sparsity, validation
+from sparseforge import dispatch, logit_options, reference, sparsity, validation
 from sparseforge.checks import (
     check_heads,
     check_index_tensor,
@@ -89,10 +92,10 @@ def _logit_options(
     )
 
 
-def _element_mask(mask, packed_mask, indptr, indices, M: int, N: int, R: int, C: int):
-    """The (M, N) bool mask of the BSR blocks' per-element masks (packed_mask, bits of the
-    (nnz, R, C) mask flattened, little-endian, wins over mask), or None. Built on the host:
-    only the PyTorch reference path reads it."""
+def _mask_bits(mask, packed_mask, indptr, indices, M: int, N: int, R: int, C: int):
+    """The BSR blocks' per-element masks (packed_mask, bits of the (nnz, R, C) mask flattened,
+    little-endian, wins over mask) as (1, M, W) int32 bit rows on the indices' device
+    (logit_options.py), or None."""
     if mask is None and packed_mask is None:
         return None
     if indptr is None or indices is None:
@@ -101,12 +104,12 @@ def _element_mask(mask, packed_mask, indptr, indices, M: int, N: int, R: int, C:
     if packed_mask is not None:
         need = -(-nnz * R * C // 8)
         check_tensor("packed_mask", packed_mask, (need,), torch.uint8)
-        mask = reference.unpack_bits(packed_mask.cpu(), nnz * R * C).view(nnz, R, C)
+        mask = reference.unpack_bits(packed_mask, nnz * R * C).view(nnz, R, C)
     else:
         check_tensor("mask", mask, (nnz, R, C))
         if mask.dtype not in (torch.bool, torch.uint8, torch.int32, torch.int64):
             raise ValueError(f"mask has dtype {mask.dtype}, expected bool (or 0/1 integers)")
-    return reference.bsr_element_mask(indptr, indices, mask != 0, M, N, R, C)
+    return logit_options.bsr_mask_bits(indptr, indices, mask != 0, M, N, R, C)
 
 
 def _sm_scale(sm_scale, head_dim: int) -> float:
@@ -340,9 +343,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             device=self._device,
             non_blocking=non_blocking,
         )
-        element_mask = _element_mask(mask, packed_mask, indptr, indices, M, N, R, C)
-        if element_mask is not None:
-            logits = dataclasses.replace(logits, element_mask=element_mask)
+        mask_bits = _mask_bits(mask, packed_mask, indptr, indices, M, N, R, C)
+        if mask_bits is not None:
+            logits = dataclasses.replace(logits, mask_bits=mask_bits)
         self._plan_attention(
             selection,
             num_qo_heads,
@@ -533,8 +536,9 @@ def plan_cake_vsa(
 ) -> CakeVSAPlan:
     """Plan block-sparse attention once, as BlockSparseAttentionWrapper.plan() with
     backend="cake" would: the same sparsity forms (indptr/indices, block_mask, or
-    q2k_indices/q2k_num; kv_block_lens) and the same checks. Runs only our kernels: block
-    sizes that are not multiples of 64 raise NotImplementedError (no reference fallback).
+    q2k_indices/q2k_num; kv_block_lens) and the same checks. Runs only our kernels (no
+    reference fallback): what no kernel covers (Sage FP8 blocks that are not multiples of
+    64) raises NotImplementedError.
     `device` defaults to the device of the first index tensor given, else the current CUDA
     device. q_data_type=torch.float8_e4m3fn plans Sage FP8 and takes the three scales."""
     if device is None:

@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.logit_options import UnitLogits, apply_logit_options
 from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
@@ -41,8 +42,9 @@ COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
 
 
 class BlockSparseFwdWarpMma:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, logits: bool = False):
         self.dtype = dtype
+        self.logits = logits  # the logit options (block_sparse_fwd_logits)
         self.head_dim = head_dim
         self.p_offset = probability_offset(dtype)
         self.barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=NUM_THREADS)
@@ -143,6 +145,9 @@ class BlockSparseFwdWarpMma:
         thr_load = gmem_load.get_slice(tidx)
         tQcQ = thr_load.partition_S(cute.make_identity_tensor((TILE_M, d)))  # row within the unit
         q_rows_left = args.mQ.shape[0] - chunk * TILE_M
+        logits = None
+        if cutlass.const_expr(self.logits):
+            logits = UnitLogits(args, kv_head, head, chunk * TILE_M)
 
         acc_O, row_max, row_sum = self.attend(
             gmem_load,
@@ -163,6 +168,7 @@ class BlockSparseFwdWarpMma:
             args.mTileLen,
             q_rows_left,
             args.scale_log2,
+            logits,
         )
 
         # Epilogue: O through shared memory (reusing sQ) to 16-byte stores. A unit with no
@@ -207,6 +213,7 @@ class BlockSparseFwdWarpMma:
         mTileLen,
         q_rows_left,
         scale_log2,
+        logits,
     ):
         """The unit's main loop: Q and the first K, then per listed tile S = Q K^T, the online
         softmax and O += P V, with the next K or V loading under each. Returns (O, row max,
@@ -252,6 +259,8 @@ class BlockSparseFwdWarpMma:
                 cute.arch.cp_async_commit_group()
 
             acc_S_mn = acc_mn_view(acc_S)
+            if cutlass.const_expr(logits is not None):
+                apply_logit_options(logits, acc_S_mn, tScS_mn, tile, TILE_N)
             if tile_len < TILE_N:
                 mask_columns(acc_S_mn, tScS_mn, tile_len)
             softmax_update(
@@ -402,4 +411,4 @@ def make_kernel(variant):
     p = variant.params
     if not BlockSparseFwdWarpMma.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
-    return BlockSparseFwdWarpMma(element_type(p["dtype"]), p["head_dim"])
+    return BlockSparseFwdWarpMma(element_type(p["dtype"]), p["head_dim"], p.get("logits", False))

@@ -39,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.logit_options import UnitLogits, apply_logit_options
 from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
@@ -61,8 +62,9 @@ SHARED_RING_BYTES_PER_SM = 160 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, warpgroups: int = 1):
+    def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: bool = False):
         self.dtype = dtype
+        self.logits = logits  # the logit options (block_sparse_fwd_logits)
         self.head_dim = head_dim
         self.warpgroups = warpgroups
         self.p_offset = probability_offset(dtype)
@@ -289,6 +291,9 @@ class BlockSparseFwdSm90:
         q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(storage, tile_bytes)
 
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, self.head_dim), (None, 0))
+        logits = None
+        if cutlass.const_expr(self.logits):
+            logits = UnitLogits(args, kv_head, head, chunk * TILE_M)
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
@@ -317,6 +322,7 @@ class BlockSparseFwdSm90:
             warp,
             wg,
             bar,
+            logits,
         )
         if cutlass.const_expr(self.warpgroups == 1):
             self.consume(*work)
@@ -470,6 +476,7 @@ class BlockSparseFwdSm90:
         warp,
         wg,
         bar,
+        logits,
     ):
         """The warpgroup's work; warp 0 also issues the loads, each as soon as its stage is free.
 
@@ -507,9 +514,11 @@ class BlockSparseFwdSm90:
             if num_tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
                 self.load_tile(kv_producer, v_load, tile_ids[1])
                 kv_producer.advance()
+        tile = cutlass.Int32(0)
         tile_len = cutlass.Int32(0)
         if num_tiles > 0:
-            tile_len = mTileLen[tile_ids[0]]
+            tile = tile_ids[0]
+            tile_len = mTileLen[tile]
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
                 pv_mma,
@@ -525,12 +534,15 @@ class BlockSparseFwdSm90:
                 tile_len,
                 tidx,
                 bar,
+                logits,
+                tile,
             )
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             # Under the two MMAs: the next tile's length, and (warp 0) the id of the tile it
             # loads next (ptxas may wait for a load right after it: CONTRIBUTING.md).
-            tile_len = mTileLen[tile_ids[j + 1]]
+            tile = tile_ids[j + 1]
+            tile_len = mTileLen[tile]
             next_tile = cutlass.Int32(0)
             if loader:
                 next_tile = tile_ids[cutlass.min(j + 2, num_tiles - 1)]
@@ -558,6 +570,8 @@ class BlockSparseFwdSm90:
                 tile_len,
                 tidx,
                 bar,
+                logits,
+                tile,
                 drain=True,
             )
 
@@ -592,6 +606,7 @@ class BlockSparseFwdSm90:
         warp,
         wg,
         bar,
+        logits,
     ):
         """One warpgroup's work when several share the ring (their units list the same tiles).
 
@@ -608,19 +623,23 @@ class BlockSparseFwdSm90:
         tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
             qk_mma, pv_mma, sQ, sK, sV, tidx
         )
+        next_tile = cutlass.Int32(0)
         next_len = cutlass.Int32(0)
         if num_tiles > 0:
-            next_len = mTileLen[tile_ids[0]]
+            next_tile = tile_ids[0]
+            next_len = mTileLen[next_tile]
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
+            tile = next_tile
             tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             kv_producer = self.refill_ring(
                 kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
             )
-            next_len = mTileLen[tile_ids[cutlass.min(j + 1, num_tiles - 1)]]
+            next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
+            next_len = mTileLen[next_tile]
             warpgroup.wait_group(0)
             k_handle.release()
             self.softmax_then_pv(
@@ -637,6 +656,8 @@ class BlockSparseFwdSm90:
                 tile_len,
                 tidx,
                 bar,
+                logits,
+                tile,
                 drain=True,
             )
         self.finish(
@@ -659,11 +680,15 @@ class BlockSparseFwdSm90:
         tile_len,
         tidx,
         bar,
+        logits,
+        tile,
         drain: cutlass.Constexpr = False,
     ):
         """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle, or
         with drain, waits for every MMA issued and releases V's stage."""
-        tOrP = self.probabilities(acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2)
+        tOrP = self.probabilities(
+            acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, tile
+        )
         v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
             self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
@@ -771,9 +796,14 @@ class BlockSparseFwdSm90:
         bar.arrive_and_wait()
 
     @cute.jit
-    def probabilities(self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2):
-        """Mask, online softmax (rescaling acc_O), and P in the A-operand register layout."""
+    def probabilities(
+        self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, tile
+    ):
+        """Logit options (if any), mask, online softmax (rescaling acc_O), and P in the
+        A-operand register layout."""
         acc_S_mn = acc_mn_view(acc_S)
+        if cutlass.const_expr(logits is not None):
+            apply_logit_options(logits, acc_S_mn, tScS_mn, tile, TILE_N)
         if tile_len < TILE_N:
             mask_columns(acc_S_mn, tScS_mn, tile_len)
         softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset)
@@ -797,4 +827,6 @@ def make_kernel(variant):
     p = variant.params
     if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
-    return BlockSparseFwdSm90(element_type(p["dtype"]), p["head_dim"], p["warpgroups"])
+    return BlockSparseFwdSm90(
+        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits", False)
+    )

@@ -1,19 +1,29 @@
 """block_sparse_fwd: 16-bit block-sparse attention over units and tiles (both wrappers'
-bf16 / fp16 plans)."""
+bf16 / fp16 plans); block_sparse_fwd_logits: the same with plan()'s logit options
+(logit_options.py)."""
 
 from __future__ import annotations
 
 from sparseforge.checks import check_vector_operand
 
-FAMILIES = ("block_sparse_fwd",)
-CONSTANTS = ("unit_rows", "tile_keys")
+FAMILIES = ("block_sparse_fwd", "block_sparse_fwd_logits")
+LOGITS_FAMILY = FAMILIES[1]
+CONSTANTS = (
+    "unit_rows",
+    "tile_keys",
+    "logit_causal",
+    "logit_mask",
+    "logit_alibi",
+    "logit_soft_cap",
+)
 CONSTRAINTS = ("units_per_cta",)
 
 
-def bind(kernel, tiles, scale_log2: float, scales=None):
-    """(launch, refresh): the plan's arguments packed once (the tile lists and the softmax
-    scale); nothing to refresh before a run."""
-    return kernel.bind(*tiles.tensors(), scale_log2), None
+def bind(kernel, tiles, scale_log2: float, scales=None, logit_args=None):
+    """(launch, refresh): the plan's arguments packed once (the tile lists, the softmax
+    scale, and for block_sparse_fwd_logits the logit arguments); nothing to refresh before
+    a run."""
+    return kernel.bind(*tiles.tensors(), scale_log2, *(logit_args or ())), None
 
 
 def check_sm_scale(sm_scale: float) -> None:

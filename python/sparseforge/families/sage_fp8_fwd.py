@@ -57,7 +57,7 @@ def tile_scales_view(k_scale):
     return keys.as_strided((hkv, padded), (row, 1))
 
 
-def bind(kernel, tiles, scale_log2: float, scales):
+def bind(kernel, tiles, scale_log2: float, scales, logit_args=None):
     """(launch, refresh): the scales as the ABI's (tokens or channels, heads) views, then the
     tile lists and the softmax scale. The kernels read every scale from the caller's tensors
     at each run, so scales written in place (re-quantized K/V) take effect; a k_scale whose
