@@ -143,7 +143,9 @@ def test_masks_inside_blocks(backend, dtype, R, C, packed):
     N = N // C * C
     indptr, indices, token = random_bsr(M, N, R, C, gen, density=0.6)
     mask = torch.rand(indices.shape[0], R, C, generator=gen) < 0.5
-    mask[:, 1] = False  # row 1 of every row block sees nothing: 0 and LSE -inf
+    # Query row 1 sees nothing: 0 and LSE -inf.
+    block_row = 1 // R
+    mask[int(indptr[block_row]) : int(indptr[block_row + 1]), 1 % R] = False
     q, k, v = qkv(M, N, hq, hkv, d, dtype)
     given = (
         dict(

@@ -62,15 +62,16 @@ def abi(head_dim: int):
 
 def logit_options_args():
     """The logit options' arguments (generator/kernels/common/logit_options.py):
-    mMaskBits  (Hkv, Sq, W)  int32 words, bit k % 32 of word k // 32 set where query row q
-                             may see key k (any head stride: 0 shares one mask)
+    mMaskBits  (Hkv, Sq, T)  int64 words, bit k % 64 of word k // 64 set where query row q
+                             may see key k (one word per 64-key tile; any head stride: 0
+                             shares one mask)
     mAlibi     (Hq,)         ALiBi slope / sm_scale per query head
     diagonal                 Sk - Sq: query i sits at position i + diagonal
     logit_flags              LOGIT_* bits of the options in use
     cap_in, cap_out          soft cap in raw score units: s -> cap_out * tanh(s * cap_in)
     """
     return (
-        TensorArg("mMaskBits", "i32", shape=(None, None, None), stride=(None, None, 1)),
+        TensorArg("mMaskBits", "i64", shape=(None, None, None), stride=(None, None, 1)),
         TensorArg("mAlibi", "f32", shape=(None,), stride=(1,)),
         ScalarArg("diagonal", "i32"),
         ScalarArg("logit_flags", "i32"),

@@ -262,6 +262,85 @@ def run_workload(w: Workload, backend: str = "auto", iters: int = 30) -> dict:
     )
 
 
+def logit_options_times(iters: int = 10, rounds: int = 5) -> list[str]:
+    """W1's shape (H 32, S 32768, 64-token blocks, top-64) through the BSR wrapper (NHD, one
+    selection shared by the heads) with plan()'s options, beside the same selection without
+    them, and causal beside cuDNN's dense causal attention. Causal uses a causal selection:
+    top-64 among each row's visible blocks (the diagonal block always in)."""
+    from sparseforge import BlockSparseAttentionWrapper
+
+    w = WORKLOADS["W1"]
+    device = torch.device("cuda")
+    nb = w.seq // w.block
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (
+        torch.randn(
+            w.seq, w.heads_q, w.head_dim, device=device, dtype=torch.bfloat16, generator=gen
+        )
+        for _ in range(3)
+    )
+    selected = random_selection(1, nb, nb, w.topk)[0]
+    rank = torch.rand(nb, nb, generator=torch.Generator().manual_seed(2))
+    below = torch.arange(nb)[None, :] < torch.arange(nb)[:, None]
+    order = torch.where(below, rank, -1.0).argsort(-1, descending=True)[:, : w.topk - 1]
+    causal = torch.eye(nb, dtype=torch.bool).scatter(1, order, True) & (
+        below | torch.eye(nb, dtype=torch.bool)
+    )
+    mask = torch.rand(int(selected.sum()), w.block, w.block, device=device, generator=gen) < 0.5
+
+    def bsr(blocks):
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), blocks.sum(1).cumsum(0)])
+        return indptr.int().to(device), blocks.nonzero()[:, 1].int().to(device)
+
+    def plan(blocks, **options):
+        wrapper = BlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=device))
+        args = (*bsr(blocks), w.seq, w.seq, w.block, w.block, w.heads_q, w.heads_kv, w.head_dim)
+        wrapper.plan(*args, q_data_type=torch.bfloat16, **options)
+        out = torch.empty_like(q)
+        flops = 4.0 * w.heads_q * w.block * w.block * int(blocks.sum()) * w.head_dim
+        return wrapper, (lambda: wrapper.run(q, k, v, out=out)), flops
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qd, kd, vd = (t.transpose(0, 1)[None] for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        dense_causal = cuda_time_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
+            iters=iters,
+        )
+    variants = [
+        ("top-64, no options", selected, 0, {}),
+        ("top-64, mask (50% random bits)", selected, 0, dict(mask=mask)),
+        ("top-64, logits_soft_cap=30", selected, 0, dict(logits_soft_cap=30.0)),
+        ("top-64, ALiBi", selected, 0, dict(pos_encoding_mode="ALIBI")),
+        ("causal top-64, no options", causal, 4, {}),
+        ("causal top-64, causal=True", causal, 4, dict(causal=True)),
+    ]
+    planned = [plan(blocks, **options) for _, blocks, _, options in variants]
+    # Interleaved: every variant once per round, medians over the rounds.
+    times = [[] for _ in variants]
+    for _ in range(rounds):
+        for i, (_, fn, _) in enumerate(planned):
+            times[i].append(cuda_time_ms(fn, warmup=2, iters=iters))
+    lines = [
+        f"| W1 variant (BSR, NHD) | kernel | ms (median of {rounds} interleaved rounds) | TFLOPS "
+        "| vs the same selection without options |",
+        "|---|---|---:|---:|---:|",
+    ]
+    medians = [statistics.median(t) for t in times]
+    for (name, _, base, _), (wrapper, _, flops), ms in zip(variants, planned, medians, strict=True):
+        lines.append(
+            f"| {name} | {wrapper.backend_in_use} | {ms:.3f} | {flops / (ms * 1e9):.0f} "
+            f"| {ms / medians[base]:.3f}x |"
+        )
+    dense_tflops = 2.0 * w.heads_q * w.seq * w.seq * w.head_dim / (dense_causal * 1e9)
+    lines.append(
+        f"cuDNN dense causal (same shape): {dense_causal:.3f} ms, {dense_tflops:.0f} TFLOPS "
+        "(half the dense work)"
+    )
+    return lines
+
+
 def wrapper_out(wrapper, operands, q):
     """One run of a planned wrapper into a NaN-filled output."""
     out = torch.full_like(q, float("nan"))
@@ -946,6 +1025,11 @@ def main(argv=None) -> int:
         help="also time the SDSA indexer (SD1 scores, SD2 threshold select + top-K)",
     )
     parser.add_argument(
+        "--options",
+        action="store_true",
+        help="also time W1 with plan()'s options (mask, soft cap, ALiBi, causal)",
+    )
+    parser.add_argument(
         "--variants", default="", help="comma list of variant names to time one by one (tuning)"
     )
     args = parser.parse_args(argv)
@@ -1004,6 +1088,8 @@ def main(argv=None) -> int:
         report += "\n" + "\n".join(msa_attention_times())
     if args.sdsa:
         report += "\n" + "\n".join(sdsa_times())
+    if args.options:
+        report += "\n" + "\n".join(logit_options_times())
     print(report)
     if args.plot:
         for path in plot(rows, density_sweep(), args.plot, describe_run()):

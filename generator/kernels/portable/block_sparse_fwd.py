@@ -23,7 +23,12 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.logit_options import UnitLogits, apply_logit_options
+from generator.kernels.common.logit_options import (
+    UnitLogits,
+    apply_logit_options,
+    load_mask_words,
+    new_mask_words,
+)
 from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
@@ -147,7 +152,15 @@ class BlockSparseFwdWarpMma:
         q_rows_left = args.mQ.shape[0] - chunk * TILE_M
         logits = None
         if cutlass.const_expr(self.logits):
-            logits = UnitLogits(args, kv_head, head, chunk * TILE_M)
+            scores = cute.make_identity_tensor((TILE_M, TILE_N))
+            logits = UnitLogits(
+                args,
+                kv_head,
+                head,
+                chunk * TILE_M,
+                acc_mn_view(tiled_mma.get_slice(tidx).partition_C(scores)),
+                acc_mn_view(tiled_mma.get_slice(0).partition_C(scores)),
+            )
 
         acc_O, row_max, row_sum = self.attend(
             gmem_load,
@@ -238,9 +251,14 @@ class BlockSparseFwdWarpMma:
         cute.arch.cp_async_commit_group()
 
         row_max, row_sum = new_softmax_state(cute.size(tScS_mn, mode=[0]))
+        words = None
+        if cutlass.const_expr(logits is not None):
+            words = new_mask_words(logits)
         for j in cutlass.range(num_tiles, unroll=1):
             tile = tile_ids[j]
             tile_len = mTileLen[tile]
+            if cutlass.const_expr(logits is not None):
+                load_mask_words(logits, words, tile)
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             self.load_rows(gmem_load, tVgV[None, None, None, tile], tVsV, tQcQ, tile_len)
@@ -260,7 +278,7 @@ class BlockSparseFwdWarpMma:
 
             acc_S_mn = acc_mn_view(acc_S)
             if cutlass.const_expr(logits is not None):
-                apply_logit_options(logits, acc_S_mn, tScS_mn, tile, TILE_N)
+                apply_logit_options(logits, acc_S_mn, words, tile, TILE_N)
             if tile_len < TILE_N:
                 mask_columns(acc_S_mn, tScS_mn, tile_len)
             softmax_update(

@@ -39,7 +39,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.logit_options import UnitLogits, apply_logit_options
+from generator.kernels.common.logit_options import (
+    UnitLogits,
+    apply_logit_options,
+    load_mask_words,
+    new_mask_words,
+)
 from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
@@ -293,7 +298,15 @@ class BlockSparseFwdSm90:
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, self.head_dim), (None, 0))
         logits = None
         if cutlass.const_expr(self.logits):
-            logits = UnitLogits(args, kv_head, head, chunk * TILE_M)
+            scores = cute.make_identity_tensor((TILE_M, TILE_N))
+            logits = UnitLogits(
+                args,
+                kv_head,
+                head,
+                chunk * TILE_M,
+                acc_mn_view(qk_mma.get_slice(tidx).partition_C(scores)),
+                acc_mn_view(qk_mma.get_slice(0).partition_C(scores)),
+            )
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
         )
@@ -516,9 +529,14 @@ class BlockSparseFwdSm90:
                 kv_producer.advance()
         tile = cutlass.Int32(0)
         tile_len = cutlass.Int32(0)
+        words = None
+        if cutlass.const_expr(logits is not None):
+            words = new_mask_words(logits)
         if num_tiles > 0:
             tile = tile_ids[0]
             tile_len = mTileLen[tile]
+            if cutlass.const_expr(logits is not None):
+                load_mask_words(logits, words, tile)
         for j in cutlass.range(num_tiles - 1, unroll=1):
             v_handle = self.softmax_then_pv(
                 pv_mma,
@@ -535,6 +553,7 @@ class BlockSparseFwdSm90:
                 tidx,
                 bar,
                 logits,
+                words,
                 tile,
             )
             k_handle = kv_consumer.wait_and_advance()
@@ -543,6 +562,8 @@ class BlockSparseFwdSm90:
             # loads next (ptxas may wait for a load right after it: CONTRIBUTING.md).
             tile = tile_ids[j + 1]
             tile_len = mTileLen[tile]
+            if cutlass.const_expr(logits is not None):
+                load_mask_words(logits, words, tile)
             next_tile = cutlass.Int32(0)
             if loader:
                 next_tile = tile_ids[cutlass.min(j + 2, num_tiles - 1)]
@@ -571,6 +592,7 @@ class BlockSparseFwdSm90:
                 tidx,
                 bar,
                 logits,
+                words,
                 tile,
                 drain=True,
             )
@@ -625,6 +647,9 @@ class BlockSparseFwdSm90:
         )
         next_tile = cutlass.Int32(0)
         next_len = cutlass.Int32(0)
+        words = None
+        if cutlass.const_expr(logits is not None):
+            words = new_mask_words(logits)
         if num_tiles > 0:
             next_tile = tile_ids[0]
             next_len = mTileLen[next_tile]
@@ -635,6 +660,8 @@ class BlockSparseFwdSm90:
             tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            if cutlass.const_expr(logits is not None):
+                load_mask_words(logits, words, tile)
             kv_producer = self.refill_ring(
                 kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
             )
@@ -657,6 +684,7 @@ class BlockSparseFwdSm90:
                 tidx,
                 bar,
                 logits,
+                words,
                 tile,
                 drain=True,
             )
@@ -681,13 +709,14 @@ class BlockSparseFwdSm90:
         tidx,
         bar,
         logits,
+        words,
         tile,
         drain: cutlass.Constexpr = False,
     ):
         """Softmax of the tile in acc_S, then issue its O += P V; returns V's stage handle, or
         with drain, waits for every MMA issued and releases V's stage."""
         tOrP = self.probabilities(
-            acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, tile
+            acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, words, tile
         )
         v_handle = kv_consumer.wait_and_advance()
         if tile_len < TILE_N:
@@ -797,13 +826,13 @@ class BlockSparseFwdSm90:
 
     @cute.jit
     def probabilities(
-        self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, tile
+        self, acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, words, tile
     ):
         """Logit options (if any), mask, online softmax (rescaling acc_O), and P in the
         A-operand register layout."""
         acc_S_mn = acc_mn_view(acc_S)
         if cutlass.const_expr(logits is not None):
-            apply_logit_options(logits, acc_S_mn, tScS_mn, tile, TILE_N)
+            apply_logit_options(logits, acc_S_mn, words, tile, TILE_N)
         if tile_len < TILE_N:
             mask_columns(acc_S_mn, tScS_mn, tile_len)
         softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset)
