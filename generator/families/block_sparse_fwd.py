@@ -62,9 +62,9 @@ def abi(head_dim: int):
 
 def logit_options_args():
     """The logit options' arguments (generator/kernels/common/logit_options.py):
-    mMaskBits  (Hkv, Sq, T)  int64 words, bit k % 64 of word k // 64 set where query row q
-                             may see key k (one word per 64-key tile; any head stride: 0
-                             shares one mask)
+    mMaskBits  (Hkv, T, Sq)  int64 words: bit k % 64 of word [k // 64, q] set where query
+                             row q may see key k (a tile's rows are adjacent: a warp's
+                             reads coalesce; any head stride: 0 shares one mask)
     mAlibi     (Hq,)         ALiBi slope / sm_scale per query head
     diagonal                 Sk - Sq: query i sits at position i + diagonal
     logit_flags              LOGIT_* bits of the options in use

@@ -128,7 +128,8 @@ def token_tiles(
 def kernel_arguments(options, bits, *, flags: dict, num_qo_heads: int, num_kv_heads: int,
                      sm_scale: float, seq_q: int, seq_k: int, device):  # fmt: skip
     """(mMaskBits, mAlibi, diagonal, logit_flags, cap_in, cap_out) of a plan; `bits`: its
-    bit rows (1 or Hkv heads; the kernels read them as one int64 per 64-key tile) or None;
+    bit rows (1 or Hkv heads; the kernels read them as one int64 per 64-key tile, (H, T, Sq))
+    or None;
     `flags`: the family's logit_* constants. Causal comes from the options only where no
     bit rows carry it."""
     used = 0
@@ -136,7 +137,9 @@ def kernel_arguments(options, bits, *, flags: dict, num_qo_heads: int, num_kv_he
         bits = torch.zeros(1, 1, 2, dtype=torch.int32, device=device)
     else:
         used |= flags["logit_mask"]
-    bits = bits.view(torch.int64)  # a 64-key tile's two words as one (little-endian)
+    # A 64-key tile's two words as one (little-endian), tile-major: the rows of a tile are
+    # adjacent, so that a warp's reads of them coalesce.
+    bits = bits.view(torch.int64).transpose(1, 2).contiguous()
     if bits.shape[0] != num_kv_heads:
         bits = bits.expand(num_kv_heads, -1, -1)
     if options.causal and not used:

@@ -7,7 +7,7 @@ The attention kernels keep scores in raw q.k units and scale them in the exponen
     soft cap   s -> cap_out * tanh(s * cap_in)     cap_in = sm_scale / cap, cap_out = cap / sm_scale
     ALiBi      s -> s + slope_h / sm_scale * (key - query - diagonal)
     causal     key > query + diagonal        -> -inf   (bottom-right aligned: diagonal = Sk - Sq)
-    mask       bit key % 64 of mMaskBits[kv head, query, key // 64] clear -> -inf
+    mask       bit key % 64 of mMaskBits[kv head, key // 64, query] clear -> -inf
 Each option costs its tile work only when its LOGIT_* flag is set (a uniform branch per
 tile); causal skips tiles that lie wholly on or below the diagonal of the unit. The soft
 cap is tanh.approx (relative error ~2^-11, below bf16's rounding of P).
@@ -41,8 +41,8 @@ class UnitLogits:
         self.cap_in = args.cap_in
         self.cap_out = args.cap_out
         self.slope = args.mAlibi[head]
-        self.mask_rows = args.mMaskBits[kv_head, None, None]
-        self.last_row = args.mMaskBits.shape[1] - 1
+        self.mask_words = args.mMaskBits[kv_head, None, None]  # (tiles, rows)
+        self.last_row = args.mMaskBits.shape[2] - 1
         self.query0 = query0
         self.coord_mn = coord_mn
         self.pattern_mn = pattern_mn
@@ -61,7 +61,7 @@ def load_mask_words(logits: UnitLogits, words: cute.Tensor, tile):
     if logits.flags & LOGIT_MASK != 0:
         for r in cutlass.range_constexpr(cute.size(words)):
             row = cutlass.min(logits.query0 + logits.coord_mn[r, 0][0], logits.last_row)
-            words[r] = logits.mask_rows[row, tile]
+            words[r] = logits.mask_words[tile, row]
 
 
 @cute.jit
