@@ -21,6 +21,7 @@ from sparseforge import (
     run_cake_vsa,
 )
 from sparseforge.check import ragged_mask
+from sparseforge.errors import VariantNotBuiltError
 
 pytestmark = pytest.mark.gpu
 
@@ -379,3 +380,27 @@ def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
             *random_inputs(3, 3, 256, 256, 128, torch.bfloat16),
             "sparseforge",
         )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_head_dim_256(backend, dtype, group):
+    """head_dim 256 (one CTA per SM on sm90; a two-warpgroup variant for groups of 2+)."""
+    torch.manual_seed(zlib.crc32(f"d256{backend}{dtype}{group}".encode()))
+    hkv, seq = 2, 700
+    mb = -(-seq // 64)
+    mask = ragged_mask(hkv, mb, mb, seed=group)
+    sizes = reference.uniform_sizes(seq, 64).expand(hkv, -1)
+    q, k, v = random_inputs(hkv * group, hkv, seq, seq, 256, dtype)
+    wrapper, out, lse = run_variable(mask, sizes, sizes, q, k, v, backend)
+    assert wrapper.backend_in_use == ("warp_mma" if backend == "warp_mma" else "sm90_wgmma")
+    check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
+
+
+def test_unbuilt_head_dim_names_the_built_ones():
+    mask = torch.ones(1, 1, 1, dtype=torch.bool, device=DEV)
+    sz = torch.full((1, 1), 64, dtype=torch.int32, device=DEV)
+    wrapper = VariableBlockSparseAttentionWrapper(workspace())
+    with pytest.raises(VariantNotBuiltError, match="head_dim 96 is not built .* 64, 128, 256"):
+        wrapper.plan(mask, sz, sz, 1, 1, 96, q_data_type=torch.bfloat16)

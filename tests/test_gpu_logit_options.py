@@ -111,7 +111,7 @@ OPTIONS = {
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 @pytest.mark.parametrize("M, N", [(320, 320), (200, 448), (448, 256)])
 def test_options(backend, dtype, head_dim, name, M, N):

@@ -16,13 +16,16 @@ from generator.family import ALL_ARCHS, Family, Template
 UNIT_ROWS = 64  # query rows of a unit (mWork ids h * R + r, R = ceil(Sq / 64))
 TILE_KEYS = 64  # keys of a tile (mTileIdx ids, mTileLen entries)
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # sm90: warpgroups per CTA sharing one K/V ring. A plan runs on the most of them that are
 # built and that its groups of units allow, so only counts that pay are built. Interleaved
 # A/B against 2-CTA clusters that multicast each tile (TFLOPS, H200): W3 587 (4) / 544
 # (2 x 2) / 520 (cluster), W5 545 (2) / 518 (cluster):
 # bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md.
 WARPGROUPS = (1, 2, 4)
+# head_dim 256: one CTA per SM (its O accumulator alone takes 128 registers per thread), so
+# four warpgroups (128 registers each) cannot hold it.
+WARPGROUPS_D256 = (1, 2)
 
 
 def plan_args():
@@ -103,7 +106,7 @@ def templates(logits: bool):
                 dict(dtype=t, head_dim=d, warpgroups=w, **extra)
                 for t in DTYPES
                 for d in HEAD_DIMS
-                for w in WARPGROUPS
+                for w in (WARPGROUPS_D256 if d == 256 else WARPGROUPS)
             ),
         ),
         # mma.sync: the SM100 / SM120 path until their native kernels land, built for

@@ -56,7 +56,7 @@ class BlockSparseFwdWarpMma:
 
     @staticmethod
     def can_implement(head_dim: int) -> bool:
-        return head_dim in (64, 128)
+        return head_dim in (64, 128, 256)
 
     def smem_layout(self, rows: int, cols: int | None = None):
         """A (rows, cols = head_dim) 16-bit tile of 8 x 64 swizzled atoms: conflict-free
@@ -118,7 +118,12 @@ class BlockSparseFwdWarpMma:
             gmem_store,
             tiled_mma,
             SharedStorage,
-        ).launch(grid=[args.mWork.shape[0], 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+        ).launch(
+            grid=[args.mWork.shape[0], 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),  # 96 KB at head_dim 256: past the 48 KB default
+            stream=stream,
+        )
 
     @cute.kernel
     def kernel(

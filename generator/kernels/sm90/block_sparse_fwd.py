@@ -17,6 +17,8 @@ One warpgroup per CTA (any plan), three CTAs per SM (64 KB of shared memory each
   serializes every wgmma (CONTRIBUTING.md). Interleaved A/B against the producer-warp version:
   W1 501/500 vs 484/491, W3 523/533 vs 505/527, W5 524 vs 514 TFLOPS
   (bench/results/2026-11-30_producerless_h200_bench_ab.md).
+head_dim 256: one CTA per SM of one or two warpgroups (O alone takes 128 registers per
+  thread); two share a ring of 4 stages.
 Two or four warpgroups per CTA (consume_shared), four warpgroups per SM at 128 registers:
   a 160 KB ring per SM and no S(j+1) behind P V(j) (it needs ~138 registers). W3 with four:
   587 TFLOPS against 520 for 2-CTA clusters sharing tiles by multicast, W5 with two: 545
@@ -64,6 +66,8 @@ CONSUMER_THREADS = 128
 # Warpgroups sharing one ring: four per SM (128 registers each), CTAs that hold this much
 # ring per SM between them.
 SHARED_RING_BYTES_PER_SM = 160 * 1024
+# head_dim 256, two warpgroups: Q tiles and K/V ring within this (of 227 KB per CTA).
+D256_SMEM_BYTES = 192 * 1024
 
 
 class BlockSparseFwdSm90:
@@ -77,14 +81,22 @@ class BlockSparseFwdSm90:
         self.v_major = OperandMajorMode.MN
         self.kv_stages = KV_STAGES
         self.ctas_per_sm = CTAS_PER_SM
-        if warpgroups > 1:
+        tile_bytes = TILE_N * head_dim * dtype.width // 8
+        if head_dim == 256:
+            # One CTA per SM: a 64 x 256 fp32 O takes 128 registers per thread. Two
+            # warpgroups share a ring of what shared memory is left beside their Q tiles.
+            self.ctas_per_sm = 1
+            if warpgroups > 1:
+                q_bytes = warpgroups * TILE_M * head_dim * dtype.width // 8
+                self.kv_stages = (D256_SMEM_BYTES - q_bytes) // tile_bytes
+        elif warpgroups > 1:
             self.ctas_per_sm = 4 // warpgroups
             ring_bytes = SHARED_RING_BYTES_PER_SM // self.ctas_per_sm
-            self.kv_stages = ring_bytes // (TILE_N * head_dim * dtype.width // 8)
+            self.kv_stages = ring_bytes // tile_bytes
 
     @staticmethod
     def can_implement(head_dim: int) -> bool:
-        return head_dim in (64, 128)
+        return head_dim in (64, 128, 256)
 
     @cute.jit
     def launch(self, args, stream):
