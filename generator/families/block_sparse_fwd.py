@@ -94,9 +94,15 @@ LOGIT_ALIBI = 4
 LOGIT_SOFT_CAP = 8
 
 
+# The logits variants: "masks" (causal and bit masks only) and "scores" (also the soft
+# cap and ALiBi, which change every score). Plans with masks alone, the common case, run
+# the smaller kernel.
+LOGIT_KINDS = ("masks", "scores")
+
+
 def templates(logits: bool):
-    """The family's templates; `logits` adds the logit options to every config."""
-    extra = {"logits": True} if logits else {}
+    """The family's templates; with `logits`, every config once per LOGIT_KINDS."""
+    kinds = [{"logits": kind} for kind in LOGIT_KINDS] if logits else [{}]
     return (
         Template(
             "sm90_wgmma",
@@ -104,6 +110,7 @@ def templates(logits: bool):
             archs=("sm_90a",),
             configs=tuple(
                 dict(dtype=t, head_dim=d, warpgroups=w, **extra)
+                for extra in kinds
                 for t in DTYPES
                 for d in HEAD_DIMS
                 for w in (WARPGROUPS_D256 if d == 256 else WARPGROUPS)
@@ -115,7 +122,12 @@ def templates(logits: bool):
             "warp_mma",
             "generator.kernels.portable.block_sparse_fwd",
             archs=ALL_ARCHS,
-            configs=tuple(dict(dtype=t, head_dim=d, **extra) for t in DTYPES for d in HEAD_DIMS),
+            configs=tuple(
+                dict(dtype=t, head_dim=d, **extra)
+                for extra in kinds
+                for t in DTYPES
+                for d in HEAD_DIMS
+            ),
             portable=True,
         ),
     )

@@ -143,6 +143,10 @@ def plan_attention(
     arch = arch_for_device(
         device.index if device.index is not None else torch.cuda.current_device()
     )
+    kind = {}
+    if logit_args is not None:  # the smaller kernel unless a score option is in use
+        scores = logits.soft_cap or logits.pos_encoding_mode == "ALIBI"
+        kind = dict(logits="scores" if scores else "masks")
     kernel = families.choose(
         spec.name,
         arch,
@@ -150,6 +154,7 @@ def plan_attention(
         fits=fits,
         dtype=NAME_OF[dtype],
         head_dim=head_dim,
+        **kind,
     )
     kernel.prepare()
     tiles = planner.plan_tiles(

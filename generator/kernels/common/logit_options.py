@@ -35,7 +35,7 @@ class UnitLogits:
     pattern_mn: (row in the unit, key in the tile) of this thread's scores and of thread
     0's (the same pattern at base 0)."""
 
-    def __init__(self, args, kv_head, head, query0, coord_mn, pattern_mn):
+    def __init__(self, args, kv_head, head, query0, coord_mn, pattern_mn, scores: bool):
         self.flags = args.logit_flags
         self.diagonal = args.diagonal
         self.cap_in = args.cap_in
@@ -46,6 +46,7 @@ class UnitLogits:
         self.query0 = query0
         self.coord_mn = coord_mn
         self.pattern_mn = pattern_mn
+        self.scores = scores  # the soft cap and ALiBi are compiled in ("scores" variants)
 
 
 @cute.jit
@@ -80,16 +81,8 @@ def apply_logit_options(
     cols = cute.size(acc_s_mn, mode=[1])
     key0 = tile * tile_keys
     column0 = coord[0, 0][1]  # this thread's first key in the tile; the rest: + pattern
-    if logits.flags & LOGIT_SOFT_CAP != 0:
-        capped = cute.math.tanh(acc_s_mn.load() * logits.cap_in, fastmath=True)
-        acc_s_mn.store(capped * logits.cap_out)
-    if logits.flags & LOGIT_ALIBI != 0:
-        for r in cutlass.range_constexpr(rows):
-            query = logits.query0 + coord[r, 0][0]
-            base = logits.slope * cutlass.Float32(key0 + column0 - query - logits.diagonal)
-            for c in cutlass.range_constexpr(cols):
-                offset = cutlass.Float32(pattern[0, c][1])
-                acc_s_mn[r, c] = acc_s_mn[r, c] + (base + logits.slope * offset)
+    if cutlass.const_expr(logits.scores):
+        apply_score_options(logits, acc_s_mn, key0, column0)
     # Causal: nothing to mask where the tile's last key is visible to the unit's first row.
     if (logits.flags & LOGIT_CAUSAL != 0) & (
         key0 + tile_keys - 1 > logits.query0 + logits.diagonal
@@ -105,3 +98,22 @@ def apply_logit_options(
             for c in cutlass.range_constexpr(cols):
                 if word & (cutlass.Int64(1) << cutlass.Int64(pattern[0, c][1])) == 0:
                     acc_s_mn[r, c] = -cutlass.Float32.inf
+
+
+@cute.jit
+def apply_score_options(logits: UnitLogits, acc_s_mn: cute.Tensor, key0, column0):
+    """The soft cap, then ALiBi: the options that change every score (compiled into the
+    "scores" variants only)."""
+    coord, pattern = logits.coord_mn, logits.pattern_mn
+    rows = cute.size(acc_s_mn, mode=[0])
+    cols = cute.size(acc_s_mn, mode=[1])
+    if logits.flags & LOGIT_SOFT_CAP != 0:
+        capped = cute.math.tanh(acc_s_mn.load() * logits.cap_in, fastmath=True)
+        acc_s_mn.store(capped * logits.cap_out)
+    if logits.flags & LOGIT_ALIBI != 0:
+        for r in cutlass.range_constexpr(rows):
+            query = logits.query0 + coord[r, 0][0]
+            base = logits.slope * cutlass.Float32(key0 + column0 - query - logits.diagonal)
+            for c in cutlass.range_constexpr(cols):
+                offset = cutlass.Float32(pattern[0, c][1])
+                acc_s_mn[r, c] = acc_s_mn[r, c] + (base + logits.slope * offset)

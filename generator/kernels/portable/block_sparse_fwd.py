@@ -47,9 +47,9 @@ COPY_BYTES = 16  # one cp.async / ldmatrix row / output store
 
 
 class BlockSparseFwdWarpMma:
-    def __init__(self, dtype, head_dim: int, logits: bool = False):
+    def __init__(self, dtype, head_dim: int, logits: str | None = None):
         self.dtype = dtype
-        self.logits = logits  # the logit options (block_sparse_fwd_logits)
+        self.logits = logits  # block_sparse_fwd_logits' kind (LOGIT_KINDS), or None
         self.head_dim = head_dim
         self.p_offset = probability_offset(dtype)
         self.barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=NUM_THREADS)
@@ -156,7 +156,7 @@ class BlockSparseFwdWarpMma:
         tQcQ = thr_load.partition_S(cute.make_identity_tensor((TILE_M, d)))  # row within the unit
         q_rows_left = args.mQ.shape[0] - chunk * TILE_M
         logits = None
-        if cutlass.const_expr(self.logits):
+        if cutlass.const_expr(self.logits is not None):
             scores = cute.make_identity_tensor((TILE_M, TILE_N))
             logits = UnitLogits(
                 args,
@@ -165,6 +165,7 @@ class BlockSparseFwdWarpMma:
                 chunk * TILE_M,
                 acc_mn_view(tiled_mma.get_slice(tidx).partition_C(scores)),
                 acc_mn_view(tiled_mma.get_slice(0).partition_C(scores)),
+                self.logits == "scores",
             )
 
         acc_O, row_max, row_sum = self.attend(
@@ -434,4 +435,4 @@ def make_kernel(variant):
     p = variant.params
     if not BlockSparseFwdWarpMma.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
-    return BlockSparseFwdWarpMma(element_type(p["dtype"]), p["head_dim"], p.get("logits", False))
+    return BlockSparseFwdWarpMma(element_type(p["dtype"]), p["head_dim"], p.get("logits"))

@@ -71,9 +71,9 @@ D256_SMEM_BYTES = 192 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: bool = False):
+    def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: str | None = None):
         self.dtype = dtype
-        self.logits = logits  # the logit options (block_sparse_fwd_logits)
+        self.logits = logits  # block_sparse_fwd_logits' kind (LOGIT_KINDS), or None
         self.head_dim = head_dim
         self.warpgroups = warpgroups
         self.p_offset = probability_offset(dtype)
@@ -309,7 +309,7 @@ class BlockSparseFwdSm90:
 
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, self.head_dim), (None, 0))
         logits = None
-        if cutlass.const_expr(self.logits):
+        if cutlass.const_expr(self.logits is not None):
             scores = cute.make_identity_tensor((TILE_M, TILE_N))
             logits = UnitLogits(
                 args,
@@ -318,6 +318,7 @@ class BlockSparseFwdSm90:
                 chunk * TILE_M,
                 acc_mn_view(qk_mma.get_slice(tidx).partition_C(scores)),
                 acc_mn_view(qk_mma.get_slice(0).partition_C(scores)),
+                self.logits == "scores",
             )
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
@@ -869,5 +870,5 @@ def make_kernel(variant):
     if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
     return BlockSparseFwdSm90(
-        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits", False)
+        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits")
     )
