@@ -267,3 +267,24 @@ def test_causal_blocks_drop_only_blocks_above_the_diagonal():
     kept = logit_options.causal_blocks(selection).mask
     i, j = torch.arange(3)[:, None], torch.arange(5)[None, :]
     assert torch.equal(kept, (j * 64 <= i * 64 + 63 + 128).expand(2, -1, -1))
+
+
+def test_token_tiles_of_a_shared_bsr_structure_build_one_head():
+    M, N, R, C = 150, 96, 16, 32
+    indptr, indices, token = bsr(M, N, R, C, seed=4)
+    selection = sparsity.from_bsr_wrapper(
+        indptr=indptr, indices=indices, block_mask=None, q2k_indices=None, q2k_num=None,
+        kv_block_lens=None, M=M, N=N, R=R, C=C, num_qo_heads=8, num_kv_heads=4,
+        device=torch.device("cpu"), non_blocking=False,
+    )  # fmt: skip
+    one = logit_options.shared_head(selection)
+    assert one.mask.shape[0] == 1
+    token_mask = reference.block_mask_to_token_mask(one.mask, one.row_sizes, one.col_sizes)
+    tiled, bits = logit_options.token_tiles(token_mask, selection, torch.device("cpu"))
+    assert bits.shape == (1, M, logit_options.words_per_row(N))
+    assert torch.equal(logit_options.unpack_mask_bits(bits, N)[0], token)
+    assert tiled.mask.shape == (4, 3, 2)  # the tile lists are per kv head, all the same
+    padded = torch.zeros(3 * 64, 2 * 64, dtype=torch.bool)
+    padded[:M, :N] = token
+    want = padded.view(3, 64, 2, 64).any(3).any(1)
+    assert torch.equal(tiled.mask[0], want) and torch.equal(tiled.mask[3], want)

@@ -99,9 +99,8 @@ def plan_attention(
     if logits.named() or not aligned:
         bits = logits.mask_bits
         if not aligned:  # 64-token tiles, the blocks' edges (and the options' masks) as bits
-            selection, bits = logit_options.token_tiles(
-                _token_mask(selection, logits), selection, device
-            )
+            token_mask = _token_mask(logit_options.shared_head(selection), logits)
+            selection, bits = logit_options.token_tiles(token_mask, selection, device)
             rows, cols = selection.host_row_sizes, selection.host_col_sizes
         elif logits.causal and bits is None:
             selection = logit_options.causal_blocks(selection)

@@ -4,6 +4,7 @@
     pack_mask_bits(mask)          (H, Sq, Sk) bool -> (H, Sq, W) int32 bit rows
     unpack_mask_bits(bits, Sk)    the inverse (the reference path's token mask)
     causal_blocks(selection)      the selection without blocks that lie wholly above the diagonal
+    shared_head(selection)        its first kv head where all heads share one structure
     token_tiles(token_mask, ...)  a selection of 64 x 64 tiles and its bit rows: blocks whose
                                   sizes are not multiples of 64 on the kernels
     kernel_arguments(...)         the logits family's arguments
@@ -95,6 +96,22 @@ def causal_blocks(selection: Selection) -> Selection:
     return _with(selection, mask=selection.mask & visible)
 
 
+def shared_head(selection: Selection) -> Selection:
+    """The selection's first kv head where every head shares one structure (an expanded
+    BSR mask), else the selection: what its token mask needs to be built from."""
+    mask = selection.mask
+    if mask.shape[0] == 1 or mask.stride(0) != 0:
+        return selection
+    return _with(
+        selection,
+        mask=mask[:1],
+        row_sizes=selection.row_sizes[:1],
+        col_sizes=selection.col_sizes[:1],
+        host_row_sizes=selection.host_row_sizes[:1],
+        host_col_sizes=selection.host_col_sizes[:1],
+    )
+
+
 def _with(selection: Selection, **changes) -> Selection:
     fields = {name: getattr(selection, name) for name in Selection.__dataclass_fields__}
     return Selection(**{**fields, **changes})
@@ -104,8 +121,11 @@ def token_tiles(
     token_mask: torch.Tensor, selection: Selection, device
 ) -> tuple[Selection, torch.Tensor]:
     """(selection of 64-token row and key blocks, bit rows) of a (H, Sq, Sk) token mask: a
-    tile is listed where any of its token pairs is visible, and the bit rows mask the rest."""
+    tile is listed where any of its token pairs is visible, and the bit rows mask the rest.
+    H is the selection's kv heads, or 1 where they share one structure (the tile lists are
+    then that head's, expanded)."""
     h, seq_q, seq_k = token_mask.shape
+    heads = selection.mask.shape[0]
     bits = pack_mask_bits(token_mask).to(device)
     rows, tiles = -(-seq_q // TILE), -(-seq_k // TILE)
     padded = torch.zeros(h, rows * TILE, tiles * TILE, dtype=torch.bool)
@@ -114,11 +134,11 @@ def token_tiles(
     host_rows, host_cols = uniform_sizes(seq_q, TILE), uniform_sizes(seq_k, TILE)
     tiled = _with(
         selection,
-        mask=listed.to(device),
-        row_sizes=uniform_sizes(seq_q, TILE, device).expand(h, -1),
-        col_sizes=uniform_sizes(seq_k, TILE, device).expand(h, -1),
-        host_row_sizes=host_rows.expand(h, -1),
-        host_col_sizes=host_cols.expand(h, -1),
+        mask=listed.to(device).expand(heads, -1, -1),
+        row_sizes=uniform_sizes(seq_q, TILE, device).expand(heads, -1),
+        col_sizes=uniform_sizes(seq_k, TILE, device).expand(heads, -1),
+        host_row_sizes=host_rows.expand(heads, -1),
+        host_col_sizes=host_cols.expand(heads, -1),
         kv_block_lens=None,
         kv_block_size=None,
     )
