@@ -230,3 +230,52 @@ def test_options_extreme_inputs(backend):
         backend, (indptr, indices, M, N, 64, 64, hq, hkv, d), q, k, v, mask=mask.to(DEV)
     )
     assert torch.isinf(lse[5::64]).all() and (out[5::64] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("M, N, causal", [(256, 256, False), (200, 448, True), (448, 320, False)])
+def test_rope_llama(backend, dtype, head_dim, M, N, causal):
+    """q and k rotated by the rope_llama kernel (in fp32, stored in q's dtype) before the
+    attention: checked against the reference's rotation rounded the same way."""
+    gen = seeded(backend, dtype, head_dim, M, N, causal)
+    hq, hkv, scale, theta = 4, 2, 2.0, 5e5
+    indptr, indices, token = random_bsr(M, N, 64, 64, gen, density=0.7)
+    q, k, v = qkv(M, N, hq, hkv, head_dim, dtype)
+    args = (indptr, indices, M, N, 64, 64, hq, hkv, head_dim)
+    options = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=scale, rope_theta=theta)
+    out, lse = run_bsr(backend, args, q, k, v, causal=causal, **options)
+    positions_q = torch.arange(M) + N - M
+    rq = reference.rope_llama(q.transpose(0, 1), positions_q, scale, theta).to(dtype)
+    rk = reference.rope_llama(k.transpose(0, 1), torch.arange(N), scale, theta).to(dtype)
+    if causal:
+        token = token & (torch.arange(N)[None, :] <= torch.arange(M)[:, None] + N - M)
+    want = expected(rq.transpose(0, 1), rk.transpose(0, 1), v, token, head_dim**-0.5)
+    check(out, lse, *want, tol=1e-2, lse_tol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_llama_variable_wrapper_hnd(backend):
+    gen = seeded(backend)
+    heads, seq, d = 2, 320, 128
+    block_mask = torch.rand(heads, 5, 5, generator=gen) < 0.6
+    sizes = torch.full((heads, 5), 64, dtype=torch.int32)
+    q, k, v = (torch.randn(heads, seq, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    wrapper = VariableBlockSparseAttentionWrapper(
+        torch.empty(1024, dtype=torch.uint8, device=DEV), backend=backend
+    )
+    wrapper.plan(
+        block_mask.to(DEV), sizes.to(DEV), sizes.to(DEV), heads, heads, d,
+        pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16,
+    )  # fmt: skip
+    assert wrapper.backend_in_use == KERNEL_OF[backend]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
+    wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    positions = torch.arange(seq)
+    rq = reference.rope_llama(q, positions).to(torch.bfloat16)
+    rk = reference.rope_llama(k, positions).to(torch.bfloat16)
+    token = reference.block_mask_to_token_mask(block_mask, sizes, sizes)
+    want = reference.attention(rq, rk, v, token.to(DEV), d**-0.5, compute_dtype=torch.float32)
+    check(out, lse, *want, tol=1e-2, lse_tol=1e-2)

@@ -148,25 +148,13 @@ def test_fp16_qk_reduction_is_accepted_and_changes_nothing():
     assert torch.equal(plain[0], reduced[0]) and torch.equal(plain[1], reduced[1])
 
 
-def test_rope_runs_the_reference_and_kernel_backends_refuse_it():
-    args = (torch.arange(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
-    args += (256, 256, 64, 64, 4, 2, 64)
-    named = "pos_encoding_mode='ROPE_LLAMA'"
-    options = dict(pos_encoding_mode="ROPE_LLAMA")
-    with pytest.raises(NotImplementedError, match=f"{named}.*backend='sparseforge' has no kernel"):
-        BlockSparseAttentionWrapper(WS, backend="sparseforge").plan(*args, **options)
-    wrapper = BlockSparseAttentionWrapper(WS)
-    with pytest.warns(UserWarning, match=f"{named}.*running the PyTorch reference"):
-        wrapper.plan(*args, **options)
-    assert wrapper.backend_in_use == "torch"
-
-
 @pytest.mark.parametrize(
     "options",
     [
         dict(causal=True),
         dict(logits_soft_cap=30.0),
         dict(pos_encoding_mode="ALIBI"),
+        dict(pos_encoding_mode="ROPE_LLAMA"),
         dict(mask=torch.ones(4, 64, 64, dtype=torch.bool)),
         dict(R=16, C=32),
     ],

@@ -23,7 +23,7 @@ import torch
 from sparseforge import families, logit_options, ops, planner, reference
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import NAME_OF
-from sparseforge.families import block_sparse_fwd, sage_fp8_fwd, tile_compact
+from sparseforge.families import block_sparse_fwd, rope_llama, sage_fp8_fwd, tile_compact
 from sparseforge.plan import LogitOptions, Plan
 from sparseforge.sparsity import Selection
 
@@ -81,12 +81,10 @@ def plan_attention(
         cols, tile_keys
     )
     logit_family = getattr(family, "LOGITS_FAMILY", None)
-    # What no kernel of this family takes: RoPE; any option, or blocks that are not
-    # multiples of the tile, where the family has no logits variants (Sage FP8).
+    # What no kernel of this family takes: any option, or blocks that are not multiples of
+    # the tile, where the family has no logits variants (Sage FP8).
     why = None
-    if logits.pos_encoding_mode == "ROPE_LLAMA":
-        why = "pos_encoding_mode='ROPE_LLAMA': not in our kernels yet"
-    elif logit_family is None and logits.named():
+    if logit_family is None and logits.named():
         why = f"{', '.join(logits.named())}: not in the {NAME_OF[dtype]} kernels"
     elif logit_family is None and not aligned:
         why = f"{blocks} are not multiples of {tile_keys} tokens"
@@ -95,8 +93,9 @@ def plan_attention(
             raise NotImplementedError(f"{why}; backend={backend!r} has no kernel for it")
         warnings.warn(f"{why}: running the PyTorch reference (slow, dense memory)", stacklevel=4)
         return _reference_plan(selection, logits, common)
+    rope = logits.pos_encoding_mode == "ROPE_LLAMA"  # q and k rotated first, any kernel
     logit_args = None
-    if logits.named() or not aligned:
+    if (len(logits.named()) > rope) or not aligned:
         bits = logits.mask_bits
         if not aligned:  # 64-token tiles, the blocks' edges (and the options' masks) as bits
             token_mask = _token_mask(logit_options.shared_head(selection), logits)
@@ -173,6 +172,9 @@ def plan_attention(
         compact=tile_compact.compact,
     )
     launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales, logit_args)
+    if rope:
+        shapes = Plan(path=kernel.template, **common)
+        common["rope"] = rope_llama.bind(shapes, logits, device)
     return Plan(
         path=kernel.template,
         family=family,
@@ -199,6 +201,11 @@ def run_attention(plan: Plan, q, k, v, out, lse) -> None:
         return
     if plan.refresh is not None:
         plan.refresh()
+    if plan.rope is not None:
+        rotate_q, rotate_k, q_rotated, k_rotated = plan.rope
+        ops.launch(rotate_q, (q, q_rotated), plan.hnd)
+        ops.launch(rotate_k, (k, k_rotated), plan.hnd)
+        q, k = q_rotated, k_rotated
     tensors, swap01 = plan.family.operands(plan.kernel, q, k, v, out, lse, plan.hnd)
     ops.launch(plan.launch, tensors, swap01)
 

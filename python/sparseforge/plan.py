@@ -15,8 +15,9 @@ from sparseforge._library import BoundLaunch, Kernel
 class LogitOptions:
     """What plan() asked of the logits besides sm_scale (FlashInfer's plan() options). The
     16-bit kernels take causal, masks, the soft cap and ALiBi (block_sparse_fwd_logits,
-    logit_options.py); RoPE, and any option with Sage FP8, run the PyTorch reference
-    (reference.attention, rope_llama), with a warning under backend="auto"."""
+    logit_options.py) and RoPE (q and k rotated first: families/rope_llama.py); any option
+    with Sage FP8 runs the PyTorch reference (reference.attention, rope_llama), with a
+    warning under backend="auto"."""
 
     causal: bool = False  # bottom-right aligned (reference.causal_mask)
     soft_cap: float = 0.0  # > 0: cap * tanh(logits / cap)
@@ -62,6 +63,9 @@ class Plan:
     lse_scratch: torch.Tensor | None = None  # lse when the caller wants none (no allocation)
     token_mask: torch.Tensor | None = None  # the reference path's (Hkv, Sq, Sk) mask
     logits: LogitOptions = NO_LOGIT_OPTIONS  # the reference path's options beyond sm_scale
+    # RoPE LLaMA on the kernels: (launch of q, launch of k, q buffer, k buffer), the rotated
+    # q and k the attention reads (families/rope_llama.py)
+    rope: tuple | None = None
 
     def _layout(self, heads: int, seq: int, *rest) -> tuple:
         return (heads, seq, *rest) if self.hnd else (seq, heads, *rest)
