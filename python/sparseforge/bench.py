@@ -313,8 +313,14 @@ def logit_options_times(iters: int = 10, rounds: int = 5) -> list[str]:
         ("top-64, mask (50% random bits)", selected, 0, dict(mask=mask)),
         ("top-64, logits_soft_cap=30", selected, 0, dict(logits_soft_cap=30.0)),
         ("top-64, ALiBi", selected, 0, dict(pos_encoding_mode="ALIBI")),
-        ("causal top-64, no options", causal, 4, {}),
-        ("causal top-64, causal=True", causal, 4, dict(causal=True)),
+        (
+            "top-64, ROPE_LLAMA (q, k rotated first)",
+            selected,
+            0,
+            dict(pos_encoding_mode="ROPE_LLAMA"),
+        ),
+        ("causal top-64, no options", causal, 5, {}),
+        ("causal top-64, causal=True", causal, 5, dict(causal=True)),
     ]
     planned = [plan(blocks, **options) for _, blocks, _, options in variants]
     # Interleaved: every variant once per round, medians over the rounds.
