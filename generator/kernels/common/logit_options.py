@@ -28,14 +28,20 @@ from generator.families.block_sparse_fwd import (
     LOGIT_MASK,
     LOGIT_SOFT_CAP,
 )
+from generator.kernels.common.softmax import acc_mn_view
 
 
 class UnitLogits:
-    """The options as the unit of query `head` from row `query0` sees them; coord_mn and
-    pattern_mn: (row in the unit, key in the tile) of this thread's scores and of thread
-    0's (the same pattern at base 0)."""
+    """The options as the unit of query `head` from row `query0` sees them, for the scores
+    of `mma` (a tile_shape accumulator) held by thread `tidx`; `kind`: the variant's
+    (LOGIT_KINDS: "scores" compiles the soft cap and ALiBi in)."""
 
-    def __init__(self, args, kv_head, head, query0, coord_mn, pattern_mn, scores: bool):
+    def __init__(self, args, kv_head, head, query0, mma, tidx, tile_shape, kind: str):
+        scores = cute.make_identity_tensor(tile_shape)
+        # (row in the unit, key in the tile) of this thread's scores and of thread 0's: the
+        # same pattern at base 0.
+        coord_mn = acc_mn_view(mma.get_slice(tidx).partition_C(scores))
+        pattern_mn = acc_mn_view(mma.get_slice(0).partition_C(scores))
         self.flags = args.logit_flags
         self.diagonal = args.diagonal
         self.cap_in = args.cap_in
@@ -46,7 +52,7 @@ class UnitLogits:
         self.query0 = query0
         self.coord_mn = coord_mn
         self.pattern_mn = pattern_mn
-        self.scores = scores  # the soft cap and ALiBi are compiled in ("scores" variants)
+        self.scores = kind == "scores"  # the soft cap and ALiBi are compiled in
 
 
 @cute.jit

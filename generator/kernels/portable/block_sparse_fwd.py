@@ -157,15 +157,8 @@ class BlockSparseFwdWarpMma:
         q_rows_left = args.mQ.shape[0] - chunk * TILE_M
         logits = None
         if cutlass.const_expr(self.logits is not None):
-            scores = cute.make_identity_tensor((TILE_M, TILE_N))
             logits = UnitLogits(
-                args,
-                kv_head,
-                head,
-                chunk * TILE_M,
-                acc_mn_view(tiled_mma.get_slice(tidx).partition_C(scores)),
-                acc_mn_view(tiled_mma.get_slice(0).partition_C(scores)),
-                self.logits == "scores",
+                args, kv_head, head, chunk * TILE_M, tiled_mma, tidx, (TILE_M, TILE_N), self.logits
             )
 
         acc_O, row_max, row_sum = self.attend(

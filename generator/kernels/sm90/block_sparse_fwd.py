@@ -310,15 +310,8 @@ class BlockSparseFwdSm90:
         gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, self.head_dim), (None, 0))
         logits = None
         if cutlass.const_expr(self.logits is not None):
-            scores = cute.make_identity_tensor((TILE_M, TILE_N))
             logits = UnitLogits(
-                args,
-                kv_head,
-                head,
-                chunk * TILE_M,
-                acc_mn_view(qk_mma.get_slice(tidx).partition_C(scores)),
-                acc_mn_view(qk_mma.get_slice(0).partition_C(scores)),
-                self.logits == "scores",
+                args, kv_head, head, chunk * TILE_M, qk_mma, tidx, (TILE_M, TILE_N), self.logits
             )
         loads = self.load_partitions(
             tma_q, mQ_tma, tma_k, gK, tma_v, mV_tma, sQ, sK, sV, head, kv_head, chunk
