@@ -279,3 +279,36 @@ def test_rope_llama_variable_wrapper_hnd(backend):
     token = reference.block_mask_to_token_mask(block_mask, sizes, sizes)
     want = reference.attention(rq, rk, v, token.to(DEV), d**-0.5, compute_dtype=torch.float32)
     check(out, lse, *want, tol=1e-2, lse_tol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_options_capture_in_a_cuda_graph(backend):
+    """run() of a plan with RoPE (two extra launches), causal and a mask replays in a CUDA
+    graph with the eager result."""
+    gen = seeded(backend)
+    M, N, hq, hkv, d = 256, 320, 4, 2, 64
+    indptr, indices, _ = random_bsr(M, N, 64, 64, gen, density=0.7)
+    mask = (torch.rand(indices.shape[0], 64, 64, generator=gen) < 0.7).to(DEV)
+    q, k, v = qkv(M, N, hq, hkv, d, torch.bfloat16)
+    wrapper = BlockSparseAttentionWrapper(
+        torch.empty(1024, dtype=torch.uint8, device=DEV), backend=backend
+    )
+    wrapper.plan(
+        indptr, indices, M, N, 64, 64, hq, hkv, d, mask=mask, pos_encoding_mode="ROPE_LLAMA",
+        logits_soft_cap=20.0, q_data_type=torch.bfloat16,
+    )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
+    eager = [t.clone() for t in wrapper.run(q, k, v, return_lse=True)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)  # warm-up off the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
