@@ -267,8 +267,7 @@ def test_token_tiles_of_a_shared_bsr_structure_build_one_head():
     )  # fmt: skip
     one = logit_options.shared_head(selection)
     assert one.mask.shape[0] == 1
-    token_mask = reference.block_mask_to_token_mask(one.mask, one.row_sizes, one.col_sizes)
-    tiled, bits = logit_options.token_tiles(token_mask, selection, torch.device("cpu"))
+    tiled, bits = logit_options.token_tiles(one, None, False, heads=4, chunk_bytes=5000)
     assert bits.shape == (1, M, logit_options.words_per_row(N))
     assert torch.equal(logit_options.unpack_mask_bits(bits, N)[0], token)
     assert tiled.mask.shape == (4, 3, 2)  # the tile lists are per kv head, all the same
@@ -276,3 +275,69 @@ def test_token_tiles_of_a_shared_bsr_structure_build_one_head():
     padded[:M, :N] = token
     want = padded.view(3, 64, 2, 64).any(3).any(1)
     assert torch.equal(tiled.mask[0], want) and torch.equal(tiled.mask[3], want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_token_tiles_of_variable_blocks_per_head(causal):
+    """Per-kv-head block sizes (not multiples of 64), causal: the bit rows are the
+    reference's token mask."""
+    rows = torch.tensor([[30, 50, 70], [100, 25, 25]])
+    cols = torch.tensor([[90, 40, 70], [7, 192, 1]])
+    block_mask = torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(1)) < 0.6
+    selection = sparsity.from_block_mask_map(
+        block_mask_map=block_mask, block_row_sz=rows.int(), block_col_sz=cols.int(),
+        host_rows=rows, host_cols=cols, num_kv_heads=2, device=torch.device("cpu"),
+        non_blocking=False,
+    )  # fmt: skip
+    tiled, bits = logit_options.token_tiles(selection, None, causal, heads=2, chunk_bytes=9000)
+    want = reference.block_mask_to_token_mask(block_mask, rows, cols)
+    if causal:
+        want &= reference.causal_mask(150, 200)
+    assert torch.equal(logit_options.unpack_mask_bits(bits, 200), want)
+
+
+def test_token_tiles_with_kv_block_lens_and_element_masks():
+    M, N, R, C = 70, 120, 10, 40
+    indptr, indices, token = bsr(M, N, R, C, seed=2)
+    lens = torch.tensor([40, 13, 1], dtype=torch.int32)
+    selection = sparsity.from_bsr_wrapper(
+        indptr=indptr, indices=indices, block_mask=None, q2k_indices=None, q2k_num=None,
+        kv_block_lens=lens, M=M, N=N, R=R, C=C, num_qo_heads=2, num_kv_heads=2,
+        device=torch.device("cpu"), non_blocking=False,
+    )  # fmt: skip
+    mask = torch.rand(indices.shape[0], R, C, generator=torch.Generator().manual_seed(3)) < 0.5
+    element = logit_options.bsr_mask_bits(indptr, indices, mask, M, N, R, C)
+    one = logit_options.shared_head(selection)
+    _, bits = logit_options.token_tiles(one, element, True, heads=2)  # causal: mask wins
+    offset = torch.arange(N) % C
+    valid = offset < lens.repeat_interleave(C)
+    want = token & valid & reference.bsr_element_mask(indptr, indices, mask, M, N, R, C)
+    assert torch.equal(logit_options.unpack_mask_bits(bits, N)[0], want)
+
+
+def test_sage_fp8_with_soft_cap_and_causal_runs_the_reference():
+    """Sage FP8 has no logits kernels: under "auto" its options run the reference on the
+    dequantized inputs (with a warning)."""
+    g = torch.Generator().manual_seed(6)
+    M, N, hq, hkv, d = 128, 192, 2, 2, 64
+    q8, k8, v8 = ((torch.randn(s, h, d, generator=g) * 60).to(torch.float8_e4m3fn)
+                  for s, h in ((M, hq), (N, hkv), (N, hkv)))  # fmt: skip
+    q_scale = torch.rand(1, hq, M, generator=g) * 0.02 + 0.001
+    k_scale = torch.rand(1, hkv, -(-N // 16), generator=g) * 0.02 + 0.001
+    v_scale = torch.rand(hkv, d, generator=g) * 0.02 + 0.001
+    indptr, indices, token = bsr(M, N, 64, 64, seed=6)
+    wrapper = BlockSparseAttentionWrapper(WS)
+    with pytest.warns(UserWarning, match="running the PyTorch reference"):
+        wrapper.plan(
+            indptr, indices, M, N, 64, 64, hq, hkv, d, q_data_type=torch.float8_e4m3fn,
+            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, logits_soft_cap=3.0,
+            causal=True,
+        )  # fmt: skip
+    out, lse = wrapper.run(q8, k8, v8, return_lse=True)
+    q, k, v = reference.sage_dequantize(
+        *(t.transpose(0, 1) for t in (q8, k8, v8)), q_scale, k_scale, v_scale
+    )
+    causal = torch.arange(N)[None, :] <= torch.arange(M)[:, None] + N - M
+    want = reference.attention(q, k, v, (token & causal)[None], d**-0.5, logits_soft_cap=3.0)
+    torch.testing.assert_close(out.transpose(0, 1).double(), want[0].double(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.transpose(0, 1).double(), want[1].double(), atol=1e-4, rtol=1e-4)

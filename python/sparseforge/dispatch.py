@@ -98,8 +98,12 @@ def plan_attention(
     if (len(logits.named()) > rope) or not aligned:
         bits = logits.mask_bits
         if not aligned:  # 64-token tiles, the blocks' edges (and the options' masks) as bits
-            token_mask = _token_mask(logit_options.shared_head(selection), logits)
-            selection, bits = logit_options.token_tiles(token_mask, selection, device)
+            selection, bits = logit_options.token_tiles(
+                logit_options.shared_head(selection),
+                bits,
+                logits.causal,
+                heads=selection.mask.shape[0],
+            )
             rows, cols = selection.host_row_sizes, selection.host_col_sizes
         elif logits.causal and bits is None:
             selection = logit_options.causal_blocks(selection)

@@ -5,8 +5,8 @@
     unpack_mask_bits(bits, Sk)    the inverse (the reference path's token mask)
     causal_blocks(selection)      the selection without blocks that lie wholly above the diagonal
     shared_head(selection)        its first kv head where all heads share one structure
-    token_tiles(token_mask, ...)  a selection of 64 x 64 tiles and its bit rows: blocks whose
-                                  sizes are not multiples of 64 on the kernels
+    token_tiles(selection, ...)   a selection of 64 x 64 tiles and its bit rows: blocks whose
+                                  sizes are not multiples of 64 on the kernels (GPU, no sync)
     kernel_arguments(...)         the logits family's arguments
                                   (generator/families/block_sparse_fwd.py)
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from sparseforge import reference
+from sparseforge.planner import block_of_position
 from sparseforge.sparsity import Selection, uniform_sizes
 
 TILE = 64  # tokens of a unit and of a key tile (block_sparse_fwd's unit_rows / tile_keys)
@@ -118,23 +119,48 @@ def _with(selection: Selection, **changes) -> Selection:
 
 
 def token_tiles(
-    token_mask: torch.Tensor, selection: Selection, device
+    selection: Selection, mask_bits, causal: bool, heads: int, chunk_bytes: int = 2**28
 ) -> tuple[Selection, torch.Tensor]:
-    """(selection of 64-token row and key blocks, bit rows) of a (H, Sq, Sk) token mask: a
-    tile is listed where any of its token pairs is visible, and the bit rows mask the rest.
-    H is the selection's kv heads, or 1 where they share one structure (the tile lists are
-    then that head's, expanded)."""
-    h, seq_q, seq_k = token_mask.shape
-    heads = selection.mask.shape[0]
-    bits = pack_mask_bits(token_mask).to(device)
-    rows, tiles = -(-seq_q // TILE), -(-seq_k // TILE)
-    padded = torch.zeros(h, rows * TILE, tiles * TILE, dtype=torch.bool)
-    padded[:, :seq_q, :seq_k] = token_mask
-    listed = padded.view(h, rows, TILE, tiles, TILE).any(4).any(2)
+    """(selection of 64-token row and key blocks, bit rows) of a selection whose blocks are
+    not multiples of 64, on its device without a host synchronisation: the bit rows hold
+    its token mask (blocks, kv_block_lens) and, within it, `mask_bits` (1, Sq, W) or else
+    the causal mask; a tile is listed where any of its bits is set. `selection` may be
+    shared_head()'s one head of `heads` kv heads (the tile lists are then expanded). Rows
+    are built `chunk_bytes` of bools at a time."""
+    device, seq_q, seq_k = selection.mask.device, selection.seq_q, selection.seq_k
+    h, nb = selection.mask.shape[0], selection.mask.shape[2]
+    words = words_per_row(seq_k)
+    keys = torch.arange(words * WORD_BITS, device=device)
+    col_block = block_of_position(selection.col_sizes, keys)  # (H, keys)
+    visible_key = (keys < seq_k).expand(h, -1)
+    if selection.kv_block_lens is not None:  # uniform key blocks of kv_block_size tokens
+        size = selection.kv_block_size
+        lens = selection.kv_block_lens.to(device=device, dtype=torch.int64)
+        visible_key = visible_key & (keys - col_block * size < lens[col_block])
+    row_block = block_of_position(selection.row_sizes, torch.arange(seq_q, device=device))
+    bits = torch.empty(h, seq_q, words, dtype=torch.int32, device=device)
+    rows_per_chunk = max(1, chunk_bytes // (h * keys.numel()))
+    for first in range(0, seq_q, rows_per_chunk):
+        last = min(seq_q, first + rows_per_chunk)
+        block_rows = torch.gather(
+            selection.mask, 1, row_block[:, first:last, None].expand(-1, -1, nb)
+        )
+        token = torch.gather(block_rows, 2, col_block[:, None, :].expand(-1, last - first, -1))
+        token &= visible_key[:, None, :]
+        if mask_bits is not None:
+            token &= unpack_mask_bits(mask_bits[:, first:last], keys.numel())
+        elif causal:
+            query = torch.arange(first, last, device=device) + (seq_k - seq_q)
+            token &= keys[None, None, :] <= query[None, :, None]
+        bits[:, first:last] = _pack_bytes(token).view(torch.int32)
+    rows, tiles = -(-seq_q // TILE), words // 2
+    padded = torch.zeros(h, rows * TILE, tiles, dtype=torch.bool, device=device)
+    padded[:, :seq_q] = bits.view(torch.int64) != 0
+    listed = padded.view(h, rows, TILE, tiles).any(2)
     host_rows, host_cols = uniform_sizes(seq_q, TILE), uniform_sizes(seq_k, TILE)
     tiled = _with(
         selection,
-        mask=listed.to(device).expand(heads, -1, -1),
+        mask=listed.expand(heads, -1, -1),
         row_sizes=uniform_sizes(seq_q, TILE, device).expand(heads, -1),
         col_sizes=uniform_sizes(seq_k, TILE, device).expand(heads, -1),
         host_row_sizes=host_rows.expand(heads, -1),
