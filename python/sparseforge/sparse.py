@@ -21,7 +21,7 @@ with a warning; "sparseforge" (FlashInfer's "fa2", "fa3", "cake" and "cake_cute"
 accepted as its synonyms) refuses those plans instead; "torch" always runs the reference;
 "warp_mma" forces the portable mma.sync kernels (on sm_90a the default is the wgmma kernel
 when it is built). The 16-bit kernels take every block size (blocks that are not multiples
-of 64 run as 64-token tiles with bit masks, built on the host at plan() time) and every
+of 64 run as 64-token tiles with bit masks, built on the GPU at plan() time) and every
 option: causal, mask / packed_mask, logits_soft_cap, ALiBi and RoPE LLaMA (q and k rotated
 into plan-time buffers by a kernel before the attention); Sage FP8 with any option or with
 such blocks runs the reference.
