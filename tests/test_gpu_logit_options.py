@@ -312,3 +312,21 @@ def test_options_capture_in_a_cuda_graph(backend):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_block_lens_with_causal_and_alibi(backend):
+    """kv_block_lens cut key blocks short; positions are K's indices (padding included),
+    as in the reference."""
+    gen = seeded(backend)
+    M, N, R, C, hq, hkv, d = 256, 384, 64, 128, 4, 2, 128
+    indptr, indices, token = random_bsr(M, N, R, C, gen, density=0.8)
+    lens = torch.tensor([128, 70, 1], dtype=torch.int32)
+    q, k, v = qkv(M, N, hq, hkv, d, torch.float16)
+    out, lse = run_bsr(
+        backend, (indptr, indices, M, N, R, C, hq, hkv, d), q, k, v,
+        kv_block_lens=lens.to(DEV), causal=True, pos_encoding_mode="ALIBI",
+    )  # fmt: skip
+    valid = torch.arange(N) % C < lens.repeat_interleave(C)
+    causal = torch.arange(N)[None, :] <= torch.arange(M)[:, None] + N - M
+    check(out, lse, *expected(q, k, v, token & valid & causal, d**-0.5, alibi=True))
