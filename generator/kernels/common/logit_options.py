@@ -99,11 +99,16 @@ def apply_logit_options(
                 if pattern[0, c][1] > limit:
                     acc_s_mn[r, c] = -cutlass.Float32.inf
     if logits.flags & LOGIT_MASK != 0:
+        # Rows whose 64 keys are all visible (most tiles of most masks) need nothing.
+        partial = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(rows):
-            word = words[r] >> cutlass.Int64(column0)
-            for c in cutlass.range_constexpr(cols):
-                if word & (cutlass.Int64(1) << cutlass.Int64(pattern[0, c][1])) == 0:
-                    acc_s_mn[r, c] = -cutlass.Float32.inf
+            partial = partial | (words[r] != cutlass.Int64(-1))
+        if partial:
+            for r in cutlass.range_constexpr(rows):
+                word = words[r] >> cutlass.Int64(column0)
+                for c in cutlass.range_constexpr(cols):
+                    if word & (cutlass.Int64(1) << cutlass.Int64(pattern[0, c][1])) == 0:
+                        acc_s_mn[r, c] = -cutlass.Float32.inf
 
 
 @cute.jit
