@@ -18,6 +18,8 @@ ALiBi slopes are divided by sm_scale here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparseforge import reference
@@ -94,7 +96,7 @@ def causal_blocks(selection: Selection) -> Selection:
     last_row = selection.row_sizes.cumsum(-1) - 1
     first_key = selection.col_sizes.cumsum(-1) - selection.col_sizes
     visible = first_key[:, None, :] <= last_row[:, :, None] + diagonal
-    return _with(selection, mask=selection.mask & visible)
+    return dataclasses.replace(selection, mask=selection.mask & visible)
 
 
 def shared_head(selection: Selection) -> Selection:
@@ -103,7 +105,7 @@ def shared_head(selection: Selection) -> Selection:
     mask = selection.mask
     if mask.shape[0] == 1 or mask.stride(0) != 0:
         return selection
-    return _with(
+    return dataclasses.replace(
         selection,
         mask=mask[:1],
         row_sizes=selection.row_sizes[:1],
@@ -111,11 +113,6 @@ def shared_head(selection: Selection) -> Selection:
         host_row_sizes=selection.host_row_sizes[:1],
         host_col_sizes=selection.host_col_sizes[:1],
     )
-
-
-def _with(selection: Selection, **changes) -> Selection:
-    fields = {name: getattr(selection, name) for name in Selection.__dataclass_fields__}
-    return Selection(**{**fields, **changes})
 
 
 def token_tiles(
@@ -152,13 +149,13 @@ def token_tiles(
         elif causal:
             query = torch.arange(first, last, device=device) + (seq_k - seq_q)
             token &= keys[None, None, :] <= query[None, :, None]
-        bits[:, first:last] = _pack_bytes(token).view(torch.int32)
+        bits[:, first:last] = pack_mask_bits(token)
     rows, tiles = -(-seq_q // TILE), words // 2
     padded = torch.zeros(h, rows * TILE, tiles, dtype=torch.bool, device=device)
     padded[:, :seq_q] = bits.view(torch.int64) != 0
     listed = padded.view(h, rows, TILE, tiles).any(2)
     host_rows, host_cols = uniform_sizes(seq_q, TILE), uniform_sizes(seq_k, TILE)
-    tiled = _with(
+    tiled = dataclasses.replace(
         selection,
         mask=listed.expand(heads, -1, -1),
         row_sizes=uniform_sizes(seq_q, TILE, device).expand(heads, -1),
