@@ -71,6 +71,8 @@ class Variant:
             config += f"_w{p['warpgroups']}"
         if p.get("key_layout"):
             config += f"_{p['key_layout']}"
+        if p.get("accumulate", "fp32") != "fp32":
+            config += f"_acc_{p['accumulate']}"
         if p.get("logits"):
             config += f"_{p['logits']}"
         return f"{self.family.name}__{self.template.name}__{config}__{self.arch}"

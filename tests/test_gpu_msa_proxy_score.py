@@ -61,6 +61,44 @@ def test_matches_the_reference(dtype, paged, shape, causal, offsets, reduce_head
     assert_scores_match(got, want.to(got.device))
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+@pytest.mark.parametrize("causal, reduce_heads", [(True, False), (False, True)])
+def test_e4m3_on_fp8_tensor_cores(paged, causal, reduce_heads):
+    """use_fp32_acc=False: e4m3 sums on Hopper's FP8 wgmma, whose accumulator keeps fewer bits
+    than fp32; the same blocks are -inf and the rest within 2e-3 of the largest score."""
+    seq_q, seq_k = SHAPES["prefill"]
+    args = proxy_score_inputs(torch.float8_e4m3fn, paged, seq_q, seq_k, hq=8, hkv=2, device="cuda")
+    options = dict(causal=causal, reduce_heads=reduce_heads, max_k_tiles=42)
+    got = msa_proxy_score(**args, **options, max_seqlen_q=max(seq_q), use_fp32_acc=False)
+    want = reference.msa_proxy_score(**args, **options).to(got.device)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), "-inf blocks differ"
+    finite = torch.isfinite(want)
+    scale = want[finite].abs().max()
+    assert float((got[finite] - want[finite]).abs().max() / scale) <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+def test_portable_kernel_where_a_native_one_exists(monkeypatch, dtype, paged):
+    """The mma.sync variants SM100 and SM120 run, forced on this GPU (SPARSEFORGE_VARIANT)."""
+    from sparseforge.families import msa_proxy_score as family
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the forced variants are the sm_90a build's")
+    name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3"}[dtype]
+    layout = "paged" if paged else "flat"
+    variant = f"msa_proxy_score__warp_mma__{name}_d128_{layout}__sm_90a"
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", variant)
+    family.launch.cache_clear()
+    try:
+        seq_q, seq_k = SHAPES["prefill"]
+        args = proxy_score_inputs(dtype, paged, seq_q, seq_k, hq=8, hkv=2, device="cuda")
+        got = msa_proxy_score(**args, max_seqlen_q=max(seq_q), max_k_tiles=42)
+        assert_scores_match(got, reference.msa_proxy_score(**args, max_k_tiles=42).to(got.device))
+    finally:
+        family.launch.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, "nvfp4"], ids=str)
 def test_blocks_whose_page_id_leaves_the_cache_score_minus_inf(dtype):
     args = proxy_score_inputs(dtype, True, [3, 70], [300, 100], device="cuda")

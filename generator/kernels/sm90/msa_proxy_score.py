@@ -1,0 +1,366 @@
+"""MSA proxy score for Hopper (sm_90a): TMA loads and wgmma, bf16 / fp16 / e4m3 q and k.
+
+Same contract as the portable template (generator/families/msa_proxy_score.py). A CTA owns
+128 query rows of one sequence and one query head (with reduce_heads: every head in turn,
+the output row keeping the max): two consumer warpgroups of 64 rows each and a producer
+warp. The producer TMA-loads the CTA's Q tile, then the sequence's 128-key blocks up to the
+last one any of its rows sees into a ring (flat keys at the sequence's offset, paged keys by
+page id); each consumer warpgroup multiplies its 64 rows by each block (S = Q K^T, wgmma
+m64n128, both operands in shared memory), releases the stage and reduces S to one max per
+row, written to out[head, block, token]:
+    producer:  Q; then for each block u: wait for a free stage, TMA K[u] into it
+    consumers: for each block u: wait K[u]; S = Q K[u]^T; release; max per row -> out
+Only blocks that reach past a row's position (causal) or past the sequence's end, and
+paged blocks whose page id lies outside the cache (loaded as TMA's zero fill, every key
+masked), mask their scores; the rest take the plain row max. Blocks past the last one the
+CTA scores, up to the output's width, are written -inf.
+
+The two consumers run out of phase on their own: while one reduces its S, the tensor cores
+run the other's MMA. Two CTAs share an SM (CTAS_PER_SM), each with a small ring, so one
+CTA's Q load and its tail overlap the other's blocks.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.softmax import acc_mn_view, quad_max
+
+WG_ROWS = 64  # query rows of one consumer warpgroup (wgmma M)
+CONSUMERS = 2
+CTA_ROWS = WG_ROWS * CONSUMERS
+CONSUMER_THREADS = 128
+PRODUCER_WARP = CONSUMERS * CONSUMER_THREADS // 32
+NUM_THREADS = CONSUMERS * CONSUMER_THREADS + 32
+CTAS_PER_SM = 2
+# Each of the two CTAs of an SM: its Q tile and a ring of this many bytes (two 32 KB bf16
+# blocks, four e4m3 ones) within half the SM's 228 KB.
+RING_BYTES = 64 * 1024
+NEG_INF = -cutlass.Float32.inf
+
+
+class MsaProxyScoreSm90:
+    def __init__(self, dtype, paged: bool):
+        self.dtype = dtype
+        self.paged = paged
+        self.stages = RING_BYTES // (BLOCK_KEYS * HEAD_DIM * dtype.width // 8)
+
+    @cute.jit
+    def launch(self, args, stream):
+        d = HEAD_DIM
+        mQ, mK = args.mQ, args.mK
+        # TMA views: (rows, D, heads) for Q and flat K; paged K as (128, D, pages * Hkv).
+        q_view = cute.make_tensor(
+            mQ.iterator,
+            cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
+        )
+        if cutlass.const_expr(self.paged):
+            k_view = cute.make_tensor(
+                mK.iterator,
+                cute.make_layout(
+                    (BLOCK_KEYS, d, mK.shape[0]), stride=(mK.stride[1], 1, mK.stride[0])
+                ),
+            )
+        else:
+            k_view = cute.make_tensor(
+                mK.iterator,
+                cute.make_layout(
+                    (mK.shape[0], d, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])
+                ),
+            )
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            (WG_ROWS, BLOCK_KEYS),
+        )
+        tile_mnk = (WG_ROWS, BLOCK_KEYS, d)
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, CONSUMERS
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, self.stages
+        )
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, d)
+        )
+        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (BLOCK_KEYS, d)
+        )
+        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        # Heads first, then query tiles from the last (causal: the longest first), then
+        # sequences; with reduce_heads one CTA walks every head.
+        heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, mQ.shape[1]))
+        self.kernel(
+            mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, args, sQ_layout, sK_layout,
+            q_bytes, k_bytes, SharedStorage,
+        ).launch(
+            grid=[heads, cute.ceil_div(args.max_seqlen_q, CTA_ROWS), args.mCuQ.shape[0] - 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        args,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        q_bytes: cutlass.Constexpr,
+        k_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head_x, chunk_y, batch = cute.arch.block_idx()
+        chunk = cute.ceil_div(args.max_seqlen_q, CTA_ROWS) - 1 - chunk_y
+        q_start = args.mCuQ[batch]
+        rows_left = args.mCuQ[batch + 1] - q_start - chunk * CTA_ROWS
+        if rows_left > 0:
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            consumer_warps = pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, CONSUMERS * CONSUMER_THREADS // 32
+            )
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.q_barriers.data_ptr(),
+                num_stages=1,
+                producer_group=producer,
+                consumer_group=consumer_warps,
+                tx_count=q_bytes,
+            ).make_participants()
+            k_producer, k_consumer = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.k_barriers.data_ptr(),
+                num_stages=self.stages,
+                producer_group=producer,
+                consumer_group=consumer_warps,
+                tx_count=k_bytes,
+            ).make_participants()
+
+            seqlen_k = cutlass.Int32(0)
+            if cutlass.const_expr(self.paged):
+                seqlen_k = args.mSeqUsedK[batch]
+            else:
+                seqlen_k = args.mCuK[batch + 1] - args.mCuK[batch]
+            offset = seqlen_k - (args.mCuQ[batch + 1] - q_start)
+            if args.has_q_offset != 0:
+                offset = args.mQOffset[batch]
+            first_pos = offset + chunk * CTA_ROWS  # position of the CTA's first row
+            # Blocks that hold a key some row sees: causal stops at the last row's position.
+            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+            if args.causal != 0:
+                last_pos = first_pos + cutlass.min(rows_left, CTA_ROWS) - 1
+                blocks = cutlass.min(blocks, cutlass.max(last_pos + BLOCK_KEYS, 0) // BLOCK_KEYS)
+            blocks = cutlass.min(blocks, args.mOut.shape[1])
+
+            hq = args.mQ.shape[1]
+            head_begin, head_end, out_row = head_x, head_x + 1, head_x
+            if args.reduce_heads != 0:
+                head_begin, head_end, out_row = cutlass.Int32(0), hq, cutlass.Int32(0)
+            first_token = q_start + chunk * CTA_ROWS
+            if blocks > 0:
+                if warp == PRODUCER_WARP:
+                    self.produce(
+                        args, tma_q, mQ_tma, tma_k, mK_tma, sQ, sK, q_producer, k_producer,
+                        batch, first_token, head_begin, head_end, blocks,
+                    )  # fmt: skip
+                else:
+                    self.consume(
+                        args, mma, sQ, sK, q_consumer, k_consumer, tidx, warp // 4, batch,
+                        first_token, first_pos, rows_left, seqlen_k, head_begin, head_end,
+                        out_row, blocks,
+                    )  # fmt: skip
+            # Blocks no row sees: -inf (the same for every head).
+            width = args.mOut.shape[1]
+            for i in cutlass.range(tidx, (width - blocks) * CTA_ROWS, NUM_THREADS, unroll=1):
+                row = i % CTA_ROWS
+                if row < rows_left:
+                    args.mOut[out_row, blocks + i // CTA_ROWS, first_token + row] = NEG_INF
+
+    @cute.jit
+    def key_tile(self, args, batch, kv_head, u):
+        """The TMA coordinate of block u's keys: the kv head's page (paged; -1, all zero fill,
+        for a page id outside the cache) or the block's index in the sequence (flat)."""
+        if cutlass.const_expr(self.paged):
+            page = args.mPageTable[batch, u]
+            tile = page * args.kv_heads + kv_head
+            if (page < 0) | (page >= args.mK.shape[0] // args.kv_heads):
+                tile = cutlass.Int32(-1)
+            return tile
+        else:
+            return u
+
+    @cute.jit
+    def produce(
+        self, args, tma_q, mQ_tma, tma_k, mK_tma, sQ, sK, q_producer, k_producer, batch,
+        first_token, head_begin, head_end, blocks,
+    ):  # fmt: skip
+        """The producer warp: per head, the CTA's Q (two 64-row TMA tiles), then its blocks."""
+        d = HEAD_DIM
+        cpasync.prefetch_descriptor(tma_q)
+        cpasync.prefetch_descriptor(tma_k)
+        hq = args.mQ.shape[1]
+        for head in cutlass.range(head_begin, head_end, unroll=1):
+            kv_head = head // (hq // args.kv_heads)
+            gQ = cute.local_tile(
+                cute.domain_offset((first_token, 0), mQ_tma[None, None, head]), (WG_ROWS, d),
+                (None, 0),
+            )  # fmt: skip
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                cute.group_modes(gQ, 0, 2),
+            )  # fmt: skip
+            if cutlass.const_expr(self.paged):
+                gK = mK_tma
+            else:
+                gK = cute.local_tile(
+                    cute.domain_offset((args.mCuK[batch], 0), mK_tma[None, None, kv_head]),
+                    (BLOCK_KEYS, d),
+                    (None, 0),
+                )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                cute.group_modes(gK, 0, 2),
+            )  # fmt: skip
+            handle = q_producer.acquire_and_advance()
+            for w in cutlass.range_constexpr(CONSUMERS):
+                cute.copy(tma_q, tQgQ[None, w], tQsQ[None, w], tma_bar_ptr=handle.barrier)
+            for u in cutlass.range(blocks, unroll=1):
+                handle = k_producer.acquire_and_advance()
+                tile = self.key_tile(args, batch, kv_head, u)
+                cute.copy(
+                    tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier
+                )
+
+    @cute.jit
+    def consume(
+        self, args, mma, sQ, sK, q_consumer, k_consumer, tidx, wg, batch, first_token,
+        first_pos, rows_left, seqlen_k, head_begin, head_end, out_row, blocks,
+    ):  # fmt: skip
+        """A consumer warpgroup: per head and block, S = Q K^T of its 64 rows, then the row
+        maxima (masked where the block reaches past a row or the sequence)."""
+        tidx = tidx % CONSUMER_THREADS
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma.get_slice(tidx)
+        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, wg]
+        tSrK = thr.make_fragment_B(thr.partition_B(sK))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((WG_ROWS, BLOCK_KEYS)), cutlass.Float32)
+        acc_mn = acc_mn_view(acc)
+        tScS_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK_KEYS))))
+        rows = cute.size(tScS_mn, mode=[0])
+        wg_pos = first_pos + wg * WG_ROWS  # position of the warpgroup's first row
+        wg_rows_left = rows_left - wg * WG_ROWS
+        hq = args.mQ.shape[1]
+        row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        for head in cutlass.range(head_begin, head_end, unroll=1):
+            kv_head = head // (hq // args.kv_heads)
+            q_handle = q_consumer.wait_and_advance()
+            for u in cutlass.range(blocks, unroll=1):
+                k_handle = k_consumer.wait_and_advance()
+                # A warpgroup past the sequence's rows (decode, the last tile) only releases.
+                if wg_rows_left > 0:
+                    acc.fill(0.0)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        cute.gemm(
+                            mma, acc, tSrQ[None, None, k], tSrK[None, None, k, k_handle.index],
+                            acc,
+                        )  # fmt: skip
+                    warpgroup.commit_group()
+                    # Under the MMA: how many keys of the block exist (none past a page id
+                    # outside the cache), and whether some row of the warpgroup sees fewer.
+                    keys = seqlen_k - u * BLOCK_KEYS
+                    if cutlass.const_expr(self.paged):
+                        outside = self.key_tile(args, batch, kv_head, u) < 0
+                        keys = cutlass.select_(outside, cutlass.Int32(0), keys)
+                    masked = keys < BLOCK_KEYS
+                    if args.causal != 0:
+                        masked = masked | (wg_pos < u * BLOCK_KEYS + BLOCK_KEYS - 1)
+                    warpgroup.wait_group(0)
+                    k_handle.release()
+                    self.row_maxima(args, acc_mn, tScS_mn, row_max, keys, masked, wg_pos, u)
+                    self.store(
+                        args, row_max, tScS_mn, tidx, out_row, u, first_token + wg * WG_ROWS,
+                        wg_rows_left, head != head_begin,
+                    )  # fmt: skip
+                else:
+                    k_handle.release()
+            q_handle.release()
+
+    @cute.jit
+    def row_maxima(self, args, acc_mn, tScS_mn, row_max, keys, masked, wg_pos, u):
+        """Each of the thread's rows' max over its columns of block u: keys from `keys` on and,
+        causal, past the row's position masked when `masked` (else a plain tree)."""
+        if masked:
+            for r in cutlass.range_constexpr(cute.size(row_max)):
+                limit = keys
+                if args.causal != 0:
+                    limit = cutlass.min(keys, wg_pos + tScS_mn[r, 0][0] - u * BLOCK_KEYS + 1)
+                row_max[r] = NEG_INF
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    score = cutlass.select_(tScS_mn[r, c][1] < limit, acc_mn[r, c], NEG_INF)
+                    row_max[r] = cute.arch.fmax(row_max[r], cutlass.Float32(score))
+        else:
+            for r in cutlass.range_constexpr(cute.size(row_max)):
+                row_max[r] = tree_max(acc_mn, r)
+
+    @cute.jit
+    def store(
+        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left, not_first_head
+    ):
+        """Each row's max (over its quad), written by the quad's first lane; with reduce_heads
+        the max with what the earlier heads wrote."""
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            value = quad_max(row_max[r])
+            row = tScS_mn[r, 0][0]
+            token = first_token + row
+            if (tidx % 4 == 0) & (row < rows_left):
+                if args.reduce_heads != 0:
+                    if not_first_head:
+                        value = cute.arch.fmax(value, args.mOut[0, block, token])
+                args.mOut[out_row, block, token] = value
+
+
+def tree_max(acc_mn: cute.Tensor, r: int):
+    """max over row r's columns as a tree (independent max instructions in flight, not one
+    chain), traced in Python; fmax ignores NaN, as the contract's max does."""
+    n = cute.size(acc_mn, mode=[1])
+    vals = [acc_mn[r, c] for c in range(n)]
+    while len(vals) > 1:
+        vals = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)] + (
+            [vals[-1]] if len(vals) % 2 else []
+        )
+    return vals[0]
+
+
+def make_kernel(variant):
+    p = variant.params
+    return MsaProxyScoreSm90(element_type(p["dtype"]), p["key_layout"] == "paged")
