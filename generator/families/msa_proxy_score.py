@@ -25,11 +25,12 @@ HEAD_DIM = 128
 DTYPES = ("bf16", "fp16", "e4m3")  # e4m3: q and k both
 KEY_LAYOUTS = ("flat", "paged")
 NVFP4_GROUP = 16  # values per e4m3 scale
-# How a variant sums the products: "fp32" (within 1e-5 of the exact sum: use_fp32_acc=True)
-# or "fp8": Hopper's FP8 wgmma, whose accumulator is not a full fp32 one (a GPU test read
-# errors of 4.2e-4 of the largest score, at S 5000, where fp32 sums are within 1e-5), for
-# use_fp32_acc=False, which asks for no more than fp16 accumulation.
-ACCUMULATE = {"bf16": "fp32", "fp16": "fp32", "e4m3": "fp8"}
+# How a variant sums the products: "fp32" (within 1e-5 of the exact sum: use_fp32_acc=True;
+# sm_90a converts e4m3 tiles to fp16 for it) or "fp8": Hopper's FP8 wgmma, whose accumulator
+# is not a full fp32 one (a GPU test read errors of 4.2e-4 of the largest score, at S 5000,
+# where fp32 sums are within 1e-5), for use_fp32_acc=False, which asks for no more than fp16
+# accumulation.
+ACCUMULATE = {"bf16": ("fp32",), "fp16": ("fp32",), "e4m3": ("fp32", "fp8")}
 
 
 def abi(head_dim=HEAD_DIM):
@@ -95,15 +96,15 @@ FAMILIES = (
         dtypes=DTYPES,
         constants=CONSTANTS,
         templates=(
-            # wgmma; e4m3 on the FP8 tensor cores, whose sums keep fewer bits than fp32
-            # (accumulate "fp8": use_fp32_acc=False only).
+            # wgmma (e4m3: ACCUMULATE).
             Template(
                 "sm90_wgmma",
                 "generator.kernels.sm90.msa_proxy_score",
                 archs=("sm_90a",),
                 configs=tuple(
-                    dict(dtype=t, head_dim=HEAD_DIM, key_layout=layout, accumulate=ACCUMULATE[t])
+                    dict(dtype=t, head_dim=HEAD_DIM, key_layout=layout, accumulate=acc)
                     for t in DTYPES
+                    for acc in ACCUMULATE[t]
                     for layout in KEY_LAYOUTS
                 ),
             ),

@@ -565,7 +565,8 @@ def selection_times(iters: int = 50) -> list[str]:
 
 def proxy_score_times(iters: int) -> list[str]:
     """MS1: msa_proxy_score of one causal sequence of 32768 tokens, 4 index heads, 1 kv head,
-    flat K, in bf16 and e4m3, and msa_proxy_score_fp4 of the same q and k in NVFP4; TFLOPS on
+    flat K, in bf16 and e4m3 (fp32 sums, and with use_fp32_acc=False the FP8 tensor cores'
+    sums), and msa_proxy_score_fp4 of the same q and k in NVFP4; TFLOPS on
     the causal FLOPs (2 * heads * 128 per visible (query, key)) against the matmul ceiling of
     the tensor cores' input type (NVFP4 is decoded to fp16: the bf16 ceiling)."""
     from sparseforge import msa_ops, reference
@@ -583,13 +584,14 @@ def proxy_score_times(iters: int) -> list[str]:
         global_scale = float(x.abs().max()) / (6 * 448)
         fp4[f"{name}_fp4"], fp4[f"{name}_scale"] = reference.nvfp4_quantize_128x4(x, global_scale)
         fp4[f"{name}_global_scale"] = global_scale
+    e4m3 = dict(q=q.to(torch.float8_e4m3fn), k=k.to(torch.float8_e4m3fn))
     runs = [
-        (f"{t}, flat K", ceiling, msa_ops.msa_proxy_score, dict(q=q.to(dtype), k=k.to(dtype)))
-        for t, dtype, ceiling in (
-            ("bf16", torch.bfloat16, MATMUL_CEILING_TFLOPS),
-            ("e4m3", torch.float8_e4m3fn, FP8_MATMUL_CEILING_TFLOPS),
-        )
-    ]
+        ("bf16, flat K", MATMUL_CEILING_TFLOPS, msa_ops.msa_proxy_score,
+         dict(q=q.to(torch.bfloat16), k=k.to(torch.bfloat16))),
+        ("e4m3, flat K, fp32 sums", FP8_MATMUL_CEILING_TFLOPS, msa_ops.msa_proxy_score, e4m3),
+        ("e4m3, flat K, use_fp32_acc=False", FP8_MATMUL_CEILING_TFLOPS, msa_ops.msa_proxy_score,
+         dict(e4m3, use_fp32_acc=False)),
+    ]  # fmt: skip
     runs.append(("nvfp4, flat K", MATMUL_CEILING_TFLOPS, msa_ops.msa_proxy_score_fp4, fp4))
     lines = []
     for what, ceiling, fn, inputs in runs:

@@ -16,8 +16,16 @@ masked), mask their scores; the rest take the plain row max. Blocks past the las
 CTA scores, up to the output's width, are written -inf.
 
 The two consumers run out of phase on their own: while one reduces its S, the tensor cores
-run the other's MMA. Two CTAs share an SM (CTAS_PER_SM), each with a small ring, so one
-CTA's Q load and its tail overlap the other's blocks.
+run the other's MMA. Two CTAs share an SM, each with a small ring, so one CTA's Q load and
+its tail overlap the other's blocks.
+
+e4m3 with fp32 sums (accumulate "fp32"): the FP8 wgmma's accumulator keeps fewer bits than
+fp32, so the tiles are converted to fp16 (exact: every e4m3 value is an fp16 one) and
+multiplied by the 16-bit wgmma. TMA loads the e4m3 tiles into a raw ring; a converter
+warpgroup writes each as fp16 into the ring the consumers read:
+    producer:  raw Q; raw K[u] into a free raw stage
+    converter: wait raw K[u] and a free fp16 stage; convert; release raw; fp16 stage full
+One CTA per SM then (the two rings and Q in both forms take 208 KB).
 """
 
 import cutlass
@@ -35,20 +43,31 @@ WG_ROWS = 64  # query rows of one consumer warpgroup (wgmma M)
 CONSUMERS = 2
 CTA_ROWS = WG_ROWS * CONSUMERS
 CONSUMER_THREADS = 128
-PRODUCER_WARP = CONSUMERS * CONSUMER_THREADS // 32
-NUM_THREADS = CONSUMERS * CONSUMER_THREADS + 32
-CTAS_PER_SM = 2
+CONVERTER_THREADS = 128
 # Each of the two CTAs of an SM: its Q tile and a ring of this many bytes (two 32 KB bf16
 # blocks, four e4m3 ones) within half the SM's 228 KB.
 RING_BYTES = 64 * 1024
+CONVERT_STAGES = 3  # fp16 blocks in the converting CTA's ring (32 KB each)
+RAW_STAGES = 4  # e4m3 blocks in its raw ring (16 KB each)
 NEG_INF = -cutlass.Float32.inf
 
 
 class MsaProxyScoreSm90:
-    def __init__(self, dtype, paged: bool):
-        self.dtype = dtype
+    def __init__(self, dtype, paged: bool, accumulate: str):
+        self.dtype = dtype  # of q and k in memory
         self.paged = paged
-        self.stages = RING_BYTES // (BLOCK_KEYS * HEAD_DIM * dtype.width // 8)
+        self.convert = dtype == cutlass.Float8E4M3FN and accumulate == "fp32"
+        self.mma_dtype = cutlass.Float16 if self.convert else dtype
+        consumer_threads = CONSUMERS * CONSUMER_THREADS
+        if self.convert:
+            self.stages, self.ctas_per_sm = CONVERT_STAGES, 1
+            self.converter_warp = consumer_threads // 32
+            self.producer_warp = self.converter_warp + CONVERTER_THREADS // 32
+        else:
+            self.stages = RING_BYTES // (BLOCK_KEYS * HEAD_DIM * dtype.width // 8)
+            self.ctas_per_sm = 2
+            self.producer_warp = consumer_threads // 32
+        self.num_threads = self.producer_warp * 32 + 32
 
     @cute.jit
     def launch(self, args, stream):
@@ -74,8 +93,8 @@ class MsaProxyScoreSm90:
                 ),
             )
         mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
+            self.mma_dtype,
+            self.mma_dtype,
             OperandMajorMode.K,
             OperandMajorMode.K,
             cutlass.Float32,
@@ -83,43 +102,68 @@ class MsaProxyScoreSm90:
             (WG_ROWS, BLOCK_KEYS),
         )
         tile_mnk = (WG_ROWS, BLOCK_KEYS, d)
+        # The MMA's operands; converting, TMA fills raw e4m3 tiles of the same shapes.
         sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, CONSUMERS
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.mma_dtype, CONSUMERS
         )
         sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, self.stages
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.mma_dtype, self.stages
         )
+        loaded_q, loaded_k = sQ_layout, sK_layout
+        if cutlass.const_expr(self.convert):
+            loaded_q = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, CONSUMERS
+            )
+            loaded_k = sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, tile_mnk, self.dtype, RAW_STAGES
+            )
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, d)
+            tma_op, q_view, cute.slice_(loaded_q, (None, None, 0)), (WG_ROWS, d)
         )
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (BLOCK_KEYS, d)
+            tma_op, k_view, cute.slice_(loaded_k, (None, None, 0)), (BLOCK_KEYS, d)
         )
-        q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
-        k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout, loaded_q, loaded_k)
         # Heads first, then query tiles from the last (causal: the longest first), then
         # sequences; with reduce_heads one CTA walks every head.
         heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, mQ.shape[1]))
         self.kernel(
-            mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, args, sQ_layout, sK_layout,
-            q_bytes, k_bytes, SharedStorage,
+            mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, args, sQ_layout, sK_layout, loaded_q,
+            loaded_k, SharedStorage,
         ).launch(
             grid=[heads, cute.ceil_div(args.max_seqlen_q, CTA_ROWS), args.mCuQ.shape[0] - 1],
-            block=[NUM_THREADS, 1, 1],
+            block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM,
+            min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )  # fmt: skip
+
+    def shared_storage(self, sQ_layout, sK_layout, loaded_q, loaded_k):
+        """The CTA's shared memory: barriers, Q and the K ring (and converting, the raw ones)."""
+        mma_dtype, raw = self.mma_dtype, self.dtype
+        stages = self.stages
+
+        if self.convert:
+
+            @cute.struct
+            class Converting:
+                barriers: cute.struct.MemRange[cutlass.Int64, 4 * (1 + stages + RAW_STAGES)]
+                sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(sK_layout)], 1024]
+                rawQ: cute.struct.Align[cute.struct.MemRange[raw, cute.cosize(loaded_q)], 1024]
+                rawK: cute.struct.Align[cute.struct.MemRange[raw, cute.cosize(loaded_k)], 1024]
+
+            return Converting
+
+        @cute.struct
+        class Direct:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * (1 + stages)]
+            sQ: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mma_dtype, cute.cosize(sK_layout)], 1024]
+
+        return Direct
 
     @cute.kernel
     def kernel(
@@ -132,8 +176,8 @@ class MsaProxyScoreSm90:
         args,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
-        q_bytes: cutlass.Constexpr,
-        k_bytes: cutlass.Constexpr,
+        loaded_q: cute.ComposedLayout,
+        loaded_k: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -146,24 +190,11 @@ class MsaProxyScoreSm90:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            consumer_warps = pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, CONSUMERS * CONSUMER_THREADS // 32
-            )
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.q_barriers.data_ptr(),
-                num_stages=1,
-                producer_group=producer,
-                consumer_group=consumer_warps,
-                tx_count=q_bytes,
-            ).make_participants()
-            k_producer, k_consumer = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.k_barriers.data_ptr(),
-                num_stages=self.stages,
-                producer_group=producer,
-                consumer_group=consumer_warps,
-                tx_count=k_bytes,
-            ).make_participants()
+            rawQ, rawK = sQ, sK  # what TMA fills
+            if cutlass.const_expr(self.convert):
+                rawQ = storage.rawQ.get_tensor(loaded_q.outer, swizzle=loaded_q.inner)
+                rawK = storage.rawK.get_tensor(loaded_k.outer, swizzle=loaded_k.inner)
+            pipes = self.pipelines(storage, loaded_q, loaded_k)
 
             seqlen_k = cutlass.Int32(0)
             if cutlass.const_expr(self.paged):
@@ -187,23 +218,68 @@ class MsaProxyScoreSm90:
                 head_begin, head_end, out_row = cutlass.Int32(0), hq, cutlass.Int32(0)
             first_token = q_start + chunk * CTA_ROWS
             if blocks > 0:
-                if warp == PRODUCER_WARP:
+                if warp == self.producer_warp:
                     self.produce(
-                        args, tma_q, mQ_tma, tma_k, mK_tma, sQ, sK, q_producer, k_producer,
-                        batch, first_token, head_begin, head_end, blocks,
+                        args, tma_q, mQ_tma, tma_k, mK_tma, rawQ, rawK, pipes["load_q"],
+                        pipes["load_k"], batch, first_token, head_begin, head_end, blocks,
                     )  # fmt: skip
-                else:
+                elif warp < CONSUMERS * CONSUMER_THREADS // 32:
                     self.consume(
-                        args, mma, sQ, sK, q_consumer, k_consumer, tidx, warp // 4, batch,
+                        args, mma, sQ, sK, pipes["read_q"], pipes["read_k"], tidx, warp // 4, batch,
                         first_token, first_pos, rows_left, seqlen_k, head_begin, head_end,
                         out_row, blocks,
                     )  # fmt: skip
+                elif cutlass.const_expr(self.convert):
+                    self.convert_tiles(
+                        pipes["raw_q"], pipes["raw_k"], pipes["fill_q"], pipes["fill_k"], rawQ,
+                        rawK, sQ, sK, tidx % CONVERTER_THREADS, head_end - head_begin, blocks,
+                    )  # fmt: skip
             # Blocks no row sees: -inf (the same for every head).
             width = args.mOut.shape[1]
-            for i in cutlass.range(tidx, (width - blocks) * CTA_ROWS, NUM_THREADS, unroll=1):
+            for i in cutlass.range(tidx, (width - blocks) * CTA_ROWS, self.num_threads, unroll=1):
                 row = i % CTA_ROWS
                 if row < rows_left:
                     args.mOut[out_row, blocks + i // CTA_ROWS, first_token + row] = NEG_INF
+
+    def pipelines(self, storage, loaded_q, loaded_k) -> dict:
+        """The pipelines' ends by role: load_q / load_k (the producer's TMA) and read_q /
+        read_k (the consumers); converting, also raw_q / raw_k (the converter reading what TMA
+        loaded) and fill_q / fill_k (the converter writing fp16 for the consumers)."""
+        barriers = storage.barriers.data_ptr()
+        tma = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = CONSUMERS * CONSUMER_THREADS
+        # TMA pipelines' readers arrive once a warp; the converter's, once a thread.
+        tma_readers = (CONVERTER_THREADS if self.convert else consumers) // 32
+        ends = {}
+        raw_stages = RAW_STAGES if self.convert else self.stages
+        for name, stages, layout, tiles in (
+            ("q", 1, loaded_q, CONSUMERS),
+            ("k", raw_stages, loaded_k, 1),
+        ):
+            tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
+            producer, consumer = pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers,
+                num_stages=stages,
+                producer_group=tma,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, tma_readers),
+                tx_count=tile_bytes * tiles,
+            ).make_participants()
+            ends["load_" + name] = producer
+            ends[("raw_" if self.convert else "read_") + name] = consumer
+            barriers = barriers + 2 * stages
+        if self.convert:
+            for name, stages in (("q", 1), ("k", self.stages)):
+                producer, consumer = pipeline.PipelineAsync.create(
+                    barrier_storage=barriers,
+                    num_stages=stages,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, CONVERTER_THREADS
+                    ),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+                ).make_participants()
+                ends["fill_" + name], ends["read_" + name] = producer, consumer
+                barriers = barriers + 2 * stages
+        return ends
 
     @cute.jit
     def key_tile(self, args, batch, kv_head, u):
@@ -259,6 +335,31 @@ class MsaProxyScoreSm90:
                 cute.copy(
                     tma_k, tKgK[None, tile], tKsK[None, handle.index], tma_bar_ptr=handle.barrier
                 )
+
+    @cute.jit
+    def convert_tiles(self, raw_q, raw_k, fill_q, fill_k, rawQ, rawK, sQ, sK, tidx, heads, blocks):
+        """The converter warpgroup: per head, Q, then each block's keys, from the raw e4m3
+        tiles TMA loaded to the fp16 tiles the consumers multiply. (The pipeline ends come as
+        names: a loop carries their state only so.)"""
+        for _ in cutlass.range(heads, unroll=1):
+            raw = raw_q.wait_and_advance()
+            out = fill_q.acquire_and_advance()
+            for w in cutlass.range_constexpr(CONSUMERS):
+                convert_tile(rawQ[None, None, w], sQ[None, None, w], tidx)
+            self.hand_over(raw, out)
+            for _ in cutlass.range(blocks, unroll=1):
+                raw = raw_k.wait_and_advance()
+                out = fill_k.acquire_and_advance()
+                convert_tile(rawK[None, None, raw.index], sK[None, None, out.index], tidx)
+                self.hand_over(raw, out)
+
+    @cute.jit
+    def hand_over(self, raw, out):
+        """The converted tile is the consumers' (its generic-proxy stores made visible to
+        their wgmma first); the raw stage is TMA's again."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        raw.release()
+        out.commit()
 
     @cute.jit
     def consume(
@@ -361,6 +462,28 @@ def tree_max(acc_mn: cute.Tensor, r: int):
     return vals[0]
 
 
+@cute.jit
+def convert_tile(src: cute.Tensor, dst: cute.Tensor, tidx):
+    """src (e4m3) into dst (fp16), both (rows, 128) wgmma tiles, by CONVERTER_THREADS threads:
+    eight consecutive values of a row a step (8-byte reads, 16-byte writes)."""
+    threads = cute.make_layout((CONVERTER_THREADS // 16, 16), stride=(16, 1))
+    values = cute.make_layout((1, 8))
+    universal = cute.nvgpu.CopyUniversalOp()
+    read = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(universal, src.element_type, num_bits_per_copy=64), threads, values
+    )
+    write = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(universal, dst.element_type, num_bits_per_copy=128), threads, values
+    )
+    tSs = read.get_slice(tidx).partition_S(src)
+    tDd = write.get_slice(tidx).partition_D(dst)
+    raw = cute.make_fragment_like(tSs)
+    cute.copy(read, tSs, raw)
+    converted = cute.make_fragment_like(tDd)
+    converted.store(raw.load().to(dst.element_type))
+    cute.copy(write, converted, tDd)
+
+
 def make_kernel(variant):
     p = variant.params
-    return MsaProxyScoreSm90(element_type(p["dtype"]), p["key_layout"] == "paged")
+    return MsaProxyScoreSm90(element_type(p["dtype"]), p["key_layout"] == "paged", p["accumulate"])
