@@ -27,6 +27,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM, NVFP4_GROUP, QUERY_ROWS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.nvfp4 import decode_chunks, scale_offset_128x4
+from generator.kernels.common.proxy_blocks import scored_blocks
 from generator.kernels.common.softmax import acc_mn_view, quad_max
 from generator.kernels.portable.block_sparse_fwd import (
     NUM_THREADS,
@@ -85,21 +86,10 @@ class ProxyScore:
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = (storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout))
-            seqlen_k = cutlass.Int32(0)
-            if cutlass.const_expr(self.paged):
-                seqlen_k = args.mSeqUsedK[batch]
-            else:
-                seqlen_k = args.mCuK[batch + 1] - args.mCuK[batch]
-            offset = seqlen_k - seqlen_q
-            if args.has_q_offset != 0:
-                offset = args.mQOffset[batch]
-            first_pos = offset + chunk * QUERY_ROWS  # position of the CTA's first row
-            # Blocks that hold a key some row sees: causal stops at the last row's position.
-            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
-            if args.causal != 0:
-                last_pos = first_pos + cutlass.min(rows_left, QUERY_ROWS) - 1
-                blocks = cutlass.min(blocks, cutlass.max(last_pos + BLOCK_KEYS, 0) // BLOCK_KEYS)
-            blocks = cutlass.min(blocks, args.mOut.shape[1])
+            seqlen_k, first_pos, blocks = scored_blocks(
+                args, self.paged, batch, seqlen_q, chunk * QUERY_ROWS,
+                cutlass.min(rows_left, QUERY_ROWS),
+            )  # fmt: skip
             tiles = cutlass.min(blocks * TILES_PER_BLOCK, cute.ceil_div(seqlen_k, TILE_N))
 
             hq = args.mQ.shape[1]

@@ -37,6 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.proxy_blocks import scored_blocks
 from generator.kernels.common.softmax import acc_mn_view, quad_max
 
 WG_ROWS = 64  # query rows of one consumer warpgroup (wgmma M)
@@ -196,21 +197,10 @@ class MsaProxyScoreSm90:
                 rawK = storage.rawK.get_tensor(loaded_k.outer, swizzle=loaded_k.inner)
             pipes = self.pipelines(storage, loaded_q, loaded_k)
 
-            seqlen_k = cutlass.Int32(0)
-            if cutlass.const_expr(self.paged):
-                seqlen_k = args.mSeqUsedK[batch]
-            else:
-                seqlen_k = args.mCuK[batch + 1] - args.mCuK[batch]
-            offset = seqlen_k - (args.mCuQ[batch + 1] - q_start)
-            if args.has_q_offset != 0:
-                offset = args.mQOffset[batch]
-            first_pos = offset + chunk * CTA_ROWS  # position of the CTA's first row
-            # Blocks that hold a key some row sees: causal stops at the last row's position.
-            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
-            if args.causal != 0:
-                last_pos = first_pos + cutlass.min(rows_left, CTA_ROWS) - 1
-                blocks = cutlass.min(blocks, cutlass.max(last_pos + BLOCK_KEYS, 0) // BLOCK_KEYS)
-            blocks = cutlass.min(blocks, args.mOut.shape[1])
+            seqlen_k, first_pos, blocks = scored_blocks(
+                args, self.paged, batch, args.mCuQ[batch + 1] - q_start, chunk * CTA_ROWS,
+                cutlass.min(rows_left, CTA_ROWS),
+            )  # fmt: skip
 
             hq = args.mQ.shape[1]
             head_begin, head_end, out_row = head_x, head_x + 1, head_x
