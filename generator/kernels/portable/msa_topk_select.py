@@ -6,24 +6,15 @@ instruction reads whole 32-byte sectors of mScore (Hq, P, S)). Blocks outside th
 (forced, past the token's valid blocks) and NaN scores count as -inf.
 
 The kernel first finds the threshold, not the ids: the value T of the `keep`-th largest
-middle score (keep = 16 - fb - fe). Each lane sorts its scores in groups of 16 with an
-odd-even merge network of fmax / fmin (values only: two instructions per compare-exchange,
-no branches, no ids to carry) and folds each sorted group into its running best 16 (max
-against the reversed group, then a bitonic merge; the first group is the running best); the
-four lanes' lists are then folded the same way through two butterfly shuffles.
-
-With T known, a block is selected when its score is above T, or equal to T and among the
-first `keep - #above` such blocks in ascending order (ties to the lower id). Each lane marks
-its blocks in 64-bit masks; an exclusive prefix over the four lanes gives each lane its
-first output slot, and a lane writes its ids in ascending bit order. A row of one segment
-whose scores equal to T are exactly the ones it takes (as with distinct scores) marks the
-blocks >= T in one mask and writes them all; other rows mark the blocks above T and those
-equal to it apart and take the first of the latter. Forced blocks whose score is above -inf
-come first and last; the rest of the row is -1.
-
-The kernel is bound by instruction issue (4176 SASS instructions a warp of 8 rows of 256
-blocks before the odd-even sort, the row address and the tie path apart): every instruction
-a score takes counts.
+middle score (keep = 16 - fb - fe). Each lane sorts its scores in groups of 16 with a bitonic
+network of fmax / fmin (values only: two instructions per compare-exchange, no branches, no
+ids to carry) and folds each sorted group into its running best 16 (max against the reversed
+group, then a bitonic merge); the four lanes' lists are then folded the same way through two
+butterfly shuffles. With T known, a block is selected when its score is above T, or equal to
+T and among the first `keep - #above` such blocks in ascending order (ties to the lower id).
+Each lane marks its blocks in two 64-bit masks; an exclusive prefix over the four lanes gives
+each lane its first output slot, and a lane writes its ids in ascending bit order. Forced
+blocks whose score is above -inf come first and last; the rest of the row is -1.
 
 A row of more than 256 blocks is processed in segments: one pass to find T, and a second
 that loads each segment again to write the ids (one segment stays in registers).
@@ -43,27 +34,17 @@ WARPS = 4
 NEG_INF = -cutlass.Float32.inf
 
 
-def odd_even_merge_sort_pairs(size):
-    """(i, j, True) compare-exchanges (larger value to i) of Batcher's odd-even merge sort,
-    which sort `size` values, largest first: 63 for 16 values, where a bitonic sort takes 80."""
-
-    def merge(lo, hi, r):
-        step = r * 2
-        if step < hi - lo:
-            yield from merge(lo, hi, step)
-            yield from merge(lo + r, hi, step)
-            yield from ((i, i + r) for i in range(lo + r, hi - r, step))
-        else:
-            yield (lo, lo + r)
-
-    def sort(lo, hi):
-        if hi > lo:
-            mid = lo + (hi - lo) // 2
-            yield from sort(lo, mid)
-            yield from sort(mid + 1, hi)
-            yield from merge(lo, hi, 1)
-
-    return [(i, j, True) for i, j in sort(0, size - 1)]
+def bitonic_sort_pairs(size):
+    """(i, j, descending) compare-exchanges that sort `size` values, largest first."""
+    pairs = []
+    k = 2
+    while k <= size:
+        j = k // 2
+        while j >= 1:
+            pairs += [(i, i ^ j, (i & k) == 0) for i in range(size) if i ^ j > i]
+            j //= 2
+        k *= 2
+    return pairs
 
 
 def bitonic_merge_pairs(size):
@@ -76,7 +57,7 @@ def bitonic_merge_pairs(size):
     return pairs
 
 
-SORT_GROUP = odd_even_merge_sort_pairs(GROUP)
+SORT_GROUP = bitonic_sort_pairs(GROUP)
 MERGE_BEST = bitonic_merge_pairs(TOPK)
 
 
@@ -121,14 +102,7 @@ class MsaTopkSelect:
                     for i in cutlass.range_constexpr(GROUP):
                         group[i] = scores[g * GROUP + i]
                     self.sort_descending(group)
-                    if cutlass.const_expr(g == 0):
-                        if segment == 0:  # best holds only -inf: the group is the best 16
-                            for i in cutlass.range_constexpr(GROUP):
-                                best[i] = group[i]
-                        else:
-                            self.fold(best, group)
-                    else:
-                        self.fold(best, group)
+                    self.fold(best, group)
         for step in cutlass.range_constexpr(1, 3):
             for i in cutlass.range_constexpr(TOPK):
                 group[i] = cute.arch.shuffle_sync_bfly(best[i], offset=step * TOKENS_PER_WARP)
@@ -154,24 +128,8 @@ class MsaTopkSelect:
                 if writes & (quarter == 0):
                     mOut[token, head, slot] = block
                 slot = slot + 1
-        # One segment and no surplus ties: every block >= T is taken.
-        taken = cutlass.Int32(0)
-        general = segments > 1
-        if segments == 1:
-            taken_mask = cutlass.Uint64(0)
-            for j in cutlass.range_constexpr(PER_LANE):
-                taken_mask = taken_mask | (cutlass.Uint64(scores[j] >= threshold) << j)
-            taken = cutlass.Int32(cute.arch.popc(taken_mask))
-            before = self.exclusive_prefix(taken, quarter)
-            total = cute.arch.shuffle_sync(before + taken, offset=lane % TOKENS_PER_WARP + 24)
-            if total == above_total + equal_take:
-                self.write_ids(mOut, token, head, quarter * PER_LANE, taken_mask, slot + before,
-                               writes)  # fmt: skip
-                slot = slot + total
-            else:
-                general = True
         equal_seen = cutlass.Int32(0)
-        for segment in cutlass.range(segments if general else 0, unroll=1):
+        for segment in cutlass.range(segments, unroll=1):
             first = segment * SEGMENT + quarter * PER_LANE
             if segments > 1:
                 self.load_middle(mScore, head, token, first, begin_end, end_start, scores)
@@ -195,7 +153,13 @@ class MsaTopkSelect:
                 above = above | lowest
                 equal = equal ^ lowest
             lane_slot = slot + (before & 0xFFFF) + cutlass.min(equal_left, equal_before)
-            self.write_ids(mOut, token, head, first, above, lane_slot, writes)
+            for _ in cutlass.range(cute.arch.popc(above), unroll=1):
+                lowest = above & (~above + 1)
+                bit_index = 63 - cutlass.Int32(cute.arch.clz(lowest))
+                if writes:
+                    mOut[token, head, lane_slot] = first + bit_index
+                lane_slot = lane_slot + 1
+                above = above ^ lowest
             slot = slot + (total & 0xFFFF) + cutlass.min(equal_left, total >> 16)
             equal_seen = equal_seen + (total >> 16)
         for block in cutlass.range(end_start, valid, unroll=1):
@@ -208,29 +172,13 @@ class MsaTopkSelect:
                 mOut[token, head, j] = -1
 
     @cute.jit
-    def write_ids(self, mOut, token, head, first, mask, slot, writes):
-        """Blocks first + i for the set bits i of mask, ascending, into slots slot, slot + 1..."""
-        for _ in cutlass.range(cute.arch.popc(mask), unroll=1):
-            lowest = mask & (~mask + 1)
-            if writes:
-                mOut[token, head, slot] = first + 63 - cutlass.Int32(cute.arch.clz(lowest))
-            slot = slot + 1
-            mask = mask ^ lowest
-
-    @cute.jit
     def load_middle(self, mScore, head, token, first, begin_end, end_start, scores):
         """scores[j] = score of block first + j if it is a middle block, else -inf; NaN
-        becomes -inf (fmax drops it), which the networks' fmax / fmin need. A lane whose 64
-        blocks are all middle ones (most) loads them unpredicated from one row address."""
-        if (first >= begin_end) & (first + PER_LANE <= end_start):
-            line = cute.local_tile(mScore[head, None, token], (PER_LANE,), (first // PER_LANE,))
-            for j in cutlass.range_constexpr(PER_LANE):
-                scores[j] = cute.arch.fmax(line[j], NEG_INF)
-        else:
-            for j in cutlass.range_constexpr(PER_LANE):
-                scores[j] = NEG_INF
-                if (first + j >= begin_end) & (first + j < end_start):
-                    scores[j] = cute.arch.fmax(mScore[head, first + j, token], NEG_INF)
+        becomes -inf (fmax drops it), which the networks' fmax / fmin need."""
+        for j in cutlass.range_constexpr(PER_LANE):
+            scores[j] = NEG_INF
+            if (first + j >= begin_end) & (first + j < end_start):
+                scores[j] = cute.arch.fmax(mScore[head, first + j, token], NEG_INF)
 
     @cute.jit
     def exclusive_prefix(self, value, quarter):
