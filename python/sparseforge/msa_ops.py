@@ -71,7 +71,7 @@ def msa_proxy_score(
     use_fp32_acc=True (the default) sums the products in fp32 (within 1e-5 of the exact
     sums). use_fp32_acc=False lets e4m3 q and k sum on Hopper's FP8 tensor cores (wgmma),
     whose accumulator keeps fewer bits than fp32 (errors of 4e-4 of the largest score were
-    seen where fp32 sums are within 1e-5) and which run several times faster; other dtypes
+    seen where fp32 sums are within 1e-5) and which run about twice as fast; other dtypes
     and archs sum in fp32 either way."""
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         raise TypeError(f"q and k must be torch.Tensors, got {describe(q)} and {describe(k)}")

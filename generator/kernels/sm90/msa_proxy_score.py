@@ -72,27 +72,14 @@ class MsaProxyScoreSm90:
 
     @cute.jit
     def launch(self, args, stream):
-        d = HEAD_DIM
         mQ, mK = args.mQ, args.mK
+        d = HEAD_DIM
         # TMA views: (rows, D, heads) for Q and flat K; paged K as (128, D, pages * Hkv).
-        q_view = cute.make_tensor(
-            mQ.iterator,
-            cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
-        )
+        q_view = rows_d_heads(mQ, mQ.shape[0], mQ.shape[1], mQ.stride[0], mQ.stride[1])
         if cutlass.const_expr(self.paged):
-            k_view = cute.make_tensor(
-                mK.iterator,
-                cute.make_layout(
-                    (BLOCK_KEYS, d, mK.shape[0]), stride=(mK.stride[1], 1, mK.stride[0])
-                ),
-            )
+            k_view = rows_d_heads(mK, BLOCK_KEYS, mK.shape[0], mK.stride[1], mK.stride[0])
         else:
-            k_view = cute.make_tensor(
-                mK.iterator,
-                cute.make_layout(
-                    (mK.shape[0], d, mK.shape[1]), stride=(mK.stride[0], 1, mK.stride[1])
-                ),
-            )
+            k_view = rows_d_heads(mK, mK.shape[0], mK.shape[1], mK.stride[0], mK.stride[1])
         mma = sm90_utils.make_trivial_tiled_mma(
             self.mma_dtype,
             self.mma_dtype,
@@ -438,6 +425,12 @@ class MsaProxyScoreSm90:
                     if not_first_head:
                         value = cute.arch.fmax(value, args.mOut[0, block, token])
                 args.mOut[out_row, block, token] = value
+
+
+def rows_d_heads(t: cute.Tensor, rows, heads, row_stride, head_stride) -> cute.Tensor:
+    """t's rows of HEAD_DIM channels as the (rows, D, heads) view TMA loads tiles of."""
+    layout = cute.make_layout((rows, HEAD_DIM, heads), stride=(row_stride, 1, head_stride))
+    return cute.make_tensor(t.iterator, layout)
 
 
 def tree_max(acc_mn: cute.Tensor, r: int):
