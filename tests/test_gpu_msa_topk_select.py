@@ -37,13 +37,25 @@ def test_matches_the_reference(heads, blocks, tokens, fb, fe, nvp):
     assert torch.equal(got, want)
 
 
-def test_distinct_scores_match_torch_topk():
-    """Without ties or -inf, the middle choice is torch.topk's."""
-    heads, blocks, tokens = 4, 512, 256
+@pytest.mark.parametrize("blocks", [200, 256, 512])
+def test_distinct_scores_match_torch_topk(blocks):
+    """Without ties or -inf, the middle choice is torch.topk's (one segment of 256 blocks
+    and two)."""
+    heads, tokens = 4, 256
     score = torch.randn(heads, blocks, tokens, device="cuda")
     got = msa_topk_select(score, 16)
     want = score.topk(16, dim=1).indices.sort(1).values.permute(2, 0, 1).int()
     assert torch.equal(got, want)
+
+
+def test_ties_in_some_rows_only():
+    """Rows with ties at the threshold beside rows without, in the same warps (tokens
+    next to each other): each row as the reference has it."""
+    heads, blocks, tokens = 4, 256, 300
+    score = torch.randn(heads, blocks, tokens, device="cuda")
+    score[:, :, ::5] = (score[:, :, ::5] * 2).round()
+    got = msa_topk_select(score, 16, None, None, 1, 1)
+    assert torch.equal(got, reference.msa_topk_select(score, 16, None, 1, 1))
 
 
 def test_replays_in_a_cuda_graph():

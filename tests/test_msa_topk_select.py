@@ -92,3 +92,29 @@ def test_errors(kwargs, error, message):
     with pytest.raises(error) as info:
         msa_topk_select(**args)
     assert message in str(info.value)
+
+
+def test_the_kernels_networks_sort_every_zero_one_input():
+    """The 0-1 principle: a comparator network that sorts every 0-1 input sorts every
+    input. The group sort (all 2^16 inputs) and the fold's merge (every bitonic 0-1 input:
+    ones then zeros then ones, or the reverse) of the top-16 kernel."""
+    pytest.importorskip("cutlass")
+    from generator.kernels.portable import msa_topk_select as kernel
+
+    def run(pairs, x):
+        x = x.clone()
+        for i, j, descending in pairs:
+            high, low = torch.maximum(x[:, i], x[:, j]), torch.minimum(x[:, i], x[:, j])
+            x[:, i], x[:, j] = (high, low) if descending else (low, high)
+        return x
+
+    every = (torch.arange(1 << 16)[:, None] >> torch.arange(16)) & 1
+    assert (run(kernel.SORT_GROUP, every).diff(dim=1) <= 0).all()
+    assert len(kernel.SORT_GROUP) == 63
+    bitonic = [
+        [int(a <= i < b) ^ flip for i in range(16)]
+        for a in range(17)
+        for b in range(a, 17)
+        for flip in (0, 1)
+    ]
+    assert (run(kernel.MERGE_BEST, torch.tensor(bitonic)).diff(dim=1) <= 0).all()

@@ -6,15 +6,21 @@ instruction reads whole 32-byte sectors of mScore (Hq, P, S)). Blocks outside th
 (forced, past the token's valid blocks) and NaN scores count as -inf.
 
 The kernel first finds the threshold, not the ids: the value T of the `keep`-th largest
-middle score (keep = 16 - fb - fe). Each lane sorts its scores in groups of 16 with a bitonic
-network of fmax / fmin (values only: two instructions per compare-exchange, no branches, no
-ids to carry) and folds each sorted group into its running best 16 (max against the reversed
-group, then a bitonic merge); the four lanes' lists are then folded the same way through two
-butterfly shuffles. With T known, a block is selected when its score is above T, or equal to
-T and among the first `keep - #above` such blocks in ascending order (ties to the lower id).
-Each lane marks its blocks in two 64-bit masks; an exclusive prefix over the four lanes gives
-each lane its first output slot, and a lane writes its ids in ascending bit order. Forced
-blocks whose score is above -inf come first and last; the rest of the row is -1.
+middle score (keep = 16 - fb - fe). Each lane sorts its scores in groups of 16 with Batcher's
+odd-even merge sort (fmax / fmin on values only: two instructions per compare-exchange, no
+branches, no ids to carry) and folds each sorted group into its running best 16 (max against
+the reversed group, then a bitonic merge); the four lanes' lists are then folded the same way
+through two butterfly shuffles. With T known, a block is selected when its score is above T,
+or equal to T and among the first `keep - #above` such blocks in ascending order (ties to the
+lower id). Each lane marks its blocks in a 64-bit mask; an exclusive prefix over the four
+lanes gives each lane its first output slot, and a lane writes its ids in ascending bit
+order. Forced blocks whose score is above -inf come first and last; the rest of the row is -1.
+
+The kernel is bound by the integer pipe (fmax / fmin issue at half the rate of
+floating-point adds; ncu: that pipe ~90% busy), so everything else is kept off it where it
+can be: a load's address is one add on the last one, NaN is looked for by a floating-point
+sum, and the selection of a row of one segment is one `>= T` mask, with the general
+above / equal masks only in a warp where a row has more ties at T than it takes.
 
 A row of more than 256 blocks is processed in segments: one pass to find T, and a second
 that loads each segment again to write the ids (one segment stays in registers).
@@ -22,6 +28,8 @@ that loads each segment again to write the ids (one segment stays in registers).
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from generator.families.msa_topk_select import TOPK
 
@@ -32,18 +40,23 @@ SEGMENT = QUARTERS * PER_LANE
 GROUP = 16  # sorted at a time
 WARPS = 4
 NEG_INF = -cutlass.Float32.inf
+FLT_MAX = 3.4028234663852886e38
 
 
-def bitonic_sort_pairs(size):
-    """(i, j, descending) compare-exchanges that sort `size` values, largest first."""
+def odd_even_merge_sort_pairs(size):
+    """(i, j, descending) compare-exchanges of Batcher's odd-even merge sort: they sort
+    `size` values (a power of two), largest first; 63 for 16 values (a bitonic sort: 80)."""
     pairs = []
-    k = 2
-    while k <= size:
-        j = k // 2
-        while j >= 1:
-            pairs += [(i, i ^ j, (i & k) == 0) for i in range(size) if i ^ j > i]
-            j //= 2
-        k *= 2
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k, True))
+            k //= 2
+        p *= 2
     return pairs
 
 
@@ -57,8 +70,43 @@ def bitonic_merge_pairs(size):
     return pairs
 
 
-SORT_GROUP = bitonic_sort_pairs(GROUP)
+SORT_GROUP = odd_even_merge_sort_pairs(GROUP)
 MERGE_BEST = bitonic_merge_pairs(TOPK)
+
+
+@dsl_user_op
+def load_f32(address, *, loc=None, ip=None):
+    """The f32 at a global byte address, through the read-only data path."""
+    value = llvm.inline_asm(
+        cutlass.Float32.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.f32 $0, [$1];",
+        "=f,l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Float32(value)
+
+
+@dsl_user_op
+def advance(address, stride, *, loc=None, ip=None):
+    """address + stride (64-bit + 32-bit), written as a wide multiply-add by 1: ptxas then
+    emits IADD3 + IMAD.X (the carry on the multiply-add pipe) where a 64-bit add is
+    IADD3 + IADD3.X, both on the integer pipe this kernel is bound by."""
+    value = llvm.inline_asm(
+        cutlass.Int64.mlir_type,
+        [
+            cutlass.Int64(address).ir_value(loc=loc, ip=ip),
+            cutlass.Uint32(stride).ir_value(loc=loc, ip=ip),
+        ],
+        "mad.wide.u32 $0, $2, 1, $1;",
+        "=l,l,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Int64(value)
 
 
 class MsaTopkSelect:
@@ -94,15 +142,15 @@ class MsaTopkSelect:
         best = cute.make_rmem_tensor((TOPK,), cutlass.Float32)
         group = cute.make_rmem_tensor((GROUP,), cutlass.Float32)
         best.fill(NEG_INF)
-        for segment in cutlass.range(segments, unroll=1):
+        row = mScore[head, None, token]
+        # Segment 0 outside the loop over the others: inside a loop, the compiler keeps
+        # each load's offset (64-bit) live across iterations, 128 registers.
+        self.scan_segment(
+            row, quarter * PER_LANE, blocks, begin_end, end_start, scores, best, group, True
+        )
+        for segment in cutlass.range(1, segments, unroll=1):
             first = segment * SEGMENT + quarter * PER_LANE
-            self.load_middle(mScore, head, token, first, begin_end, end_start, scores)
-            for g in cutlass.range_constexpr(PER_LANE // GROUP):
-                if (first + g * GROUP < end_start) & (first + (g + 1) * GROUP > begin_end):
-                    for i in cutlass.range_constexpr(GROUP):
-                        group[i] = scores[g * GROUP + i]
-                    self.sort_descending(group)
-                    self.fold(best, group)
+            self.scan_segment(row, first, blocks, begin_end, end_start, scores, best, group, False)
         for step in cutlass.range_constexpr(1, 3):
             for i in cutlass.range_constexpr(TOPK):
                 group[i] = cute.arch.shuffle_sync_bfly(best[i], offset=step * TOKENS_PER_WARP)
@@ -128,11 +176,69 @@ class MsaTopkSelect:
                 if writes & (quarter == 0):
                     mOut[token, head, slot] = block
                 slot = slot + 1
+        # One segment (the scores still in registers): the row's blocks at or above the
+        # threshold are its selection unless more of them tie at it than are taken, which
+        # the general loop below resolves (a warp takes it if any of its rows needs it).
+        general = segments > 1
+        if not general:
+            at_least = cute.arch.fmax(threshold, -FLT_MAX)  # -inf is never selected
+            chosen = cutlass.Uint64(0)
+            for j in cutlass.range_constexpr(PER_LANE):
+                if scores[j] >= at_least:
+                    chosen = chosen | cutlass.Uint64(1 << j)
+            count = cutlass.Int32(cute.arch.popc(chosen))
+            before = self.exclusive_prefix(count, quarter)
+            total = cute.arch.shuffle_sync(before + count, offset=lane % TOKENS_PER_WARP + 24)
+            general = cute.arch.vote_any_sync(total != above_total + equal_take)
+            if not general:
+                self.write_ids(mOut, token, head, writes, quarter * PER_LANE, chosen, slot + before)
+                slot = slot + total
+        if general:
+            slot = self.select_segments(
+                mOut, row, token, head, writes, quarter, slot, scores, segments, blocks,
+                begin_end, end_start, threshold, equal_take,
+            )  # fmt: skip
+        for block in cutlass.range(end_start, valid, unroll=1):
+            if mScore[head, block, token] > NEG_INF:
+                if writes & (quarter == 0):
+                    mOut[token, head, slot] = block
+                slot = slot + 1
+        for j in cutlass.range(slot + quarter, TOPK, QUARTERS, unroll=1):
+            if writes:
+                mOut[token, head, j] = -1
+
+    @cute.jit
+    def scan_segment(
+        self, row, first, blocks, begin_end, end_start, scores, best, group,
+        is_first: cutlass.Constexpr,
+    ):  # fmt: skip
+        """Load the lane's 64 blocks from `first` into scores and fold their middle ones
+        into best, 16 at a time (the first group of the first segment is copied)."""
+        self.load_middle(row, first, blocks, begin_end, end_start, scores)
+        for g in cutlass.range_constexpr(PER_LANE // GROUP):
+            if (first + g * GROUP < end_start) & (first + (g + 1) * GROUP > begin_end):
+                for i in cutlass.range_constexpr(GROUP):
+                    group[i] = scores[g * GROUP + i]
+                self.sort_descending(group)
+                if cutlass.const_expr(is_first and g == 0):
+                    for i in cutlass.range_constexpr(TOPK):
+                        best[i] = group[i]  # best is all -inf: the fold would copy it
+                else:
+                    self.fold(best, group)
+
+    @cute.jit
+    def select_segments(
+        self, mOut, row, token, head, writes, quarter, slot, scores, segments, blocks,
+        begin_end, end_start, threshold, equal_take,
+    ):  # fmt: skip
+        """Write the middle blocks above the threshold and the first equal_take equal to it
+        (ascending ids), segment by segment from output slot `slot`; the next free slot."""
+        lane = cute.arch.lane_idx()
         equal_seen = cutlass.Int32(0)
         for segment in cutlass.range(segments, unroll=1):
             first = segment * SEGMENT + quarter * PER_LANE
             if segments > 1:
-                self.load_middle(mScore, head, token, first, begin_end, end_start, scores)
+                self.load_middle(row, first, blocks, begin_end, end_start, scores)
             above = cutlass.Uint64(0)
             equal = cutlass.Uint64(0)
             for j in cutlass.range_constexpr(PER_LANE):
@@ -153,32 +259,65 @@ class MsaTopkSelect:
                 above = above | lowest
                 equal = equal ^ lowest
             lane_slot = slot + (before & 0xFFFF) + cutlass.min(equal_left, equal_before)
-            for _ in cutlass.range(cute.arch.popc(above), unroll=1):
-                lowest = above & (~above + 1)
-                bit_index = 63 - cutlass.Int32(cute.arch.clz(lowest))
-                if writes:
-                    mOut[token, head, lane_slot] = first + bit_index
-                lane_slot = lane_slot + 1
-                above = above ^ lowest
+            self.write_ids(mOut, token, head, writes, first, above, lane_slot)
             slot = slot + (total & 0xFFFF) + cutlass.min(equal_left, total >> 16)
             equal_seen = equal_seen + (total >> 16)
-        for block in cutlass.range(end_start, valid, unroll=1):
-            if mScore[head, block, token] > NEG_INF:
-                if writes & (quarter == 0):
-                    mOut[token, head, slot] = block
-                slot = slot + 1
-        for j in cutlass.range(slot + quarter, TOPK, QUARTERS, unroll=1):
-            if writes:
-                mOut[token, head, j] = -1
+        return slot
 
     @cute.jit
-    def load_middle(self, mScore, head, token, first, begin_end, end_start, scores):
-        """scores[j] = score of block first + j if it is a middle block, else -inf; NaN
-        becomes -inf (fmax drops it), which the networks' fmax / fmin need."""
-        for j in cutlass.range_constexpr(PER_LANE):
-            scores[j] = NEG_INF
-            if (first + j >= begin_end) & (first + j < end_start):
-                scores[j] = cute.arch.fmax(mScore[head, first + j, token], NEG_INF)
+    def write_ids(self, mOut, token, head, writes, first, chosen, lane_slot):
+        """Blocks first + j for the set bits j of `chosen`, ascending, from slot lane_slot
+        (a 32-bit half at a time: half the instructions of 64-bit bit tricks)."""
+        for half in cutlass.range_constexpr(2):
+            bits = cutlass.Uint32(chosen >> (32 * half))
+            for _ in cutlass.range(cute.arch.popc(bits), unroll=1):
+                lowest = bits & (~bits + 1)
+                if writes:
+                    mOut[token, head, lane_slot] = (
+                        first + 32 * half + 31 - cutlass.Int32(cute.arch.clz(lowest))
+                    )
+                lane_slot = lane_slot + 1
+                bits = bits ^ lowest
+
+    @cute.jit
+    def load_middle(self, row, first, blocks, begin_end, end_start, scores):
+        """scores[j] = row[first + j] if block first + j is a middle block, else -inf; NaN
+        becomes -inf (fmax drops it), which the networks' fmax / fmin need. row: one
+        token's scores of every block."""
+        # Each load's address one 64-bit add from the last (the DSL's index arithmetic
+        # takes ~10 instructions a load, or keeps 64 offsets in registers).
+        address = cute.domain_offset((first,), row).iterator.toint()
+        stride = cutlass.Uint32(row.stride[0] * 4)  # bytes
+        if first + PER_LANE <= blocks:
+            for j in cutlass.range_constexpr(PER_LANE):
+                scores[j] = load_f32(address)
+                address = advance(address, stride)
+        else:
+            for j in cutlass.range_constexpr(PER_LANE):
+                scores[j] = NEG_INF
+                if first + j < blocks:
+                    scores[j] = load_f32(address)
+                address = advance(address, stride)
+        # NaN to -inf only in a warp that holds one: the kernel is bound by the integer
+        # pipe (fmax / fmin), and a sum (the floating-point pipe) is NaN if a value is NaN
+        # (or +inf meets -inf: then the fmax runs for nothing).
+        sums = cute.make_rmem_tensor((4,), cutlass.Float32)
+        for k in cutlass.range_constexpr(4):
+            sums[k] = scores[k]
+        for j in cutlass.range_constexpr(4, PER_LANE):
+            sums[j % 4] = sums[j % 4] + scores[j]
+        total = (sums[0] + sums[1]) + (sums[2] + sums[3])
+        if cute.arch.vote_any_sync(total != total):
+            for j in cutlass.range_constexpr(PER_LANE):
+                scores[j] = cute.arch.fmax(scores[j], NEG_INF)
+        # Forced blocks and those past the token's valid ones: only a group of 16 that
+        # holds an edge of the middle range is masked element by element.
+        for g in cutlass.range_constexpr(PER_LANE // GROUP):
+            low = first + g * GROUP
+            if (low < begin_end) | (low + GROUP > end_start):
+                for i in cutlass.range_constexpr(GROUP):
+                    if (low + i < begin_end) | (low + i >= end_start):
+                        scores[g * GROUP + i] = NEG_INF
 
     @cute.jit
     def exclusive_prefix(self, value, quarter):
@@ -192,7 +331,7 @@ class MsaTopkSelect:
 
     @cute.jit
     def sort_descending(self, x):
-        """Bitonic sort of the 16 values, largest first."""
+        """Sort the 16 values, largest first."""
         for p in cutlass.range_constexpr(len(SORT_GROUP)):
             self.compare_exchange(x, *SORT_GROUP[p])
 
