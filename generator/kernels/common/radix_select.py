@@ -9,8 +9,9 @@ with the sign bit set, so the unsigned order is the float order with a positive 
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from generator.kernels.common.ptx import inline_ptx
 
 BINS = 256
 
@@ -130,15 +131,14 @@ def peer_shared_int32(ptr, rank, *, loc=None, ip=None):
     """The Int32 at this CTA's shared-memory pointer `ptr`, read from the same place in
     the shared memory of the cluster's CTA `rank` (mapa, then ld.shared::cluster: the
     DSL's loads do not take distributed shared memory)."""
-    address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    value = llvm.inline_asm(
-        cutlass.Int32.mlir_type,
-        [address, cutlass.Int32(rank).ir_value(loc=loc, ip=ip)],
+    operands = [ptr.toint(loc=loc, ip=ip), cutlass.Int32(rank)]
+    return inline_ptx(
+        cutlass.Int32,
+        operands,
         "{\n\t.reg .u32 peer;\n\tmapa.shared::cluster.u32 peer, $1, $2;\n\t"
         "ld.shared::cluster.u32 $0, [peer];\n\t}",
         "=r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        side_effects=True,
+        loc=loc,
+        ip=ip,
     )
-    return cutlass.Int32(value)

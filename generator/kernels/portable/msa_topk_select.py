@@ -28,10 +28,10 @@ that loads each segment again to write the ids (one segment stays in registers).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from generator.families.msa_topk_select import TOPK
+from generator.kernels.common.ptx import inline_ptx
 
 TOKENS_PER_WARP = 8  # lanes 8q .. 8q + 7: eight consecutive tokens, quarter q of their rows
 QUARTERS = 4
@@ -77,16 +77,10 @@ MERGE_BEST = bitonic_merge_pairs(TOPK)
 @dsl_user_op
 def load_f32(address, *, loc=None, ip=None):
     """The f32 at a global byte address, through the read-only data path."""
-    value = llvm.inline_asm(
-        cutlass.Float32.mlir_type,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.f32 $0, [$1];",
-        "=f,l",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+    operands = [cutlass.Int64(address)]
+    return inline_ptx(
+        cutlass.Float32, operands, "ld.global.nc.f32 $0, [$1];", "=f,l", loc=loc, ip=ip
     )
-    return cutlass.Float32(value)
 
 
 @dsl_user_op
@@ -94,19 +88,10 @@ def advance(address, stride, *, loc=None, ip=None):
     """address + stride (64-bit + 32-bit), written as a wide multiply-add by 1: ptxas then
     emits IADD3 + IMAD.X (the carry on the multiply-add pipe) where a 64-bit add is
     IADD3 + IADD3.X, both on the integer pipe this kernel is bound by."""
-    value = llvm.inline_asm(
-        cutlass.Int64.mlir_type,
-        [
-            cutlass.Int64(address).ir_value(loc=loc, ip=ip),
-            cutlass.Uint32(stride).ir_value(loc=loc, ip=ip),
-        ],
-        "mad.wide.u32 $0, $2, 1, $1;",
-        "=l,l,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+    operands = [cutlass.Int64(address), cutlass.Uint32(stride)]
+    return inline_ptx(
+        cutlass.Int64, operands, "mad.wide.u32 $0, $2, 1, $1;", "=l,l,r", loc=loc, ip=ip
     )
-    return cutlass.Int64(value)
 
 
 class MsaTopkSelect:
@@ -158,10 +143,20 @@ class MsaTopkSelect:
 
         # The threshold: the keep-th largest middle score (+inf when nothing is kept), how
         # many middle scores are above it, and how many equal to it are taken (none at -inf).
-        threshold = cutlass.Float32(cutlass.Float32.inf)
-        for i in cutlass.range_constexpr(TOPK):
-            if keep == i + 1:
-                threshold = best[i]
+        # best[keep - 1] by a tree of selects on the bits of keep - 1 (15 selects).
+        candidates = [best[i] for i in range(TOPK)]
+        for bit in cutlass.range_constexpr(4):
+            odd = ((keep - 1) >> bit) & 1
+            halved = []
+            for m in cutlass.range_constexpr(len(candidates) // 2):
+                pick = candidates[2 * m]
+                if odd != 0:
+                    pick = candidates[2 * m + 1]
+                halved.append(pick)
+            candidates = halved
+        threshold = candidates[0]
+        if keep <= 0:
+            threshold = cutlass.Float32(cutlass.Float32.inf)
         above_total = cutlass.Int32(0)
         for i in cutlass.range_constexpr(TOPK):
             above_total = above_total + cutlass.Int32(best[i] > threshold)
@@ -315,8 +310,12 @@ class MsaTopkSelect:
         for g in cutlass.range_constexpr(PER_LANE // GROUP):
             low = first + g * GROUP
             if (low < begin_end) | (low + GROUP > end_start):
+                # Bit i: element i is a middle block (a bit test a value, not two compares).
+                below = cutlass.min(cutlass.max(begin_end - low, 0), GROUP)
+                upto = cutlass.min(cutlass.max(end_start - low, 0), GROUP)
+                middle = ((cutlass.Int32(1) << upto) - 1) & ~((cutlass.Int32(1) << below) - 1)
                 for i in cutlass.range_constexpr(GROUP):
-                    if (low + i < begin_end) | (low + i >= end_start):
+                    if middle & (1 << i) == 0:
                         scores[g * GROUP + i] = NEG_INF
 
     @cute.jit
