@@ -4,7 +4,7 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16,
+and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16_pair,
 decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
@@ -83,7 +83,6 @@ def quantize_group(x, global_scale, write_byte):
 # reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: one shift and
 # mask per code, no table.
 E2M1_FP16_FACTOR = 2.0**14
-HIGH_BITS = cutlass.Int32(0x80808080 - 2**32)  # the high bit of each byte, as an Int32
 
 
 @cute.jit
@@ -96,21 +95,13 @@ def e2m1_pair_as_fp16(byte):
 
 
 @cute.jit
-def e2m1_word_as_fp16(word, out, first: cutlass.Constexpr):
-    """The eight E2M1 codes of a 32-bit word (code i in bits 4i .. 4i + 3) as eight fp16,
-    each its value / 2^14, in out[first .. first + 3] (Int32 words of two fp16): codes
-    (0, 2), (4, 6), (1, 3), (5, 7). Each code becomes the high byte of its fp16 (the low
-    byte is 0: sign to bit 7, the magnitude bits to 1 .. 3), the even codes' bytes from two
-    shifts and two masks, the odd codes' from one shift and two masks, then a byte
-    permute places two of them a word: 11 instructions for eight codes. For a dot product
-    whose operands are both permuted alike, channel order is free."""
-    even = ((word << 1) & 0x0E0E0E0E) | ((word << 4) & HIGH_BITS)
-    odd = ((word >> 3) & 0x0E0E0E0E) | (word & HIGH_BITS)
-    zero = cutlass.Int32(0)
-    out[first] = cutlass.Int32(cute.arch.prmt(even, zero, 0x1404))
-    out[first + 1] = cutlass.Int32(cute.arch.prmt(even, zero, 0x3424))
-    out[first + 2] = cutlass.Int32(cute.arch.prmt(odd, zero, 0x1404))
-    out[first + 3] = cutlass.Int32(cute.arch.prmt(odd, zero, 0x3424))
+def e2m1_word_as_fp16_pair(word, j: cutlass.Constexpr):
+    """Codes j and j + 4 of the eight E2M1 codes in a 32-bit word (code i in bits 4i ..
+    4i + 3) as two fp16 in one word (code j in the low half), each its value / 2^14: a
+    shift and two masks for two codes, where e2m1_pair_as_fp16 first extracts a byte. For
+    a dot product whose operands are both permuted alike, channel order is free."""
+    shifted = word >> (4 * j)
+    return ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)
 
 
 @cute.jit

@@ -1,9 +1,8 @@
 """sdsa_scores: the SDSA indexer's FP32 scores q . k (indexer_scores) with
 warp-level MMA (mma.sync m16n8k16, fp32 accumulators), every arch.
 
-A CTA (4 warps) owns ROUNDS x 128 keys of one group (R = rows / groups <= 8 consecutive
-query rows sharing the table row mRequests[g]); each warp 32 of them a round, as four 8-key
-MMA tiles, the next round's keys loaded before this round's are decoded. The
+A CTA (4 warps) owns 128 keys of one group (R = rows / groups <= 8 consecutive query rows
+sharing the table row mRequests[g]); each warp 32 of them, as four 8-key MMA tiles. The
 MMA's 16 rows are the group's rows (the rest zero); its k dimension, the 128 channels, is
 permuted the same way for both operands (a dot product does not care): in k-step s,
 thread lane (g = lane / 4, q = lane % 4) holds the k slots 2q, 2q+1, 2q+8, 2q+9, and they
@@ -13,7 +12,7 @@ global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two
 no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 codes a
-32-bit word at a time via e2m1_word_as_fp16, times their e4m3 scale; within each
+32-bit word at a time via e2m1_word_as_fp16_pair, times their e4m3 scale; within each
 16-channel scale group the channels land in that helper's order, the same for both
 operands): exact, since every such product is a multiple of 2^-24 below 1 in magnitude;
 the MMA's products are then exact and the sums fp32, and the scores are scaled back by
@@ -26,16 +25,12 @@ from cutlass.cute.nvgpu import warp
 
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_as_fp16
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_as_fp16_pair
 
 WARPS = 4
 TILE_KEYS = 8  # the MMA's n
 TILES = 4  # per warp
 KEYS_PER_CTA = WARPS * TILES * TILE_KEYS
-# indexer_scores: a CTA scores ROUNDS x 128 keys of its group, a warp's next 32 keys loaded
-# while it decodes and multiplies the current ones, the query decoded once (NVFP4 keys:
-# one round a CTA left each warp waiting out a memory round trip before its decode).
-ROUNDS = {True: 8, False: 1}  # by nvfp4: BF16 keys reach ~95% of HBM in one round
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -59,10 +54,8 @@ class SdsaScores:
         self.kernel(args, atom).launch(**config)
 
     def grid(self, args):
-        """A CTA per ROUNDS x 128 keys of each group (the select and the repair grid
-        otherwise)."""
-        keys = KEYS_PER_CTA * ROUNDS[self.nvfp4]
-        return [cute.ceil_div(args.mScores.shape[1], keys), args.mRequests.shape[0], 1]
+        """A CTA per 128 keys of each group (the select and the repair grid otherwise)."""
+        return [cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA), args.mRequests.shape[0], 1]
 
     @cute.kernel
     def kernel(self, args, atom):
@@ -71,39 +64,26 @@ class SdsaScores:
         lane = tidx % 32
         g = lane // 4
         q = lane % 4
-        rounds = ROUNDS[self.nvfp4]
         context = args.mContext[group]
-        warp_first = bidx * KEYS_PER_CTA * rounds + (tidx // 32) * (TILES * TILE_KEYS)
-        if warp_first < context:  # the same for the whole warp: its MMAs run converged
+        first_key = bidx * KEYS_PER_CTA + (tidx // 32) * (TILES * TILE_KEYS)
+        if first_key < context:  # the same for the whole warp: its MMAs run converged
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
             request = args.mRequests[group]
-            # Two sets of key registers: round r + 1's loads go out before round r's
-            # decode; round 0's before the query's load and decode.
-            buffers = [self.key_registers(), self.key_registers()]
-            self.fetch_keys(args, request, warp_first, context, g, q, *buffers[0])
+            # The keys' loads first, so the query's load and decode overlap them.
+            raw, scale_pairs = self.fetch_keys(args, request, first_key, context, g, q)
             a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
             a_frags.fill(0.0)  # rows g + 8: never a query
             if g < rows:
                 self.place_query(args, first_row + g, q, a_frags, 0)
-            for r in cutlass.range_constexpr(rounds):
-                first_key = warp_first + r * KEYS_PER_CTA
-                if first_key < context:
-                    if cutlass.const_expr(r + 1 < rounds):
-                        self.fetch_keys(
-                            args, request, first_key + KEYS_PER_CTA, context, g, q,
-                            *buffers[(r + 1) % 2],
-                        )  # fmt: skip
-                    keys = self.decode_keys(*buffers[r % 2])
-                    for t in cutlass.range_constexpr(TILES):
-                        acc = self.tile_scores(atom, a_frags, keys[t, None])
-                        if g < rows:
-                            for j in cutlass.range_constexpr(2):
-                                key = first_key + t * TILE_KEYS + 2 * q + j
-                                if key < context:
-                                    args.mScores[first_row + g, key] = (
-                                        acc[j, 0, 0] * self.score_factor
-                                    )
+            keys = self.decode_keys(raw, scale_pairs)
+            for t in cutlass.range_constexpr(TILES):
+                acc = self.tile_scores(atom, a_frags, keys[t, None])
+                if g < rows:
+                    for j in cutlass.range_constexpr(2):
+                        key = first_key + t * TILE_KEYS + 2 * q + j
+                        if key < context:
+                            args.mScores[first_row + g, key] = acc[j, 0, 0] * self.score_factor
 
     @cute.jit
     def place_query(self, args, row, q, a_frags, half: cutlass.Constexpr):
@@ -120,12 +100,13 @@ class SdsaScores:
     def load_keys(self, args, request, first_key, end, g, q):
         """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
         channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`)."""
-        raw, scale_pairs = self.key_registers()
-        self.fetch_keys(args, request, first_key, end, g, q, raw, scale_pairs)
-        return self.decode_keys(raw, scale_pairs)
+        return self.decode_keys(*self.fetch_keys(args, request, first_key, end, g, q))
 
-    def key_registers(self):
-        """Registers for fetch_keys: (values or codes, scale pairs), row-major per tile."""
+    @cute.jit
+    def fetch_keys(self, args, request, first_key, end, g, q):
+        """load_keys' loads, all issued before any decode or MMA (NVFP4: decoding each key
+        as it lands would wait out one memory round trip per tile): (values or codes, scale
+        pairs), row-major per tile."""
         raw = cute.make_rmem_tensor(
             cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
         )
@@ -138,36 +119,17 @@ class SdsaScores:
             scale_pairs = cute.make_rmem_tensor(
                 cute.make_layout((TILES, 2), stride=(2, 1)), cutlass.Uint8
             )
+            scale_pairs.fill(0)
+        raw.fill(0)
+        for t in cutlass.range_constexpr(TILES):
+            key = first_key + t * TILE_KEYS + g
+            if key < end:
+                page = args.mBlockTable[request, key // PAGE_KEYS]
+                self.load_channels(
+                    args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
+                    key % PAGE_KEYS, q, raw[t, None], scale_pairs[t, None],
+                )  # fmt: skip
         return raw, scale_pairs
-
-    @cute.jit
-    def fetch_keys(self, args, request, first_key, end, g, q, raw, scale_pairs):
-        """load_keys' loads into key_registers' tensors, all issued before any decode or
-        MMA (NVFP4: decoding each key as it lands would wait out one memory round trip
-        per tile); zero past `end`. first_key is a multiple of 32: the warp's 32 keys are
-        in one page, looked up once."""
-        if first_key < end:
-            page = args.mBlockTable[request, first_key // PAGE_KEYS]
-            cache = args.mKeyCache[page, None, None]
-            scales = args.mKeyScales[page, None, None]
-            for t in cutlass.range_constexpr(TILES):
-                key = first_key + t * TILE_KEYS + g
-                if key < end:
-                    self.load_channels(
-                        cache, scales, key % PAGE_KEYS, q, raw[t, None], scale_pairs[t, None]
-                    )
-                else:
-                    self.zero_key(raw, scale_pairs, t)
-        else:
-            for t in cutlass.range_constexpr(TILES):
-                self.zero_key(raw, scale_pairs, t)
-
-    @cute.jit
-    def zero_key(self, raw, scale_pairs, t: cutlass.Constexpr):
-        """Tile t's key of fetch_keys' registers as zeros (a key past the end)."""
-        raw[t, None].fill(0)
-        if cutlass.const_expr(self.nvfp4):
-            scale_pairs[t, None].fill(0)
 
     @cute.jit
     def decode_keys(self, raw, scale_pairs):
@@ -219,13 +181,14 @@ class SdsaScores:
     @cute.jit
     def decode(self, codes, scale_pair, dst):
         """NVFP4 codes of 32 channels and their two e4m3 scales into dst as fp16
-        value x scale / 2^14, in the order e2m1_word_as_fp16 gives (each word's eight
-        channels permuted within its eight slots: queries and keys are decoded alike, so
-        the dot product is unchanged; each 16-channel scale group stays in its 16 slots)."""
+        value x scale / 2^14, in the order e2m1_word_as_fp16_pair gives (channels 8w + j
+        and 8w + j + 4 side by side: queries and keys are decoded alike, so the dot product
+        is unchanged; each 16-channel scale group stays in its 16 slots)."""
         code_words = cute.recast_tensor(codes, cutlass.Int32)
         words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
         for w in cutlass.range_constexpr(CHANNELS // 8):
-            e2m1_word_as_fp16(code_words[w], words, 4 * w)
+            for j in cutlass.range_constexpr(4):
+                words[4 * w + j] = e2m1_word_as_fp16_pair(code_words[w], j)
         values = cute.recast_tensor(words, cutlass.Float16)
         step = cute.recast_tensor(scale_pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
         for i in cutlass.range_constexpr(CHANNELS):
