@@ -66,6 +66,11 @@ SCORES = torch.zeros(5, 32)  # max_score and, in one case, the output in the sam
             "float32 (Hq, P, S)",
         ),
         (dict(max_score=torch.zeros(2, 5, 4).transpose(1, 2)), ValueError, "must be contiguous"),
+        (
+            dict(max_score=torch.empty(1, 1, 2**30, device="meta")),
+            ValueError,
+            "has 1073741824 tokens (S); msa_topk_select takes fewer than 2^30",
+        ),
         (dict(force_begin_blocks=9, force_end_blocks=8), ValueError, "= 17 exceeds topk 16"),
         (dict(force_end_blocks=-1), ValueError, "force_end_blocks must be an int >= 0"),
         (dict(num_valid_pages=0), ValueError, "num_valid_pages must be in (0, 4] (P), got 0"),

@@ -395,7 +395,7 @@ def msa_topk_select(
     force_begin_blocks: int = 0,
     force_end_blocks: int = 0,
 ):
-    """max_score (Hq, P, S): fp32, contiguous, block scores of S tokens over P blocks.
+    """max_score (Hq, P, S): fp32, contiguous, block scores of S < 2^30 tokens over P blocks.
     Returns int32 (S, Hq, 16) (written into `output` if given): for token s and head h,
     blocks [0, fb) and [nvp - fe, nvp) forced (fb = force_begin_blocks, fe =
     force_end_blocks, fb + fe <= 16), the other 16 - fb - fe by descending score from the
@@ -416,6 +416,11 @@ def msa_topk_select(
     if not max_score.is_contiguous():
         raise ValueError(f"max_score must be contiguous, got strides {max_score.stride()}")
     heads, blocks, tokens = max_score.shape
+    if tokens >= 2**30:
+        raise ValueError(
+            f"max_score has {tokens} tokens (S); msa_topk_select takes fewer than 2^30 (the "
+            "kernel steps through a token's blocks with a 32-bit byte stride)"
+        )
     device = max_score.device
     for name, value in (
         ("force_begin_blocks", force_begin_blocks),

@@ -128,8 +128,8 @@ class MsaTopkSelect:
         group = cute.make_rmem_tensor((GROUP,), cutlass.Float32)
         best.fill(NEG_INF)
         row = mScore[head, None, token]
-        # Segment 0 outside the loop over the others: inside a loop, the compiler keeps
-        # each load's offset (64-bit) live across iterations, 128 registers.
+        # Segment 0 outside the loop over the others: its first sorted group is copied
+        # into best, not folded (a compile-time choice).
         self.scan_segment(
             row, quarter * PER_LANE, blocks, begin_end, end_start, scores, best, group, True
         )
