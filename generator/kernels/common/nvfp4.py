@@ -4,7 +4,7 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_fp16_pair,
+and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_e4m3,
 decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
@@ -94,14 +94,22 @@ def e2m1_pair_as_fp16(byte):
     return low | high
 
 
+# An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the e4m3 bits as s.00e1e0.m00
+# reads as its value / 2^6, subnormal (e = 0: m x 2^-7) or normal alike.
+E2M1_E4M3_FACTOR = 2.0**6
+
+
 @cute.jit
-def e2m1_word_as_fp16_pair(word, j: cutlass.Constexpr):
-    """Codes j and j + 4 of the eight E2M1 codes in a 32-bit word (code i in bits 4i ..
-    4i + 3) as two fp16 in one word (code j in the low half), each its value / 2^14: a
-    shift and two masks for two codes, where e2m1_pair_as_fp16 first extracts a byte. For
-    a dot product whose operands are both permuted alike, channel order is free."""
-    shifted = word >> (4 * j)
-    return ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)
+def e2m1_word_as_e4m3(word):
+    """The eight E2M1 codes of a 32-bit word (code i in bits 4i .. 4i + 3) as eight e4m3
+    bytes, each its value / 2^6: (codes 0, 2, 4, 6; codes 1, 3, 5, 7) as two words, a byte
+    each. A mask, a shift and an add per four codes (the bytes cannot carry into each
+    other); for a dot product whose operands are both permuted alike, channel order is
+    free."""
+    odd = word >> 4
+    even_bytes = ((word & 0x07070707) << 2) | ((word & 0x08080808) << 4)
+    odd_bytes = ((odd & 0x07070707) << 2) | ((odd & 0x08080808) << 4)
+    return even_bytes, odd_bytes
 
 
 @cute.jit

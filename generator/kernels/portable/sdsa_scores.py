@@ -11,12 +11,13 @@ one key (B: key g of the tile) and of one query row (A: row g), loaded straight 
 global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two scales),
 no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
 
-NVFP4 keys and queries are decoded into fp16 as value x scale / 2^14 (E2M1 codes a
-32-bit word at a time via e2m1_word_as_fp16_pair, times their e4m3 scale; within each
-16-channel scale group the channels land in that helper's order, the same for both
-operands): exact, since every such product is a multiple of 2^-24 below 1 in magnitude;
-the MMA's products are then exact and the sums fp32, and the scores are scaled back by
-2^28. BF16 keys and queries go to a bf16 MMA as they are.
+NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
+32-bit word at a time into e4m3 bytes via e2m1_word_as_e4m3, converted to fp16 in pairs,
+times their e4m3 scale; within each 16-channel scale group the channels land in that
+helper's order, the same for both operands): exact, since every such product has at most
+6 significant bits and lies between 2^-16 and 42 in magnitude; the MMA's products are then
+exact and the sums fp32, and the scores are scaled back by 2^12. BF16 keys and queries go
+to a bf16 MMA as they are.
 """
 
 import cutlass
@@ -25,7 +26,8 @@ from cutlass.cute.nvgpu import warp
 
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_as_fp16_pair
+from generator.kernels.common.nvfp4 import E2M1_E4M3_FACTOR, e2m1_word_as_e4m3
+from generator.kernels.common.ptx import load_u16
 
 WARPS = 4
 TILE_KEYS = 8  # the MMA's n
@@ -42,8 +44,8 @@ class SdsaScores:
     def __init__(self, dtype, nvfp4: bool):
         self.nvfp4 = nvfp4
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
-        # The MMA of NVFP4 operands (each scaled by 2^-14) gives q . k / 2^28.
-        self.score_factor = E2M1_FP16_FACTOR * E2M1_FP16_FACTOR if nvfp4 else 1.0
+        # The MMA of NVFP4 operands (each scaled by 2^-6) gives q . k / 2^12.
+        self.score_factor = E2M1_E4M3_FACTOR * E2M1_E4M3_FACTOR if nvfp4 else 1.0
 
     @cute.jit
     def launch(self, args, stream):
@@ -174,22 +176,23 @@ class SdsaScores:
         codes (16 bytes) into raw and their two scales (groups 2q, 2q + 1) into scale_pair."""
         if cutlass.const_expr(self.nvfp4):
             raw.store(cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load())
-            scale_pair.store(cute.local_tile(scales[row, None], (2,), (q,)).load())
+            # One 2-byte load (the row's 8 scales start 16-byte aligned).
+            address = cute.domain_offset((row, 2 * q), scales).iterator.toint()
+            cute.recast_tensor(scale_pair, cutlass.Uint16)[0] = load_u16(address)
         else:
             raw.store(cute.local_tile(data[row, None], (CHANNELS,), (q,)).load())
 
     @cute.jit
     def decode(self, codes, scale_pair, dst):
         """NVFP4 codes of 32 channels and their two e4m3 scales into dst as fp16
-        value x scale / 2^14, in the order e2m1_word_as_fp16_pair gives (channels 8w + j
-        and 8w + j + 4 side by side: queries and keys are decoded alike, so the dot product
-        is unchanged; each 16-channel scale group stays in its 16 slots)."""
+        value x scale / 2^6, in the order e2m1_word_as_e4m3 gives (of the channels 8w ..
+        8w + 7, the even ones then the odd ones: queries and keys are decoded alike, so the
+        dot product is unchanged; each 16-channel scale group stays in its 16 slots)."""
         code_words = cute.recast_tensor(codes, cutlass.Int32)
-        words = cute.make_rmem_tensor((CHANNELS // 2,), cutlass.Int32)
+        words = cute.make_rmem_tensor((CHANNELS // 4,), cutlass.Int32)
         for w in cutlass.range_constexpr(CHANNELS // 8):
-            for j in cutlass.range_constexpr(4):
-                words[4 * w + j] = e2m1_word_as_fp16_pair(code_words[w], j)
-        values = cute.recast_tensor(words, cutlass.Float16)
+            words[2 * w], words[2 * w + 1] = e2m1_word_as_e4m3(code_words[w])
+        values = cute.recast_tensor(words, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
         step = cute.recast_tensor(scale_pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
         for i in cutlass.range_constexpr(CHANNELS):
             dst[i] = values[i] * step[i // 16]
