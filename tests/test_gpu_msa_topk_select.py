@@ -71,3 +71,40 @@ def test_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def shaped_rows(score):
+    """Rows (token t, every head) shaped against a kernel that holds a row's blocks in four
+    lanes of 64 (a lane's blocks k, k + 16, k + 32, k + 48 alike): the top scores packed
+    into one lane or into a few of those strided groups, finite scores in a few groups
+    only, pairs of high scores, a run of high neighbours, one value everywhere."""
+    blocks = torch.arange(score.shape[1], device=score.device)
+    high = torch.arange(1000.0, 1000.0 + score.shape[1], device=score.device)
+    for t in range(score.shape[2]):
+        kind = t % 7
+        if kind == 1:  # the top scores in 4 strided groups of lane 0
+            chosen = (blocks < 64) & (blocks % 16 < 4)
+            score[:, chosen, t] = high[: int(chosen.sum())]
+        elif kind == 2:  # 40 high scores in one lane
+            score[:, 64:104, t] = high[:40]
+        elif kind == 3:  # finite scores in 4 groups only: fewer than kept
+            finite = (blocks < 64) & (blocks % 16 < 4)
+            score[:, ~finite, t] = -torch.inf
+        elif kind == 4:  # two high scores in some groups
+            score[:, [5, 21, 70, 86, 133, 149], t] += 50.0
+        elif kind == 5:  # a run of high neighbouring blocks
+            score[:, 40:60, t] += 20.0
+        elif kind == 6:  # one value everywhere: every block ties at the threshold
+            score[:, :, t] = 0.5
+    return score
+
+
+@pytest.mark.parametrize("fb, fe", [(1, 1), (0, 0), (2, 3)])
+def test_shaped_rows_beside_random_ones(fb, fe):
+    """Every seventh row random, the others shaped (shaped_rows), in the same warps: each
+    as the reference has it."""
+    heads, blocks, tokens = 3, 256, 112
+    score = shaped_rows(torch.randn(heads, blocks, tokens, device="cuda"))
+    out = torch.full((tokens, heads, 16), -7, dtype=torch.int32, device="cuda")
+    got = msa_topk_select(score, 16, None, out, fb, fe)
+    assert torch.equal(got, reference.msa_topk_select(score, 16, None, fb, fe))

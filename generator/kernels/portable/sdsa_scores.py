@@ -32,7 +32,9 @@ from generator.kernels.common.ptx import load_u16
 WARPS = 4
 TILE_KEYS = 8  # the MMA's n
 TILES = 4  # per warp
-KEYS_PER_CTA = WARPS * TILES * TILE_KEYS
+KEYS_PER_WARP = TILES * TILE_KEYS
+KEYS_PER_CTA = WARPS * KEYS_PER_WARP
+assert PAGE_KEYS % KEYS_PER_WARP == 0  # a warp's keys share a page (fetch_keys)
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -123,10 +125,12 @@ class SdsaScores:
             )
             scale_pairs.fill(0)
         raw.fill(0)
+        # The warp's keys share a page (every caller's first_key is a multiple of
+        # KEYS_PER_WARP, and first_key < end): one table lookup, not one a key.
+        page = args.mBlockTable[request, first_key // PAGE_KEYS]
         for t in cutlass.range_constexpr(TILES):
             key = first_key + t * TILE_KEYS + g
             if key < end:
-                page = args.mBlockTable[request, key // PAGE_KEYS]
                 self.load_channels(
                     args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
                     key % PAGE_KEYS, q, raw[t, None], scale_pairs[t, None],
