@@ -28,4 +28,3 @@ def load_u16(address, *, loc=None, ip=None):
     return inline_ptx(
         cutlass.Uint16, operands, "ld.global.nc.u16 $0, [$1];", "=h,l", loc=loc, ip=ip
     )
-
