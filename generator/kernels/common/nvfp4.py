@@ -103,9 +103,8 @@ E2M1_E4M3_FACTOR = 2.0**6
 def e2m1_word_as_e4m3(word):
     """The eight E2M1 codes of a 32-bit word (code i in bits 4i .. 4i + 3) as eight e4m3
     bytes, each its value / 2^6: (codes 0, 2, 4, 6; codes 1, 3, 5, 7) as two words, a byte
-    each. A mask, a shift and an add per four codes (the bytes cannot carry into each
-    other); for a dot product whose operands are both permuted alike, channel order is
-    free."""
+    each. Two masks, two shifts and an or per four codes, no table; for a dot product whose
+    operands are both permuted alike, channel order is free."""
     odd = word >> 4
     even_bytes = ((word & 0x07070707) << 2) | ((word & 0x08080808) << 4)
     odd_bytes = ((odd & 0x07070707) << 2) | ((odd & 0x08080808) << 4)
