@@ -92,6 +92,24 @@ def test_scores_match_fp32_dot_products(nvfp4, rows_per_group):
     assert excess.max() <= 0, float(excess.max())
 
 
+def test_scales_at_an_odd_address_are_refused_before_launch():
+    """The scores read a key's (and a query row's) two scales as one 2-byte load."""
+    cache, key_scales, table = sdsa_paged_keys([100], True, device="cuda")
+    query, query_scales = sdsa_queries(1, True, device="cuda")
+    odd = torch.empty(key_scales.numel() + 1, **_u8)[1:].view(key_scales.shape)
+    odd.copy_(key_scales.view(torch.uint8))
+    scores = torch.full((1, 100), float("nan"), device="cuda")
+    context = torch.tensor([100], dtype=torch.int32, device="cuda")
+    requests = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="key_scales must start at an even address"):
+        sdsa.indexer_scores(
+            query, cache, table, context, requests=requests, scores=scores,
+            query_scales=query_scales, key_scales=odd,
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    assert scores.isnan().all()  # nothing launched
+
+
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_sample_copies_the_logical_keys(nvfp4):
     cache, key_scales, table = sdsa_paged_keys([5000, 3000], nvfp4, seed=2, device="cuda")

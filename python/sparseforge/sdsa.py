@@ -97,8 +97,9 @@ def indexer_scores(
     keys of table row requests[g]; other entries of `scores` (fp32 (rows, max_context), rows
     contiguous) are untouched. BF16: query (rows, 128) bf16, key_cache (pages, 64, 128)
     bf16. NVFP4: query (rows, 64) uint8 with query_scales (rows, 8), key_cache (pages, 64,
-    64) uint8 with key_scales (pages, 64, 8) (uint8 or float8_e4m3fn). block_table (B, W),
-    context_lengths and requests (G,): int32. Needs max_context <= 64 x W. Returns scores."""
+    64) uint8 with key_scales (pages, 64, 8) (uint8 or float8_e4m3fn), both scale tensors
+    at even addresses. block_table (B, W), context_lengths and requests (G,): int32. Needs
+    max_context <= 64 x W. Returns scores."""
     page = sdsa_family.constant("page_keys")
     nvfp4, device, cache, q = _query_and_keys(
         "indexer_scores", query, key_cache, query_scales, key_scales
@@ -376,6 +377,10 @@ def _scales_pair(nvfp4: bool, first, keys, first_rows: int, cache, device):
     keys = _bytes("key_scales", keys, (cache.shape[0], page, dim // 16), 8, device)
     if first is not None and first.dim() == 2:
         first = _bytes("query_scales", first, (first_rows, dim // 16), 8, device)
+    for name, t in (("key_scales", keys), ("query_scales", first)):
+        # The kernels read a key's or a query row's scales two bytes at a time.
+        if t is not None and t.data_ptr() % 2:
+            raise ValueError(f"{name} must start at an even address, got {t.data_ptr():#x}")
     return first, keys
 
 
