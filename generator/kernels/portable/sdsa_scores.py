@@ -180,7 +180,8 @@ class SdsaScores:
         codes (16 bytes) into raw and their two scales (groups 2q, 2q + 1) into scale_pair."""
         if cutlass.const_expr(self.nvfp4):
             raw.store(cute.local_tile(data[row, None], (CHANNELS // 2,), (q,)).load())
-            # One 2-byte load (the row's 8 scales start 16-byte aligned).
+            # One 2-byte load: the scales start at an even address (sdsa.py checks it) and
+            # a row of 8 at a multiple of 8 bytes from it.
             address = cute.domain_offset((row, 2 * q), scales).iterator.toint()
             cute.recast_tensor(scale_pair, cutlass.Uint16)[0] = load_u16(address)
         else:
