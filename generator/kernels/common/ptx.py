@@ -28,3 +28,28 @@ def load_u16(address, *, loc=None, ip=None):
     return inline_ptx(
         cutlass.Uint16, operands, "ld.global.nc.u16 $0, [$1];", "=h,l", loc=loc, ip=ip
     )
+
+
+@dsl_user_op
+def e4m3_pair_as_f16x2(word, high: bool, *, loc=None, ip=None):
+    """Bytes 0, 1 (or 2, 3 when high) of a 32-bit word, two e4m3 values, as two fp16 in one
+    32-bit word (the low byte in the low half): one conversion with the pairing fixed (the
+    vectorizer, left to pair scalar conversions, may pair across words and pay permutes)."""
+    half = "h" if high else "l"
+    asm = f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; cvt.rn.f16x2.e4m3x2 $0, {half}; }}"
+    return inline_ptx(cutlass.Int32, [cutlass.Int32(word)], asm, "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mul_f16x2(a, b, *, loc=None, ip=None):
+    """The halfwise product of two words of two fp16 each (round to nearest)."""
+    operands = [cutlass.Int32(a), cutlass.Int32(b)]
+    return inline_ptx(cutlass.Int32, operands, "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f16x2_broadcast(word, high: bool, *, loc=None, ip=None):
+    """The low (or high) fp16 of a word in both halves."""
+    half = "h" if high else "l"
+    asm = f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; mov.b32 $0, {{{half}, {half}}}; }}"
+    return inline_ptx(cutlass.Int32, [cutlass.Int32(word)], asm, "=r,r", loc=loc, ip=ip)

@@ -1,9 +1,11 @@
 """sdsa_repair: indexer_threshold_select's repair mode, a second launch after the select.
 
-A cluster of CTAs per row (8 on SM90 / SM100; 1 on SM120, whose clusters are of 1), 16
-warps each: a lone repaired row is the launch's tail, and its speed is the loads its CTAs
-keep in flight, so its keys are split over the cluster (CTA r takes chunks r, r + 8, ...).
-A row fits when its candidates fit their slots (cands <= cap = slots - top_k) and its
+A cluster of CTAs per 512 rows (8 CTAs on SM90 / SM100; 1 on SM120, whose clusters are of
+1), 16 warps each: a thread a row finds the rows that need repair (most fit: a cluster a
+row would launch thousands of CTAs that exit at once), then the cluster repairs them one
+after the other. A lone repaired row is the launch's tail, and its speed is the loads its
+CTAs keep in flight, so its keys are split over the cluster (CTA r takes chunks r, r + 8,
+...). A row fits when its candidates fit their slots (cands <= cap = slots - top_k) and its
 candidates plus stored ties reach wanted = min(row_end, top_k). A row that does not is
 repaired: the cluster radix-selects the exact wanted-th largest of the row's scores in
 float-bit order (generator/kernels/common/radix_select.py; the histograms summed through
@@ -29,16 +31,12 @@ from generator.kernels.common.radix_select import (
     histogram_words,
     radix_select,
 )
-from generator.kernels.portable.sdsa_scores import (
-    K_STEPS,
-    TILE_KEYS,
-    TILES,
-    SdsaScores,
-)
+from generator.kernels.portable.sdsa_scores import WARP_KEYS, SdsaScores
 from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
 WARPS = 16
-CHUNK_KEYS = WARPS * TILES * TILE_KEYS  # scored per step, a thread per key
+CHUNK_KEYS = WARPS * WARP_KEYS  # scored per step, a thread per key
+ROWS_PER_CLUSTER = WARPS * 32  # a thread each finds whether it needs repair
 # CTAs per row (a cluster), by arch; SM120 runs clusters of 1.
 PEERS = {"sm_90a": 8, "sm_100a": 8, "sm_120a": 1}
 # Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
@@ -56,16 +54,63 @@ class SdsaRepair(SdsaScores):
         self.cached_keys = cached_keys
 
     def grid(self, args):
-        """A cluster per row."""
-        return [args.mRowEnds.shape[0] * self.cluster, 1, 1]
+        """A cluster per ROWS_PER_CLUSTER rows."""
+        return [cute.ceil_div(args.mRowEnds.shape[0], ROWS_PER_CLUSTER) * self.cluster, 1, 1]
 
     @cute.kernel
     def kernel(self, args, atom):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         peers = self.cluster
-        row = bidx // peers
         rank = bidx % peers  # in the cluster (clusters run along x)
+        first_row = bidx // peers * ROWS_PER_CLUSTER
+        rows = cutlass.min(args.mRowEnds.shape[0] - first_row, ROWS_PER_CLUSTER)
+        smem = cutlass.memory.SmemAllocator()
+        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(histogram_words(peers)), 16)
+        sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
+        sScores = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.cached_keys), 16)
+        sRepair = smem.allocate_tensor(cutlass.Int32, cute.make_layout(ROWS_PER_CLUSTER), 16)
+        # A thread a row: a row that fits gets its ranges now, the others are marked. Every
+        # CTA of the cluster reads the same counters, so all mark the same rows.
+        repair = 0
+        if tidx < rows:
+            row = first_row + tidx
+            if self.fits(args, row):
+                if rank == 0:
+                    self.write_ranges(args, row)
+            else:
+                repair = 1
+        sRepair[tidx] = repair
+        # (Every CTA has read the counters before any row's reset in repair_row.)
+        self.cluster_sync()
+        for i in cutlass.range(rows, unroll=1):
+            if sRepair[i] != 0:  # the same in every thread of the cluster
+                self.repair_row(args, atom, first_row + i, rank, tidx, sHist, sState, sScores)
+
+    @cute.jit
+    def fits(self, args, row):
+        """Whether the row's candidates fit their slots and, with its stored ties, reach
+        the wanted count."""
+        top_k = args.top_k
+        cands = args.mCounters[row, 0]
+        ties = args.mCounters[row, 1]
+        wanted = cutlass.min(cutlass.min(args.mRowEnds[row], args.max_context), top_k)
+        cap = args.mCandidates.shape[1] - top_k
+        return (cands <= cap) & (cands + cutlass.min(ties, top_k) >= wanted)
+
+    @cute.jit
+    def write_ranges(self, args, row):
+        """The row's [first, end) candidate slots from its counters."""
+        top_k = args.top_k
+        cap = args.mCandidates.shape[1] - top_k
+        args.mRanges[0, row] = top_k - cutlass.min(args.mCounters[row, 1], top_k)
+        args.mRanges[1, row] = top_k + cutlass.min(args.mCounters[row, 0], cap)
+
+    @cute.jit
+    def repair_row(self, args, atom, row, rank, tidx, sHist, sState, sScores):
+        """The row's exact threshold, the row selected again, and its ranges: every thread of
+        the cluster calls it (it synchronises the cluster)."""
+        peers = self.cluster
         lane = tidx % 32
         g = lane // 4
         q = lane % 4
@@ -73,57 +118,42 @@ class SdsaRepair(SdsaScores):
         cap = args.mCandidates.shape[1] - top_k
         end = cutlass.min(args.mRowEnds[row], args.max_context)
         wanted = cutlass.min(end, top_k)
-        cands = args.mCounters[row, 0]
-        ties = args.mCounters[row, 1]
-        smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(histogram_words(peers)), 16)
-        sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
-        sScores = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.cached_keys), 16)
-        if (cands > cap) | (cands + cutlass.min(ties, top_k) < wanted):
-            request = args.mTileRequests[row // TILE_ROWS]
-            # The row is MMA row 0 (lanes g == 0 hold its scores); the other rows are zero.
-            a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
-            a_frags.fill(0.0)
-            if g == 0:
-                self.place_query(args, row, q, a_frags, 0)
-            # Every thread walks all its CTA's chunks of CHUNK_KEYS keys: the warps' MMAs run
-            # converged, and every CTA of the cluster makes as many steps.
-            count = cute.ceil_div(end, CHUNK_KEYS * peers) * (CHUNK_KEYS * peers)
-            # (Its peers have read the counters before the reset below.)
-            self.cluster_sync()
-            threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
-            if wanted > 0:
-                key, _ = radix_select(
-                    lambda i, step: [
-                        (ok, float_bits(score))
-                        for ok, _, score in self.chunk_scores(
-                            atom, args, a_frags, request, i - tidx, end, g, q, tidx, sScores,
-                            cache_filled=step > 0,
-                        )
-                    ],
-                    count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank,
-                )  # fmt: skip
-                threshold = float_of_order_key(key)
-            if (tidx == 0) & (rank == 0):
-                args.mThresholds[row] = threshold
-                args.mCounters[row, 0] = 0
-                args.mCounters[row, 1] = 0
-            self.cluster_sync()
-            for i in cutlass.range(tidx + rank * CHUNK_KEYS, count, CHUNK_KEYS * peers, unroll=1):
-                triples = self.chunk_scores(
-                    atom, args, a_frags, request, i - tidx, end, g, q, tidx, sScores,
-                    cache_filled=True,
-                )  # fmt: skip
-                for v in cutlass.range_constexpr(len(triples)):
-                    ok, key, score = triples[v]
-                    if ok:
-                        classify(args, row, key, score, threshold, cap)
-            self.cluster_sync()
-            cands = args.mCounters[row, 0]
-            ties = args.mCounters[row, 1]
+        request = args.mTileRequests[row // TILE_ROWS]
+        # The row is every MMA column (lanes q == 0 keep its scores).
+        query = self.query_operand(args, row, q)
+        # Every thread walks all its CTA's chunks of CHUNK_KEYS keys: the warps' MMAs run
+        # converged, and every CTA of the cluster makes as many steps.
+        count = cute.ceil_div(end, CHUNK_KEYS * peers) * (CHUNK_KEYS * peers)
+        threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
+        if wanted > 0:
+            key, _ = radix_select(
+                lambda i, step: [
+                    (ok, float_bits(score))
+                    for ok, _, score in self.chunk_scores(
+                        atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
+                        cache_filled=step > 0,
+                    )
+                ],
+                count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank,
+            )  # fmt: skip
+            threshold = float_of_order_key(key)
         if (tidx == 0) & (rank == 0):
-            args.mRanges[0, row] = top_k - cutlass.min(ties, top_k)
-            args.mRanges[1, row] = top_k + cutlass.min(cands, cap)
+            args.mThresholds[row] = threshold
+            args.mCounters[row, 0] = 0
+            args.mCounters[row, 1] = 0
+        self.cluster_sync()
+        for i in cutlass.range(tidx + rank * CHUNK_KEYS, count, CHUNK_KEYS * peers, unroll=1):
+            triples = self.chunk_scores(
+                atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
+                cache_filled=True,
+            )  # fmt: skip
+            for v in cutlass.range_constexpr(len(triples)):
+                ok, key, score = triples[v]
+                if ok:
+                    classify(args, row, key, score, threshold, cap)
+        self.cluster_sync()
+        if (tidx == 0) & (rank == 0):
+            self.write_ranges(args, row)
 
     @cute.jit
     def cluster_sync(self):
@@ -137,49 +167,45 @@ class SdsaRepair(SdsaScores):
 
     @cute.jit
     def chunk_scores(
-        self, atom, args, a_frags, request, chunk_key, end, g, q, tidx, sScores,
+        self, atom, args, query, request, chunk_key, end, g, q, tidx, sScores,
         cache_filled: cutlass.Constexpr,
     ):  # fmt: skip
         """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key: its
-        warp's 32 keys through the MMA, valid for MMA row 0 (g == 0) and keys < end. A chunk
-        below cached_keys is read from sScores once cache_filled, else computed and kept."""
-        first_key = chunk_key + (tidx // 32) * (TILES * TILE_KEYS)
+        warp's 32 keys through the MMA, valid for lanes q == 0 and keys < end. A chunk below
+        cached_keys is read from sScores once cache_filled, else computed and kept."""
+        first_key = chunk_key + (tidx // 32) * WARP_KEYS
         # The chunk's place among this CTA's (every peers-th chunk of the row) and its
         # keys' entries in sScores, the same for the whole CTA.
         slot = chunk_key // (CHUNK_KEYS * self.cluster) * CHUNK_KEYS - chunk_key
         cached = slot + chunk_key + CHUNK_KEYS <= self.cached_keys
-        scores = cute.make_rmem_tensor((2 * TILES,), cutlass.Float32)
+        scores = cute.make_rmem_tensor((4,), cutlass.Float32)  # key g + 8j: scores[j]
         if cutlass.const_expr(cache_filled):
             if cached:
                 # Each thread reads back the entries it wrote: no barrier needed.
-                for t in cutlass.range_constexpr(TILES):
-                    for c in cutlass.range_constexpr(2):
-                        scores[2 * t + c] = sScores[slot + first_key + t * TILE_KEYS + 2 * q + c]
+                for j in cutlass.range_constexpr(4):
+                    scores[j] = sScores[slot + first_key + 8 * j + g]
             else:
-                self.mma_scores(atom, args, a_frags, request, first_key, end, g, q, scores)
+                self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
         else:
-            self.mma_scores(atom, args, a_frags, request, first_key, end, g, q, scores)
-            if cached & (g == 0):
-                for t in cutlass.range_constexpr(TILES):
-                    for c in cutlass.range_constexpr(2):
-                        sScores[slot + first_key + t * TILE_KEYS + 2 * q + c] = scores[2 * t + c]
+            self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
+            if cached & (q == 0):
+                for j in cutlass.range_constexpr(4):
+                    sScores[slot + first_key + 8 * j + g] = scores[j]
         triples = []
-        for t in cutlass.range_constexpr(TILES):
-            for c in cutlass.range_constexpr(2):
-                key = first_key + t * TILE_KEYS + 2 * q + c
-                triples.append(((g == 0) & (key < end), key, scores[2 * t + c]))
+        for j in cutlass.range_constexpr(4):
+            key = first_key + 8 * j + g
+            triples.append(((q == 0) & (key < end), key, scores[j]))
         return triples
 
     @cute.jit
-    def mma_scores(self, atom, args, a_frags, request, first_key, end, g, q, scores):
-        """The scores of MMA row 0 against the warp's 32 keys from first_key, lanes g == 0
-        holding keys first_key + 8t + 2q + c as scores[2t + c] (the other lanes: rows that
-        are zero)."""
+    def mma_scores(self, atom, args, query, request, first_key, end, g, q, scores):
+        """The row's scores against the warp's 32 keys from first_key: key first_key + g +
+        8j as scores[j] (every lane; the lanes of one g hold the same)."""
         keys = self.load_keys(args, request, first_key, end, g, q)
-        for t in cutlass.range_constexpr(TILES):
-            acc = self.tile_scores(atom, a_frags, keys[t, None])
-            for c in cutlass.range_constexpr(2):
-                scores[2 * t + c] = acc[c, 0, 0] * self.score_factor
+        for t in cutlass.range_constexpr(WARP_KEYS // 16):
+            acc = self.tile_scores(atom, keys, t, query)
+            for h in cutlass.range_constexpr(2):
+                scores[2 * t + h] = acc[2 * h, 0, 0] * self.score_factor
 
 
 def make_kernel(variant):

@@ -1,15 +1,21 @@
 """sdsa_scores: the SDSA indexer's FP32 scores q . k (indexer_scores) with
 warp-level MMA (mma.sync m16n8k16, fp32 accumulators), every arch.
 
-A CTA (4 warps) owns 128 keys of one group (R = rows / groups <= 8 consecutive query rows
-sharing the table row mRequests[g]); each warp 32 of them, as four 8-key MMA tiles. The
-MMA's 16 rows are the group's rows (the rest zero); its k dimension, the 128 channels, is
-permuted the same way for both operands (a dot product does not care): in k-step s,
-thread lane (g = lane / 4, q = lane % 4) holds the k slots 2q, 2q+1, 2q+8, 2q+9, and they
-are channels 32q + 4s + 0..3. So each thread's operands are channels 32q .. 32q + 31 of
-one key (B: key g of the tile) and of one query row (A: row g), loaded straight from
-global memory into registers (BF16: 64 contiguous bytes; NVFP4: 16 bytes and two scales),
-no shared memory. Thread lane gets the scores of row g for keys 2q and 2q + 1 of each tile.
+Keys are the MMA's rows and query rows its columns: a warp scores 32 keys at a time as two
+16-key tiles against up to 8 query rows (a group's R = rows / groups <= 8 rows sharing the
+table row mRequests[g]). Lane (g = lane / 4, q = lane % 4) holds keys g + 8j (j < 4) of
+the warp's 32 (tile j / 2, MMA row g + 8 (j % 2)) and query row g (column g); the MMA's k
+dimension, the 128 channels, is permuted the same way for both operands (a dot product
+does not care): in k-step s the lane's k slots 2q, 2q + 1, 2q + 8, 2q + 9 are channels
+32q + 4s + 0..3. So each lane's operands are channels 32q .. 32q + 31 of its keys and of
+its query row, loaded straight from global memory into registers (BF16: 64 contiguous
+bytes a key; NVFP4: 16 bytes and two scales), no shared memory; lane (g, q) gets the
+scores of rows 2q, 2q + 1 for keys g and g + 8 of each tile. With keys as rows, all of A
+is key data and a 16-key tile takes one MMA a k-step (as query rows, a tile of 8 keys took
+one, its A mostly zero rows).
+
+A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32 (the
+next chunk's loads issued before this one's decode and stores), decoding its query once.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
 32-bit word at a time into e4m3 bytes via e2m1_word_as_e4m3, converted to fp16 in pairs,
@@ -27,14 +33,18 @@ from cutlass.cute.nvgpu import warp
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.nvfp4 import E2M1_E4M3_FACTOR, e2m1_word_as_e4m3
-from generator.kernels.common.ptx import load_u16
+from generator.kernels.common.ptx import (
+    e4m3_pair_as_f16x2,
+    f16x2_broadcast,
+    load_u16,
+    mul_f16x2,
+)
 
 WARPS = 4
-TILE_KEYS = 8  # the MMA's n
-TILES = 4  # per warp
-KEYS_PER_WARP = TILES * TILE_KEYS
-KEYS_PER_CTA = WARPS * KEYS_PER_WARP
-assert PAGE_KEYS % KEYS_PER_WARP == 0  # a warp's keys share a page (fetch_keys)
+WARP_KEYS = 32  # scored by a warp at a time: keys g + 8j (j < 4) a lane
+assert PAGE_KEYS % WARP_KEYS == 0  # a warp's keys share a page (fetch_warp_keys)
+CHUNKS = 4  # of WARP_KEYS keys a warp, in sdsa_scores
+KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -58,7 +68,7 @@ class SdsaScores:
         self.kernel(args, atom).launch(**config)
 
     def grid(self, args):
-        """A CTA per 128 keys of each group (the select and the repair grid otherwise)."""
+        """A CTA per 512 keys of each group (the select and the repair grid otherwise)."""
         return [cute.ceil_div(args.mScores.shape[1], KEYS_PER_CTA), args.mRequests.shape[0], 1]
 
     @cute.kernel
@@ -69,98 +79,126 @@ class SdsaScores:
         g = lane // 4
         q = lane % 4
         context = args.mContext[group]
-        first_key = bidx * KEYS_PER_CTA + (tidx // 32) * (TILES * TILE_KEYS)
-        if first_key < context:  # the same for the whole warp: its MMAs run converged
+        cta_key = bidx * KEYS_PER_CTA + (tidx // 32) * WARP_KEYS
+        if cta_key < context:  # the same for the whole warp: its MMAs run converged
             rows = args.mScores.shape[0] // args.mRequests.shape[0]
             first_row = group * rows
             request = args.mRequests[group]
-            # The keys' loads first, so the query's load and decode overlap them.
-            raw, scale_pairs = self.fetch_keys(args, request, first_key, context, g, q)
-            a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
-            a_frags.fill(0.0)  # rows g + 8: never a query
-            if g < rows:
-                self.place_query(args, first_row + g, q, a_frags, 0)
-            keys = self.decode_keys(raw, scale_pairs)
-            for t in cutlass.range_constexpr(TILES):
-                acc = self.tile_scores(atom, a_frags, keys[t, None])
-                if g < rows:
-                    for j in cutlass.range_constexpr(2):
-                        key = first_key + t * TILE_KEYS + 2 * q + j
-                        if key < context:
-                            args.mScores[first_row + g, key] = acc[j, 0, 0] * self.score_factor
+            # Column g: query row g (clamped: columns past `rows` are computed, not stored).
+            query = self.query_operand(args, first_row + cutlass.min(g, rows - 1), q)
+            # This thread's accumulator columns: rows 2q and 2q + 1 (those below `rows`).
+            outputs = [
+                args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None] for r in range(2)
+            ]
+
+            self.for_each_chunk(
+                args, request, cta_key, context, g, q,
+                lambda keys, first_key: self.store_scores(
+                    atom, keys, first_key, query, outputs, rows, context, g, q
+                ),
+            )  # fmt: skip
 
     @cute.jit
-    def place_query(self, args, row, q, a_frags, half: cutlass.Constexpr):
-        """Query row `row`'s channels 32q .. 32q + 31 into the A fragments of the 8 k-steps
-        (8 values each): as a0 a1 a4 a5 (MMA row g, half 0) or a2 a3 a6 a7 (row g + 8,
-        half 1), channels 4s .. 4s + 3 in k-step s."""
-        query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
-        self.channels(args.mQuery, args.mQueryScales, row, q, query)
-        for s in cutlass.range_constexpr(K_STEPS):
-            for i in cutlass.range_constexpr(4):
-                a_frags[8 * s + i + 2 * (i // 2) + 2 * half] = query[4 * s + i]
+    def store_scores(self, atom, keys, first_key, query, outputs, rows, context, g, q):
+        """The scores of the warp's 32 keys from first_key against the group's rows, those
+        of keys below `context` stored (outputs[r]: row 2q + r of the group)."""
+        for t in cutlass.range_constexpr(WARP_KEYS // 16):
+            acc = self.tile_scores(atom, keys, t, query)
+            for j in cutlass.range_constexpr(2):
+                key = first_key + 16 * t + 8 * j + g
+                for r in cutlass.range_constexpr(2):
+                    if (2 * q + r < rows) & (key < context):
+                        outputs[r][key] = acc[2 * j + r, 0, 0] * self.score_factor
 
     @cute.jit
-    def load_keys(self, args, request, first_key, end, g, q):
-        """Keys first_key + 8t + g (t < TILES) of table row `request`, those below `end`,
-        channels 32q .. 32q + 31 each ((TILES, CHANNELS), zero past `end`)."""
-        return self.decode_keys(*self.fetch_keys(args, request, first_key, end, g, q))
+    def for_each_chunk(self, args, request, warp_key, end, g, q, body):
+        """body(keys, first_key) for the warp's CHUNKS chunks of 32 keys from warp_key
+        (WARPS x 32 apart) that start below `end`, keys as load_keys gives them; each
+        chunk's loads are issued before the previous chunk's decode and body (whose
+        stores the compiler may not move loads across)."""
+        raw = self.fetch_warp_keys(args, request, warp_key, end, g, q)
+        for c in cutlass.range_constexpr(CHUNKS):
+            first_key = warp_key + c * WARPS * WARP_KEYS
+            following = raw
+            if cutlass.const_expr(c + 1 < CHUNKS):
+                following = self.fetch_warp_keys(
+                    args, request, first_key + WARPS * WARP_KEYS, end, g, q
+                )
+            if first_key < end:
+                body(self.decode_warp_keys(raw), first_key)
+            raw = following
 
     @cute.jit
-    def fetch_keys(self, args, request, first_key, end, g, q):
-        """load_keys' loads, all issued before any decode or MMA (NVFP4: decoding each key
-        as it lands would wait out one memory round trip per tile): (values or codes, scale
-        pairs), row-major per tile."""
+    def fetch_warp_keys(self, args, request, first_key, end, g, q):
+        """The loads of keys first_key + g + 8j (j < 4) of table row `request`, channels
+        32q .. 32q + 31 each: (values or codes, scale pairs), a row per key. Keys at or past
+        `end` read key end - 1 instead (their scores are never stored): no branches, and
+        every table entry read is one of the request's pages."""
+        last = end - 1
+        # The warp's 32 keys share a page (first_key is a multiple of 32 and below end, or
+        # every key is clamped to `last`): one table lookup.
+        page = args.mBlockTable[request, cutlass.min(first_key, last) // PAGE_KEYS]
         raw = cute.make_rmem_tensor(
-            cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
+            cute.make_layout((4, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
         )
         scale_pairs = raw  # unused for BF16
         if cutlass.const_expr(self.nvfp4):
             raw = cute.make_rmem_tensor(
-                cute.make_layout((TILES, CHANNELS // 2), stride=(CHANNELS // 2, 1)),
-                cutlass.Uint8,
+                cute.make_layout((4, CHANNELS // 2), stride=(CHANNELS // 2, 1)), cutlass.Uint8
             )
             scale_pairs = cute.make_rmem_tensor(
-                cute.make_layout((TILES, 2), stride=(2, 1)), cutlass.Uint8
+                cute.make_layout((4, 2), stride=(2, 1)), cutlass.Uint8
             )
-            scale_pairs.fill(0)
-        raw.fill(0)
-        # The warp's keys share a page (every caller's first_key is a multiple of
-        # KEYS_PER_WARP, and first_key < end): one table lookup, not one a key.
-        page = args.mBlockTable[request, first_key // PAGE_KEYS]
-        for t in cutlass.range_constexpr(TILES):
-            key = first_key + t * TILE_KEYS + g
-            if key < end:
-                self.load_channels(
-                    args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
-                    key % PAGE_KEYS, q, raw[t, None], scale_pairs[t, None],
-                )  # fmt: skip
+        for j in cutlass.range_constexpr(4):
+            key = cutlass.min(first_key + 8 * j + g, last)
+            self.load_channels(
+                args.mKeyCache[page, None, None], args.mKeyScales[page, None, None],
+                key % PAGE_KEYS, q, raw[j, None], scale_pairs[j, None],
+            )  # fmt: skip
         return raw, scale_pairs
 
     @cute.jit
-    def decode_keys(self, raw, scale_pairs):
-        """fetch_keys' registers as MMA operands ((TILES, CHANNELS) row-major: tile t's
-        channels contiguous, as tile_scores reads them)."""
+    def load_keys(self, args, request, first_key, end, g, q):
+        """Keys first_key + g + 8j (j < 4) of table row `request` as MMA values (4,
+        CHANNELS), keys at or past `end` as key end - 1 (fetch_warp_keys)."""
+        return self.decode_warp_keys(self.fetch_warp_keys(args, request, first_key, end, g, q))
+
+    @cute.jit
+    def decode_warp_keys(self, fetched):
+        """fetch_warp_keys' registers as MMA values, (4, CHANNELS) row-major."""
+        raw, scale_pairs = fetched
         keys = raw
         if cutlass.const_expr(self.nvfp4):
             keys = cute.make_rmem_tensor(
-                cute.make_layout((TILES, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
+                cute.make_layout((4, CHANNELS), stride=(CHANNELS, 1)), self.mma_dtype
             )
-            for t in cutlass.range_constexpr(TILES):
-                self.decode(raw[t, None], scale_pairs[t, None], keys[t, None])
+            for j in cutlass.range_constexpr(4):
+                self.decode(raw[j, None], scale_pairs[j, None], keys[j, None])
         return keys
 
     @cute.jit
-    def tile_scores(self, atom, a_frags, keys):
-        """The m16n8 accumulator of one tile over the 8 k-steps: A from a_frags, B the
-        tile's key channels 4s .. 4s + 3 in k-step s (module docstring), both as views."""
+    def tile_scores(self, atom, keys, t, query):
+        """The m16n8 accumulator of keys 2t and 2t + 1 (MMA rows g and g + 8) against the
+        query rows (columns): A a0 a1 a4 a5 from key 2t, a2 a3 a6 a7 from key 2t + 1,
+        channels 4s .. 4s + 3 in k-step s; B the query's, a view."""
         acc = cute.make_rmem_tensor((4, 1, 1), cutlass.Float32)
         acc.fill(0.0)
         for s in cutlass.range_constexpr(K_STEPS):
-            a = cute.make_tensor(a_frags.iterator + 8 * s, cute.make_layout((8, 1)))
-            b = cute.make_tensor(keys.iterator + 4 * s, cute.make_layout((4, 1)))
+            a = cute.make_rmem_tensor((8, 1), self.mma_dtype)
+            for i in cutlass.range_constexpr(4):
+                a[i + 2 * (i // 2)] = keys[2 * t, 4 * s + i]
+                a[i + 2 * (i // 2) + 2] = keys[2 * t + 1, 4 * s + i]
+            b = cute.make_tensor(query.iterator + 4 * s, cute.make_layout((4, 1)))
             cute.gemm(atom, acc, a, b, acc)
         return acc
+
+    @cute.jit
+    def query_operand(self, args, row, q):
+        """Query row `row` as this lane's B values of the 8 k-steps (channels 4s .. 4s + 3
+        of its 32 in k-step s): (CHANNELS,) of the MMA dtype."""
+        query = cute.make_rmem_tensor((CHANNELS,), self.mma_dtype)
+        self.channels(args.mQuery, args.mQueryScales, row, q, query)
+        return query
 
     @cute.jit
     def channels(self, data, scales, row, q, dst):
@@ -194,13 +232,14 @@ class SdsaScores:
         8w + 7, the even ones then the odd ones: queries and keys are decoded alike, so the
         dot product is unchanged; each 16-channel scale group stays in its 16 slots)."""
         code_words = cute.recast_tensor(codes, cutlass.Int32)
-        words = cute.make_rmem_tensor((CHANNELS // 4,), cutlass.Int32)
+        scales = e4m3_pair_as_f16x2(cute.recast_tensor(scale_pair, cutlass.Uint16)[0], False)
+        out = cute.recast_tensor(dst, cutlass.Int32)  # (16,): fp16 pairs
         for w in cutlass.range_constexpr(CHANNELS // 8):
-            words[2 * w], words[2 * w + 1] = e2m1_word_as_e4m3(code_words[w])
-        values = cute.recast_tensor(words, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
-        step = cute.recast_tensor(scale_pair, cutlass.Float8E4M3FN).load().to(cutlass.Float16)
-        for i in cutlass.range_constexpr(CHANNELS):
-            dst[i] = values[i] * step[i // 16]
+            step = f16x2_broadcast(scales, w >= CHANNELS // 16)  # group 2q or 2q + 1
+            words = e2m1_word_as_e4m3(code_words[w])
+            for i in cutlass.range_constexpr(4):
+                pair = e4m3_pair_as_f16x2(words[i // 2], i % 2 == 1)
+                out[4 * w + i] = mul_f16x2(pair, step)
 
 
 def make_kernel(variant):

@@ -1,13 +1,13 @@
 """sdsa_select on tensor cores: the SDSA threshold select without a score matrix
 (indexer_threshold_select; its repair mode is sdsa_repair, launched after this).
 
-A CTA (4 warps) owns 128 keys of one 128-row tile, each warp 32 of them as four 8-key MMA
-tiles, loaded once into registers as sdsa_scores loads them (those below the end of what
+A CTA (4 warps) owns 512 keys of one 128-row tile, each warp 4 chunks of 32 as two 16-key
+MMA tiles, loaded into registers as sdsa_scores loads them (those below the end of what
 any row sees: table entries past a request's keys need not be pages). The tile's live
 rows (those that see some key of the CTA; a decode tile often has a few of 128) are listed
-once in shared memory (a thread per row; their order is free); the warps walk them 16 at a
-time as the MMA's rows, each row's 32 channels straight from global memory into the A
-fragments. Every score (row, key) with key < min(row_end, max_context) is classified
+once in shared memory (a thread per row; their order is free); the warps walk them 8 at a
+time as the MMA's columns, each row's 32 channels a lane straight from global memory into
+the B values. Every score (row, key) with key < min(row_end, max_context) is classified
 against the row's threshold (classify: candidates and ties counted by atomics, stored
 while there is room), with the bits sdsa_scores computes for it.
 """
@@ -17,22 +17,16 @@ import cutlass.cute as cute
 
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import float_bits
-from generator.kernels.portable.sdsa_scores import (
-    K_STEPS,
-    KEYS_PER_CTA,
-    TILE_KEYS,
-    TILES,
-    SdsaScores,
-)
+from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, WARP_KEYS, WARPS, SdsaScores
 
 TILE_ROWS = 128
-MMA_ROWS = 16
-assert TILE_ROWS == KEYS_PER_CTA  # a thread per row lists the live rows
+MMA_ROWS = 8  # query rows a step: the MMA's columns
+assert TILE_ROWS == WARPS * 32  # a thread per row lists the live rows
 
 
 class SdsaSelect(SdsaScores):
     def grid(self, args):
-        """A CTA per 128 keys of each 128-row tile."""
+        """A CTA per 512 keys of each 128-row tile."""
         return [cute.ceil_div(args.max_context, KEYS_PER_CTA), args.mTileRequests.shape[0], 1]
 
     @cute.kernel
@@ -59,34 +53,65 @@ class SdsaSelect(SdsaScores):
         cute.arch.sync_threads()
         live = sLive[TILE_ROWS]
         keys_end = sLive[TILE_ROWS + 1]
-        first_key = cta_first_key + (tidx // 32) * (TILES * TILE_KEYS)
-        if first_key < keys_end:  # the same for the whole warp
+        warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
+        if warp_key < keys_end:  # the same for the whole warp
             request = args.mTileRequests[tile]
-            keys = self.load_keys(args, request, first_key, keys_end, g, q)
-            cap = args.mCandidates.shape[1] - args.top_k
-            for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
-                # MMA rows g and g + 8: live rows 16m + g and 16m + g + 8 (-1: none).
-                a_frags = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
-                a_frags.fill(0.0)
-                row_of = cute.make_rmem_tensor((2,), cutlass.Int32)
-                for half in cutlass.range_constexpr(2):
-                    row_of[half] = -1
-                    j = m * MMA_ROWS + g + 8 * half
-                    if j < live:
-                        row_of[half] = first_row + sLive[j]
-                        self.place_query(args, row_of[half], q, a_frags, half)
-                for t in cutlass.range_constexpr(TILES):
-                    acc = self.tile_scores(atom, a_frags, keys[t, None])
-                    for half in cutlass.range_constexpr(2):
-                        row = row_of[half]
-                        if row >= 0:
-                            threshold = args.mThresholds[row]
-                            end = cutlass.min(args.mRowEnds[row], args.max_context)
-                            for c in cutlass.range_constexpr(2):
-                                key = first_key + t * TILE_KEYS + 2 * q + c
-                                if key < end:
-                                    score = acc[2 * half + c, 0, 0] * self.score_factor
-                                    classify(args, row, key, score, threshold, cap)
+            # The first 8 live rows' operand is kept over the chunks (a decode tile has a
+            # few live rows); further groups of 8 are loaded again for each chunk.
+            first_group = self.row_group(args, sLive, first_row, live, 0, g, q)
+
+            self.for_each_chunk(
+                args, request, warp_key, keys_end, g, q,
+                lambda keys, first_key: self.classify_chunk(
+                    atom, args, keys, first_key, first_group, sLive, first_row, live, g, q
+                ),
+            )  # fmt: skip
+
+    @cute.jit
+    def classify_chunk(
+        self, atom, args, keys, first_key, first_group, sLive, first_row, live, g, q
+    ):
+        """Every score of the warp's 32 keys from first_key against each live row, classified:
+        the first 8 rows' operand given, the others loaded 8 at a time."""
+        self.classify_group(atom, args, keys, first_key, first_group, g)
+        for m in cutlass.range(1, cute.ceil_div(live, MMA_ROWS), unroll=1):
+            group = self.row_group(args, sLive, first_row, live, m, g, q)
+            self.classify_group(atom, args, keys, first_key, group, g)
+
+    @cute.jit
+    def row_group(self, args, sLive, first_row, live, m, g, q):
+        """Live rows 8m .. 8m + 7 as the MMA's columns: (the B values of column g, live row
+        8m + g, or the last live row where there is none: its scores are never used; this
+        lane's rows, live rows 8m + 2q + r, -1: none; their thresholds; their ends)."""
+        column = first_row + sLive[cutlass.min(m * MMA_ROWS + g, live - 1)]
+        query = self.query_operand(args, column, q)
+        row_of = cute.make_rmem_tensor((2,), cutlass.Int32)
+        threshold = cute.make_rmem_tensor((2,), cutlass.Float32)
+        end = cute.make_rmem_tensor((2,), cutlass.Int32)
+        for r in cutlass.range_constexpr(2):
+            row_of[r] = -1
+            j = m * MMA_ROWS + 2 * q + r
+            if j < live:
+                row_of[r] = first_row + sLive[j]
+                threshold[r] = args.mThresholds[row_of[r]]
+                end[r] = cutlass.min(args.mRowEnds[row_of[r]], args.max_context)
+        return query, row_of, threshold, end
+
+    @cute.jit
+    def classify_group(self, atom, args, keys, first_key, group, g):
+        """Every score of the warp's 32 keys from first_key against a row_group, classified
+        (keys below each row's end)."""
+        query, row_of, threshold, end = group
+        cap = args.mCandidates.shape[1] - args.top_k
+        for t in cutlass.range_constexpr(WARP_KEYS // 16):
+            acc = self.tile_scores(atom, keys, t, query)
+            for r in cutlass.range_constexpr(2):
+                if row_of[r] >= 0:
+                    for h in cutlass.range_constexpr(2):
+                        key = first_key + 16 * t + 8 * h + g
+                        if key < end[r]:
+                            score = acc[2 * h + r, 0, 0] * self.score_factor
+                            classify(args, row_of[r], key, score, threshold[r], cap)
 
 
 @cute.jit
