@@ -45,6 +45,10 @@ WARP_KEYS = 32  # scored by a warp at a time: keys g + 8j (j < 4) a lane
 assert PAGE_KEYS % WARP_KEYS == 0  # a warp's keys share a page (fetch_warp_keys)
 CHUNKS = 4  # of WARP_KEYS keys a warp, in sdsa_scores
 KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
+# sdsa_scores with NVFP4 keys: registers capped for 7 CTAs an SM (72 and 24 bytes of stack,
+# against 96 and 5 CTAs): the kernel waits on its loads, and more warps keep more in flight.
+# BF16 keys (170 registers) would spill hundreds of bytes under any cap that adds a CTA.
+NVFP4_CTAS_PER_SM = 7
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -53,8 +57,9 @@ class SdsaScores:
     warps = WARPS  # per CTA
     cluster = 1  # CTAs per cluster
 
-    def __init__(self, dtype, nvfp4: bool):
+    def __init__(self, dtype, nvfp4: bool, ctas_per_sm: int = 1):
         self.nvfp4 = nvfp4
+        self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
         # The MMA of NVFP4 operands (each scaled by 2^-6) gives q . k / 2^12.
         self.score_factor = E2M1_E4M3_FACTOR * E2M1_E4M3_FACTOR if nvfp4 else 1.0
@@ -63,6 +68,8 @@ class SdsaScores:
     def launch(self, args, stream):
         atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
         config = dict(grid=self.grid(args), block=[self.warps * 32, 1, 1], stream=stream)
+        if cutlass.const_expr(self.ctas_per_sm > 1):
+            config.update(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
         if cutlass.const_expr(self.cluster > 1):
             config["cluster"] = [self.cluster, 1, 1]
         self.kernel(args, atom).launch(**config)
@@ -244,4 +251,5 @@ class SdsaScores:
 
 def make_kernel(variant):
     dtype = variant.params["dtype"]
-    return SdsaScores(element_type(dtype), nvfp4=dtype == "u8")
+    nvfp4 = dtype == "u8"
+    return SdsaScores(element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM if nvfp4 else 1)
