@@ -15,6 +15,7 @@ import argparse
 import ast
 import ctypes
 import importlib
+import os
 import re
 import sys
 import time
@@ -140,7 +141,7 @@ def dependencies(variant: Variant) -> list[Path]:
     )
 
 
-def compile_variant(variant: Variant, out_dir: Path) -> Path:
+def compile_variant(variant: Variant, out_dir: Path, build_root: Path | None = None) -> Path:
     import cutlass.cute as cute
 
     from generator.kernels.common.entry import entry_point
@@ -157,7 +158,10 @@ def compile_variant(variant: Variant, out_dir: Path) -> Path:
     header = out_dir / f"{variant.name}.h"
     check_header_matches_abi(variant, header.read_text())
     deps = " ".join(str(p) for p in dependencies(variant))
-    (out_dir / f"{variant.name}.d").write_text(f"{out_dir / variant.name}.o: {deps}\n")
+    target = out_dir / f"{variant.name}.o"
+    if build_root is not None:  # ninja runs there and names the object relative to it
+        target = Path(os.path.relpath(target, build_root))
+    (out_dir / f"{variant.name}.d").write_text(f"{target}: {deps}\n")
     return header
 
 
@@ -165,9 +169,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--build-root", type=Path, help="the depfile names the object relative to this directory"
+    )
     args = parser.parse_args(argv)
     start = time.time()
-    compile_variant(by_name(args.variant), args.out.resolve())
+    root = args.build_root.resolve() if args.build_root else None
+    compile_variant(by_name(args.variant), args.out.resolve(), root)
     print(f"compiled {args.variant} in {time.time() - start:.1f} s", file=sys.stderr)
     return 0
 
