@@ -2,6 +2,7 @@
 registry, and each variant's build dependencies."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +120,18 @@ def test_abi_words_and_alignment():
     arg = TensorArg("mQ", "input", shape=(None, None, 128), stride=(None, None, 1), divisibility=8)
     assert arg.words == 5 and arg.align_bytes("bf16") == 16
     assert TensorArg("mLSE", "f32", (None,), (1,)).align_bytes(None) == 4
+
+
+def test_depfile_names_the_object_as_ninja_does(tmp_path):
+    """Relative to the build root (ninja's name for the output, with the depfiles read in
+    place: CMP0116 OLD), listing the exporter and the template among its inputs."""
+    pytest.importorskip("cutlass")
+    v = catalog.by_name("tile_compact__tile_compact__any__sm_90a")
+    aot.compile_variant(v, tmp_path / "build" / "generated", tmp_path / "build")
+    target, inputs = (tmp_path / "build" / "generated" / f"{v.name}.d").read_text().split(": ")
+    assert target == f"generated/{v.name}.o"
+    assert str(Path(aot.__file__).resolve()) in inputs.split()
+    assert any(p.endswith("kernels/portable/tile_compact.py") for p in inputs.split())
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
