@@ -97,7 +97,6 @@ class SdsaScores:
             outputs = [
                 args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None] for r in range(2)
             ]
-
             self.for_each_chunk(
                 args, request, cta_key, context, g, q,
                 lambda keys, first_key: self.store_scores(

@@ -59,7 +59,6 @@ class SdsaSelect(SdsaScores):
             # The first 8 live rows' operand is kept over the chunks (a decode tile has a
             # few live rows); further groups of 8 are loaded again for each chunk.
             first_group = self.row_group(args, sLive, first_row, live, 0, g, q)
-
             self.for_each_chunk(
                 args, request, warp_key, keys_end, g, q,
                 lambda keys, first_key: self.classify_chunk(
