@@ -53,10 +53,21 @@ FORMATS = [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
 FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 
+def use_tile(monkeypatch, tile):
+    """Run msa_sparse_attention on the given kernel: None, the union tile (prefill's), or
+    "token", the one-token kernel (decode's)."""
+    attention = msa_ops._attention
+    monkeypatch.setattr(
+        msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": tile})
+    )
+
+
 @pytest.mark.parametrize("kv_format, paged", FORMATS)
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (16, 4), (16, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_matches_the_reference(kv_format, paged, hq, hkv, causal):
+@pytest.mark.parametrize("tile", [None, "token"])
+def test_matches_the_reference(kv_format, paged, hq, hkv, causal, tile, monkeypatch):
+    use_tile(monkeypatch, tile)
     seq_q, seq_k = [70, 1, 33], [700, 128, 200]
     kernel, ref = msa_attention_inputs(
         kv_format, paged, seq_q, seq_k, hq, hkv, seed=hq + hkv + causal
@@ -102,7 +113,9 @@ def test_errors_against_the_unquantized_values_are_reported():
         assert rel_l2(got, plain) < 0.2
 
 
-def test_explicit_q_offset_and_topk_range():
+@pytest.mark.parametrize("tile", [None, "token"])
+def test_explicit_q_offset_and_topk_range(tile, monkeypatch):
+    use_tile(monkeypatch, tile)
     for topk, offsets in ((1, [700, 5, 190]), (32, [100, 0, 170]), (17, [640, 127, 0])):
         kernel, ref = msa_attention_inputs(
             "bf16", True, [70, 1, 33], [700, 128, 200], 16, 4, topk, topk
@@ -172,12 +185,11 @@ def test_split_keys_merge_to_the_reference(kv_format, seqlen_q, splits, monkeypa
 
 def test_small_batches_split_and_large_ones_do_not():
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    # One decode token of 16 heads per (request, kv head): 2 CTAs per request and kv head.
-    assert msa_ops._splits(torch.device(DEV), 1, 16, 1, 4, 16) == 16
-    # 8 requests: (8 // 4 + 8) x 4 = 40 CTAs in the kernel's grid.
-    assert msa_ops._splits(torch.device(DEV), 8, 16, 8, 4, 16) == min(16, -(-2 * sms // 40))
-    assert msa_ops._splits(torch.device(DEV), 256, 16, 256, 4, 16) == 1
-    assert msa_ops._splits(torch.device(DEV), 1, 16, 1, 4, 2) == 2  # at most topk
+    device = torch.device(DEV)
+    assert msa_ops._splits(device, 4, 16) == 16  # one decode token, 4 kv heads: 4 CTAs
+    assert msa_ops._splits(device, 40, 16) == min(16, -(-2 * sms // 40))
+    assert msa_ops._splits(device, 1024, 16) == 1
+    assert msa_ops._splits(device, 4, 2) == 2  # at most topk
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "nvfp4"])

@@ -123,13 +123,24 @@ def _family(name: str, doc: str) -> Family:
             "max_splits": MAX_SPLITS,
         },
         templates=(
-            # mma.sync on every arch, K/V dequantized into shared memory in q's dtype; the
-            # sm_90a wgmma / TMA-gather template is to come.
+            # The union tile (64 // G tokens a CTA): mma.sync on every arch, K/V dequantized
+            # into shared memory in q's dtype; the sm_90a wgmma / TMA-gather template is to
+            # come.
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_sparse_attention",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
+                portable=True,
+            ),
+            # One token a CTA, each warp a quarter of every block (decode): mma.sync on every
+            # arch, K/V read from shared memory straight into MMA operands. Chosen by
+            # tile="token".
+            Template(
+                "warp_mma_token",
+                "generator.kernels.portable.msa_token_attention",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="token") for t in Q_DTYPES),
                 portable=True,
             ),
         ),

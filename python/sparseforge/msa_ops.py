@@ -508,6 +508,12 @@ def _nvfp4_route_stats(kind: str) -> dict:
             "portable mma.sync union tile: raw NVFP4 tiles copied a tile ahead by cp.async and "
             "decoded into shared memory; launches with fewer tiles than SMs split each tile's "
             "keys across CTAs, fp32 partials merged by their lse (a second launch)"
+            if kind == "prefill"
+            else "portable mma.sync, one token's heads a CTA, each warp a quarter of every "
+            "block: raw NVFP4 rows copied stages ahead by cp.async into each warp's ring and "
+            "decoded from there into MMA operands; launches with fewer CTAs than SMs split "
+            "each token's blocks across CTAs, fp32 partials merged by their lse (a second "
+            "launch)"
         ),
         "head_dim": attention_family.constant("head_dim"),
         "page_size": attention_family.constant("block_keys"),
@@ -628,10 +634,11 @@ def msa_sparse_decode_attention(
 ):
     """Sparse decode: q (B * seqlen_q, Hq, 128), request b's token j at position
     seqlen_k - seqlen_q + j; otherwise msa_sparse_attention's contract (K/V formats and
-    layouts, q2k_indices (Hkv, B * seqlen_q, topk), returns). The kernel is the prefill's
-    union tile (a request's seqlen_q tokens and G heads share one tile); when the batch
-    gives fewer tiles than the GPU has SMs, each tile's keys are split across CTAs whose
-    fp32 partials (O, lse) a second launch merges by their lse. partial_dtype (None or
+    layouts, q2k_indices (Hkv, B * seqlen_q, topk), returns). The kernel takes one token's
+    G heads a CTA (no union of tokens: each token reads only its own blocks), its warps
+    splitting every block; when the batch gives fewer CTAs than the GPU has SMs, each
+    token's blocks are split across CTAs whose fp32 partials (O, lse) a second launch
+    merges by their lse. partial_dtype (None or
     torch.float32: the partials are fp32) and force_fused are accepted and change nothing.
     `lse`: a buffer (B * seqlen_q, Hq) fp32 for the lse (natural log)."""
     if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or seqlen_q < 1:
@@ -649,7 +656,7 @@ def msa_sparse_decode_attention(
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
-        None, return_temperature_lse, lse_temperature_scale, workspace, out, lse,
+        None, return_temperature_lse, lse_temperature_scale, workspace, out, lse, tile="token",
     )  # fmt: skip
 
 
@@ -658,12 +665,10 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
     return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
-def _splits(device, total_q: int, group: int, batch: int, kv_heads: int, topk: int) -> int:
-    """CTAs per union tile: 1, or, when the launch has fewer tiles than the GPU has SMs
+def _splits(device, ctas: int, topk: int) -> int:
+    """CTAs per tile: 1, or, when the launch has fewer tiles (`ctas`) than the GPU has SMs
     (small-batch decode), enough to give each SM about two CTAs, at most max_splits and at
-    most topk (a one-token tile has at most 2 * topk 64-key tiles to share)."""
-    tokens_per_cta = attention_family.constant("tile_rows") // group
-    ctas = (total_q // tokens_per_cta + batch) * kv_heads  # the kernel's grid, as it bounds it
+    most topk (a one-token tile has at most topk blocks to share)."""
     sms = _multiprocessors(device)
     if ctas >= sms:
         return 1
@@ -731,9 +736,11 @@ def _attention(
     q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
     seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
     q_offset, return_temperature_lse, lse_temperature_scale, workspace, out, lse=None,
+    tile=None,
 ):  # fmt: skip
     """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
-    the caller's buffer for the lse (implies return_softmax_lse)."""
+    the caller's buffer for the lse (implies return_softmax_lse); `tile`: None for the union
+    tile kernel, "token" for the one-token kernel."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
@@ -869,8 +876,12 @@ def _attention(
 
     if total_q:
         unused = _constant_count(device, 0)
-        splits = _splits(device, total_q, heads // kv_heads, cu_seqlens_q.shape[0] - 1, kv_heads,
-                         q2k_indices.shape[2])  # fmt: skip
+        if tile == "token":
+            ctas = total_q * kv_heads
+        else:  # the union kernel's grid, as it bounds it
+            tokens_per_cta = attention_family.constant("tile_rows") // (heads // kv_heads)
+            ctas = (total_q // tokens_per_cta + cu_seqlens_q.shape[0] - 1) * kv_heads
+        splits = _splits(device, ctas, q2k_indices.shape[2])
         partial_o, partial_lse = _no_partials(device)
         if splits > 1:
             partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)
@@ -888,6 +899,7 @@ def _attention(
             q_offset is not None,
             want_lse,
             splits,
+            tile,
         )
         tensors = (
             q,
@@ -943,7 +955,7 @@ def prepare_msa_nvfp4_sparse_decode(
     (update their contents in place between calls) and returns `out` (allocated here if not
     given; `lse`, if given, receives the natural-log lse). Preparing runs it once. seqlen_q
     1 to 32, G <= 16, topk 1 to 32. use_cache_hit is accepted and changes nothing: the
-    kernel always processes a request's tokens as one union tile."""
+    kernel reads each token's own blocks (msa_sparse_decode_attention)."""
     if not isinstance(seqlen_q, int) or isinstance(seqlen_q, bool) or not 1 <= seqlen_q <= 32:
         raise ValueError(f"seqlen_q must be an int in [1, 32], got {seqlen_q!r}")
     if not isinstance(k, torch.Tensor) or k.dtype != torch.uint8:

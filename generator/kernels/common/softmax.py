@@ -157,6 +157,25 @@ def softmax_update(
 
 
 @cute.jit
+def temperature_update(t_max, t_sum, t_scale_log2, acc_s_mn: cute.Tensor):
+    """Running max and sum of exp2(temperature x scale x s), per row, for the temperature
+    lse (this thread's columns; the quad's sums meet at the end)."""
+    for r in cutlass.range_constexpr(cute.size(t_max)):
+        tile_max = quad_max(acc_s_mn[r, None].load().reduce(cute.ReductionOp.MAX, t_max[r], 0))
+        if tile_max > -cutlass.Float32.inf:
+            correction = cutlass.Float32(0.0)
+            if t_max[r] > -cutlass.Float32.inf:
+                correction = cute.math.exp2((t_max[r] - tile_max) * t_scale_log2, fastmath=True)
+            probs = cute.math.exp2(
+                (acc_s_mn[r, None].load() - tile_max) * t_scale_log2, fastmath=True
+            )
+            t_sum[r] = t_sum[r] * correction + probs.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+            )
+            t_max[r] = tile_max
+
+
+@cute.jit
 def softmax_finalize(
     row_max,
     row_sum,

@@ -53,11 +53,11 @@ from generator.kernels.common.softmax import (
     LN_2,
     acc_mn_view,
     new_softmax_state,
-    quad_max,
     quad_sum,
     saturated,
     softmax_finalize,
     softmax_update,
+    temperature_update,
 )
 from generator.kernels.portable.block_sparse_fwd import (
     NUM_THREADS,
@@ -390,7 +390,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 if tScS_mn[r, c][1] >= limit:
                     acc_S_mn[r, c] = NEG_INF
         if with_temperature:
-            self.temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
+            temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
         softmax_update(
             row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
         )
@@ -569,24 +569,6 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             rKV.store(raw.load().to(cutlass.Float32).to(self.dtype))
         else:
             decode_chunks(raw, scales, rKV, self.dtype)
-
-    @cute.jit
-    def temperature_update(self, t_max, t_sum, t_scale_log2, acc_S_mn):
-        """Running max and sum of exp2(temperature x scale x s), per row (this thread's
-        columns; the quad's sums meet at the end)."""
-        for r in cutlass.range_constexpr(cute.size(t_max)):
-            tile_max = quad_max(acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, t_max[r], 0))
-            if tile_max > NEG_INF:
-                correction = cutlass.Float32(0.0)
-                if t_max[r] > NEG_INF:
-                    correction = cute.math.exp2((t_max[r] - tile_max) * t_scale_log2, fastmath=True)
-                probs = cute.math.exp2(
-                    (acc_S_mn[r, None].load() - tile_max) * t_scale_log2, fastmath=True
-                )
-                t_sum[r] = t_sum[r] * correction + probs.reduce(
-                    cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-                )
-                t_max[r] = tile_max
 
     @cute.jit
     def finish_rows(self, args, acc_O, state, row_lse, row_lse_t):

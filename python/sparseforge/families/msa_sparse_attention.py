@@ -55,12 +55,16 @@ def launch(
     has_q_offset: bool,
     want_lse: bool,
     splits: int,
+    tile: str | None = None,
 ):
+    """The bound launch; `tile`: None for the union tile kernel (64 // G tokens a CTA),
+    "token" for the one-token kernel."""
     kernel = families.choose(
         FAMILY_OF_FORMAT[kv_format],
         arch_for_device(device_index),
         dtype=dtype,
         head_dim=constant("head_dim"),
+        tile=tile,
     )
     kernel.prepare()
     return kernel.bind(

@@ -1,0 +1,681 @@
+"""MSA sparse attention, one token a CTA (the decode kernel): mma.sync m16n8k16, every arch.
+
+A CTA (4 warps) owns one token's G <= 16 query heads of one kv head: 16 rows, one MMA tile
+(heads from G on are zero rows, never stored). Each of the token's usable blocks is split
+alike over the warps: warp w scores keys 32w .. 32w + 31 of it (a step) and keeps its own
+online softmax over its steps, with its own ring of STAGES shared-memory stages that
+cp.async fills STAGES - 1 steps ahead and that only the warp synchronises on. The warps meet
+once, at the end, to merge their rows by their lse. Unlike the union tile (a CTA of 64 // G
+tokens walking the union of their blocks, every row masked to its own), nothing is loaded
+or multiplied for a block a row does not see, so per-token selections cost their own
+blocks only; decode, whose tokens draw their blocks independently, runs here.
+
+A lane (g = lane / 4, c = lane % 4) reads keys and values straight from the stages into MMA
+operands, in orders chosen so that its reads are whole 4/8/16-byte words:
+  S = Q K^T   the MMA's k dimension (the 128 channels) is permuted alike for Q and K, so the
+              lane's K operand is channels 32c .. 32c + 31 of a key (K_LANE_BYTES
+              contiguous bytes); its key in n-tile t is key_row(t, g).
+  O = P V     S's accumulator is P's A operand as it is (n-tiles 2h, 2h + 1 = k16 chunk
+              h); key_row puts keys 16h + 4c .. 16h + 4c + 3 in the lane's four k slots,
+              and the output channels are permuted: n-tile j, column n is channel 16n + j.
+              So the lane's V operand is channels 16g .. 16g + 15 of four consecutive keys
+              (one NVFP4 scale group; their four V scales one word of the 4x4 swizzle),
+              paired across keys by byte permutes; its output row part is channels
+              32c .. 32c + 31, stored contiguously.
+K/V in q's dtype are used as stored; e4m3 converts in pairs (exact); NVFP4 codes go to
+16-bit values by bit placement (e2m1_nibble_pair) times their scale x 2^-7 (value x scale /
+2^7, exact), the 2^7 folded back into the softmax scale and the output scale.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, MAX_TOPK
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.nvfp4 import E2M1_BF16_FACTOR, E2M1_FP16_FACTOR, e2m1_nibble_pair
+from generator.kernels.common.ptx import (
+    e4m3_pair_as_bf16x2,
+    e4m3_pair_as_f16x2,
+    mul_bf16x2,
+    mul_f16x2,
+)
+from generator.kernels.common.softmax import (
+    LN_2,
+    LOG2_E,
+    new_softmax_state,
+    probability_offset,
+    quad_sum,
+    saturated,
+    softmax_finalize,
+    softmax_update,
+    temperature_update,
+)
+
+WARPS = 4
+STEP_KEYS = BLOCK_KEYS // WARPS  # keys of one block a warp scores: 32
+ROWS = 16  # one token's query heads of one kv head (<= 16)
+S_TILES = STEP_KEYS // 8  # n-tiles of S a step: 4
+P_CHUNKS = STEP_KEYS // 16  # k16 chunks of P V a step: 2
+O_TILES = HEAD_DIM // 8  # n-tiles of O: 16
+K_STEPS = HEAD_DIM // 16  # k-steps of Q K^T: 8
+ROW_BYTES = {"16bit": 2 * HEAD_DIM, "e4m3": HEAD_DIM, "nvfp4": HEAD_DIM // 2}
+SCALE_BYTES = STEP_KEYS * 8  # a step's NVFP4 scales of K (or V): 8 a key
+NVFP4_FACTOR = 2.0**7  # decoded NVFP4 K and V are value / 2^7
+O_PITCH = HEAD_DIM + 4  # fp32 words of a merge row (padded against bank conflicts)
+NEG_INF = -cutlass.Float32.inf
+
+
+def key_row(t: int, g):
+    """The step row (0 .. 31) of n-tile t, column g of S: keys 16h + 4(g // 2) + 2e + g % 2
+    for t = 2h + e, so that P's k slots 2c, 2c + 1, 2c + 8, 2c + 9 of chunk h are keys
+    16h + 4c .. 16h + 4c + 3."""
+    return 16 * (t // 2) + 4 * (g // 2) + 2 * (t % 2) + g % 2
+
+
+class MsaTokenAttention:
+    def __init__(self, dtype, kv_format: str, stages: int):
+        self.dtype = dtype
+        self.bf16 = dtype == cutlass.BFloat16
+        self.kv_format = kv_format
+        self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
+            kv_format
+        ]
+        self.row_bytes = ROW_BYTES[kv_format]
+        self.elem_bytes = 2 if kv_format == "16bit" else 1
+        self.nvfp4 = kv_format == "nvfp4"
+        self.stages = stages
+        # A stage: K rows, V rows (STEP_KEYS each), then NVFP4's K and V scale rows.
+        self.scale_bytes = SCALE_BYTES if self.nvfp4 else 0
+        self.stage_bytes = 2 * STEP_KEYS * self.row_bytes + 2 * self.scale_bytes
+        self.value_factor = NVFP4_FACTOR if self.nvfp4 else 1.0
+        self.p_offset = probability_offset(dtype)
+        self.ring_bytes = WARPS * stages * self.stage_bytes
+        # The merge reuses the rings: every warp's rows in fp32.
+        assert WARPS * ROWS * O_PITCH * 4 <= self.ring_bytes
+
+    def shared_storage(self):
+        @cute.struct
+        class SharedStorage:
+            ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.ring_bytes], 128]
+            # Per warp, its steps' (block, page), in order.
+            steps: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS * MAX_TOPK * 2], 16]
+            # Per warp and row: lse and temperature lse (natural log).
+            lse: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, WARPS * ROWS * 2], 16]
+
+        return SharedStorage
+
+    @cute.jit
+    def launch(self, args, stream):
+        SharedStorage = self.shared_storage()
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)))
+        self.kernel(args, atom, SharedStorage).launch(
+            grid=[args.mQ.shape[0], args.mK.shape[1], args.splits],
+            block=[WARPS * 32, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, args, atom, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        token, kv_head, split = cute.arch.block_idx()
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        seq = sequence_of(args.mCuQ, token, lane)
+        seqlen_k = cutlass.Int32(0)
+        key_start = cutlass.Int32(0)  # flat: the sequence's first row of the one "page"
+        blocks = cutlass.Int32(0)
+        if args.paged != 0:
+            seqlen_k = args.mSeqUsedK[seq]
+            blocks = cutlass.min(cute.ceil_div(seqlen_k, BLOCK_KEYS), args.mPageTable.shape[1])
+        else:
+            key_start = args.mCuK[seq]
+            seqlen_k = args.mCuK[seq + 1] - key_start
+            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+        q_start = args.mCuQ[seq]
+        position = seqlen_k - (args.mCuQ[seq + 1] - q_start) + token - q_start
+        if args.has_q_offset != 0:
+            position = args.mQOffset[seq] + token - q_start
+        key_end = seqlen_k
+        if args.causal != 0:
+            key_end = cutlass.min(seqlen_k, position + 1)
+        sSteps = storage.steps.get_tensor(
+            cute.make_layout((WARPS, MAX_TOPK, 2), stride=(MAX_TOPK * 2, 2, 1))
+        )
+        steps = self.list_steps(
+            args, sSteps, seq, kv_head, token, split, warp_idx, lane, blocks, key_end
+        )
+        query = self.query_operand(args, token, kv_head, g, c)
+        acc_O = cute.make_rmem_tensor((4 * O_TILES,), cutlass.Float32)
+        acc_O.fill(0.0)
+        row_max, row_sum = new_softmax_state(2)
+        t_max, t_sum = new_softmax_state(2)
+        with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
+        scale_log2 = args.scale_log2 * self.value_factor
+        ring = storage.ring.data_ptr().toint() + warp_idx * (self.stages * self.stage_bytes)
+        page_rows = (seqlen_k, key_start, kv_head)
+
+        for m in cutlass.range_constexpr(self.stages - 1):
+            if m < steps:
+                self.load_step(args, sSteps[warp_idx, m, None], page_rows, ring, m, warp_idx, lane)
+            cute.arch.cp_async_commit_group()
+        for m in cutlass.range(steps, unroll=1):
+            ahead = m + self.stages - 1
+            if ahead < steps:
+                stage = ahead % self.stages
+                self.load_step(
+                    args, sSteps[warp_idx, ahead, None], page_rows, ring, stage, warp_idx, lane
+                )
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(self.stages - 1)
+            cute.arch.sync_warp()  # every lane's copies of step m landed
+            first_key = sSteps[warp_idx, m, 0] * BLOCK_KEYS + warp_idx * STEP_KEYS
+            base = ring + (m % self.stages) * self.stage_bytes
+            acc_S = self.scores(atom, query, base, g, c)
+            limit = key_end - first_key
+            if limit < STEP_KEYS:
+                for t in cutlass.range_constexpr(S_TILES):
+                    for x in cutlass.range_constexpr(2):
+                        if 16 * (t // 2) + 4 * c + 2 * (t % 2) + x >= limit:
+                            acc_S[4 * t + x] = NEG_INF
+                            acc_S[4 * t + 2 + x] = NEG_INF
+            acc_S_mn = row_view(acc_S, S_TILES)
+            if with_temperature:
+                temperature_update(t_max, t_sum, scale_log2 * args.temperature, acc_S_mn)
+            softmax_update(
+                row_max, row_sum, scale_log2, acc_S_mn, row_view(acc_O, O_TILES), self.p_offset
+            )
+            self.add_pv(atom, acc_S, acc_O, base, seqlen_k - first_key, g, c)
+            cute.arch.sync_warp()  # every lane is done with the stage the next load refills
+        cute.arch.cp_async_wait_group(0)
+
+        lse = cute.make_rmem_tensor((2,), cutlass.Float32)
+        softmax_finalize(row_max, row_sum, scale_log2, row_view(acc_O, O_TILES), lse, self.p_offset)
+        lse_t = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            lse_t[r] = lse[r]
+            if with_temperature:
+                total = quad_sum(t_sum[r])
+                lse_t[r] = NEG_INF
+                if total > 0.0:
+                    lse_t[r] = (
+                        t_max[r] * scale_log2 * args.temperature
+                        + cute.math.log2(total, fastmath=True)
+                    ) * LN_2
+        self.merge_and_store(
+            args, storage, acc_O, lse, lse_t, token, kv_head, split, tidx, warp_idx, g, c
+        )
+
+    @cute.jit
+    def list_steps(self, args, sSteps, seq, kv_head, token, split, warp_idx, lane, blocks, key_end):
+        """The warp's steps into sSteps[warp_idx]: lane i looks at the token's slot i. Usable
+        blocks (an id of the sequence's blocks, once, whose page, when paged, lies inside
+        the cache; -1, repeats, ids past the sequence and pages outside are skipped: raising
+        would need a host synchronisation) are split in listed order over the splits (grid
+        z); of this split's share, the blocks whose keys 32w .. 32w + 31 start before
+        key_end are the warp's steps. Returns their count."""
+        topk = args.mIdx.shape[2]
+        block = cutlass.Int32(-1)
+        page = cutlass.Int32(0)
+        usable = False
+        if lane < topk:
+            block = args.mIdx[kv_head, token, lane]
+            usable = (block >= 0) & (block < blocks)
+            if args.paged != 0:
+                if usable:
+                    page = args.mPageTable[seq, block]
+                    usable = (page >= 0) & (page < args.mK.shape[0])
+        below = cute.arch.lanemask_lt()
+        usable_lanes = cute.arch.vote_ballot_sync(usable)
+        same = cute.arch.match_sync(-1, block)  # lanes holding the same id
+        first = usable & ((same & usable_lanes & below) == 0)
+        firsts = cute.arch.vote_ballot_sync(first)
+        rank = cute.arch.popc(firsts & below)
+        share = cute.ceil_div(cute.arch.popc(firsts), args.splits)
+        mine = first & (rank >= split * share) & (rank < (split + 1) * share)
+        mine = mine & (block * BLOCK_KEYS + warp_idx * STEP_KEYS < key_end)
+        chosen = cute.arch.vote_ballot_sync(mine)
+        if mine:
+            place = cute.arch.popc(chosen & below)
+            sSteps[warp_idx, place, 0] = block
+            sSteps[warp_idx, place, 1] = page
+        cute.arch.sync_warp()
+        return cutlass.Int32(cute.arch.popc(chosen))
+
+    @cute.jit
+    def query_operand(self, args, token, kv_head, g, c):
+        """Rows g and g + 8 (heads kv_head x G + row; zero from G on), channels 32c .. 32c +
+        31, as the A operands of the 8 k-steps: (8 x 8,) in q's dtype, the channels of
+        k-step s in key_channels(s) order."""
+        rows = cute.make_rmem_tensor((2, HEAD_DIM // 4), self.dtype)
+        for r in cutlass.range_constexpr(2):
+            if g + 8 * r < args.group:
+                src = args.mQ[token, kv_head * args.group + g + 8 * r, None]
+                rows[r, None].store(cute.local_tile(src, (HEAD_DIM // 4,), (c,)).load())
+            else:
+                rows[r, None].fill(0.0)
+        query = cute.make_rmem_tensor((8 * K_STEPS,), self.dtype)
+        for s in cutlass.range_constexpr(K_STEPS):
+            d = self.key_channels(s)
+            for i in cutlass.range_constexpr(2):  # a0 a1 | a4 a5: row g; a2 a3 | a6 a7: g + 8
+                for r in cutlass.range_constexpr(2):
+                    query[8 * s + 4 * i + 2 * r] = rows[r, d[2 * i]]
+                    query[8 * s + 4 * i + 2 * r + 1] = rows[r, d[2 * i + 1]]
+        return query
+
+    def key_channels(self, s: int):
+        """The lane's channels (of its 32) in k slots 2c, 2c + 1, 2c + 8, 2c + 9 of k-step s:
+        as stored (16-bit, e4m3: 4s .. 4s + 3), or e2m1_nibble_pair's pairing (NVFP4: of
+        the word of channels 8w .. 8w + 7, w = s // 2, codes k and k + 4)."""
+        if self.nvfp4:
+            w, h = s // 2, s % 2
+            first = 8 * w + 2 * h
+            return (first, first + 4, first + 1, first + 5)
+        return (4 * s, 4 * s + 1, 4 * s + 2, 4 * s + 3)
+
+    # Shared memory: stage rows are row_bytes long, in 16-byte chunks placed by `chunk_at`
+    # so that the lanes of one shared load hit distinct banks (K: 8 lanes of one phase read
+    # keys key_row(t, 2p), key_row(t, 2p + 1) at chunks of c; V: keys 16h + 4c + i at
+    # chunks of g).
+    def row_at(self, row):
+        if self.nvfp4:  # 64-byte rows: keys 4c + i of odd c in the other half of the banks
+            return row ^ ((row >> 2) & 1)
+        return row
+
+    def chunk_at(self, row, chunk):
+        if self.row_bytes == 256:
+            return chunk ^ (
+                ((row ^ (row >> 2)) & 1) | ((chunk >> 3) & 1) << 1 | ((row >> 3) & 1) << 2
+            )
+        if self.row_bytes == 128:
+            return chunk ^ ((row & 1) | ((row >> 2) & 3) << 1)
+        return chunk ^ (((row >> 3) & 1) << 1)
+
+    def byte_at(self, region, row, chunk):
+        return region + self.row_at(row) * self.row_bytes + self.chunk_at(row, chunk) * 16
+
+    @cute.jit
+    def load_step(self, args, step, page_rows, ring, stage, warp_idx, lane):
+        """cp.async the step's K and V rows (and NVFP4 scale rows) into stage `stage` of the
+        warp's ring; rows past the sequence are zero instead (never read from memory)."""
+        seqlen_k, key_start, kv_head = page_rows
+        block = step[0]
+        first_key = block * BLOCK_KEYS + warp_idx * STEP_KEYS
+        page = step[1]
+        page_row = warp_idx * STEP_KEYS
+        if args.paged == 0:
+            page = 0
+            page_row = key_start + first_key
+        base = ring + stage * self.stage_bytes
+        chunk_values = 16 // self.elem_bytes
+        chunks = self.row_bytes // 16
+        data_copy = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.raw_type,
+            num_bits_per_copy=128,
+        )
+        for x in cutlass.range_constexpr(2):
+            mX = args.mK if x == 0 else args.mV
+            region = base + x * STEP_KEYS * self.row_bytes
+            for i in cutlass.range_constexpr(STEP_KEYS * chunks // 32):
+                row = (lane + 32 * i) // chunks
+                chunk = (lane + 32 * i) % chunks
+                dst = cute.make_tensor(
+                    smem_ptr(self.raw_type, self.byte_at(region, row, chunk)),
+                    cute.make_layout(chunk_values),
+                )
+                if first_key + row < seqlen_k:
+                    src = mX[page, kv_head, page_row + row, None]
+                    cute.copy(data_copy, cute.local_tile(src, (chunk_values,), (chunk,)), dst)
+                else:
+                    dst.fill(0)
+        if cutlass.const_expr(self.nvfp4):
+            # The step's scale rows are 256 contiguous bytes for K and for V (the V scales'
+            # 4x4 swizzle stays within each 4 rows): lanes 0-15 copy K's, 16-31 V's.
+            scale_copy = cute.make_copy_atom(
+                cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128
+            )
+            mScale = args.mKScale if lane < 16 else args.mVScale
+            rows = cute.local_tile(mScale[page, kv_head, None, None], (STEP_KEYS, 8), (warp_idx, 0))
+            src = cute.make_tensor(rows.iterator, cute.make_layout(SCALE_BYTES))
+            dst = cute.make_tensor(
+                smem_ptr(cutlass.Uint8, base + 2 * STEP_KEYS * self.row_bytes + lane * 16),
+                cute.make_layout(16),
+            )
+            cute.copy(scale_copy, cute.local_tile(src, (16,), (lane % 16,)), dst)
+
+    @cute.jit
+    def scores(self, atom, query, base, g, c):
+        """S of the step's 32 keys: (4 x S_TILES,) fp32, n-tile t's accumulator at 4t."""
+        acc_S = cute.make_rmem_tensor((4 * S_TILES,), cutlass.Float32)
+        acc_S.fill(0.0)
+        for t in cutlass.range_constexpr(S_TILES):
+            keys = self.key_operand(base, key_row(t, g), c)
+            acc = cute.make_tensor(acc_S.iterator + 4 * t, cute.make_layout((4, 1, 1)))
+            for s in cutlass.range_constexpr(K_STEPS):
+                a = cute.make_tensor(query.iterator + 8 * s, cute.make_layout((8, 1)))
+                b = cute.make_tensor(keys.iterator + 4 * s, cute.make_layout((4, 1)))
+                cute.gemm(atom, acc, a, b, acc)
+        return acc_S
+
+    @cute.jit
+    def key_operand(self, base, row, c):
+        """Channels 32c .. 32c + 31 of step row `row` of K as the B operands of the 8
+        k-steps: (4 x K_STEPS,) in q's dtype (key_channels order)."""
+        lane_bytes = self.row_bytes // 4
+        words = load_words(
+            [
+                self.byte_at(base, row, lane_bytes // 16 * c + j)
+                for j in range(max(1, lane_bytes // 16))
+            ],
+            lane_bytes // 4,
+        )
+        keys = cute.make_rmem_tensor((4 * K_STEPS,), self.dtype)
+        out = cute.recast_tensor(keys, cutlass.Int32)  # (2 x K_STEPS,): 16-bit pairs
+        if cutlass.const_expr(self.kv_format == "16bit"):
+            for i in cutlass.range_constexpr(2 * K_STEPS):
+                out[i] = words[i]
+        elif cutlass.const_expr(self.kv_format == "e4m3"):
+            for s in cutlass.range_constexpr(K_STEPS):
+                for h in cutlass.range_constexpr(2):
+                    out[2 * s + h] = self.e4m3_pair(words[s], h == 1)
+        else:
+            scales = load_u16(base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
+            steps = self.scale_pair(scales)  # groups 2c, 2c + 1: the lane's channels 0-15, 16-31
+            for s in cutlass.range_constexpr(K_STEPS):
+                w = s // 2
+                step = self.broadcast(steps, w >= 2)
+                for h in cutlass.range_constexpr(2):
+                    pair = e2m1_nibble_pair(cutlass.Uint32(words[w]), 2 * (s % 2) + h, self.bf16)
+                    out[2 * s + h] = self.mul_pair(pair, step)
+        return keys
+
+    @cute.jit
+    def add_pv(self, atom, acc_S, acc_O, base, valid, g, c):
+        """O += P V over the step's two k16 chunks; `valid`: the step's rows inside the
+        sequence (NVFP4: the scales of rows past it are zero, their codes are)."""
+        for h in cutlass.range_constexpr(P_CHUNKS):
+            p = cute.make_rmem_tensor((8, 1), self.dtype)
+            p.store(
+                cute.make_tensor(acc_S.iterator + 8 * h, cute.make_layout((8, 1)))
+                .load()
+                .to(self.dtype)
+            )
+            values = self.value_operand(base, h, valid, g, c)
+            for j in cutlass.range_constexpr(O_TILES):
+                acc = cute.make_tensor(acc_O.iterator + 4 * j, cute.make_layout((4, 1, 1)))
+                b = cute.make_tensor(values.iterator + 4 * j, cute.make_layout((4, 1)))
+                cute.gemm(atom, acc, p, b, acc)
+
+    @cute.jit
+    def value_operand(self, base, h, valid, g, c):
+        """Channels 16g .. 16g + 15 of keys 16h + 4c + i (i < 4) of the step's V as the B
+        operands of the 16 output n-tiles: (4 x O_TILES,) in q's dtype; n-tile j gets
+        channel 16g + j of keys (i = 0, 1) and (2, 3)."""
+        lane_bytes = self.row_bytes // 8
+        region = base + STEP_KEYS * self.row_bytes
+        rows = []
+        for i in cutlass.range_constexpr(4):
+            row = 16 * h + 4 * c + i
+            if cutlass.const_expr(lane_bytes >= 16):
+                addresses = [
+                    self.byte_at(region, row, lane_bytes // 16 * g + j)
+                    for j in range(lane_bytes // 16)
+                ]
+            else:  # NVFP4: 8 bytes, half of a chunk
+                addresses = [self.byte_at(region, row, g // 2) + 8 * (g % 2)]
+            rows.append(load_words(addresses, lane_bytes // 4))
+        values = cute.make_rmem_tensor((4 * O_TILES,), self.dtype)
+        out = cute.recast_tensor(values, cutlass.Int32)  # (2 x O_TILES,): b0 b1 of n-tile j at 2j
+        for pair in cutlass.range_constexpr(2):  # keys (0, 1) -> b0, (2, 3) -> b1
+            first, second = rows[2 * pair], rows[2 * pair + 1]
+            if cutlass.const_expr(self.kv_format == "16bit"):
+                for j in cutlass.range_constexpr(O_TILES):
+                    selector = 0x5410 if j % 2 == 0 else 0x7632
+                    out[2 * j + pair] = cutlass.Int32(
+                        cute.arch.prmt(first[j // 2], second[j // 2], selector)
+                    )
+            elif cutlass.const_expr(self.kv_format == "e4m3"):
+                for j in cutlass.range_constexpr(0, O_TILES, 2):
+                    selector = 0x5140 if j % 4 == 0 else 0x7362
+                    both = cutlass.Int32(cute.arch.prmt(first[j // 4], second[j // 4], selector))
+                    out[2 * j + pair] = self.e4m3_pair(both, False)
+                    out[2 * (j + 1) + pair] = self.e4m3_pair(both, True)
+            else:
+                scales = cutlass.Uint32(
+                    load_u32(
+                        base
+                        + 2 * STEP_KEYS * self.row_bytes
+                        + SCALE_BYTES
+                        + (16 * h + 4 * c) * 8
+                        + 4 * g
+                    )
+                )
+                if valid < STEP_KEYS:
+                    inside = cutlass.max(valid - 16 * h - 4 * c, 0)
+                    if inside < 4:
+                        scales = cutlass.Uint32(scales & ((cutlass.Uint32(1) << (8 * inside)) - 1))
+                step = self.scale_pair(scales >> (16 * pair))
+                for j in cutlass.range_constexpr(0, O_TILES, 4):
+                    selector = 0x5410 if j % 8 == 0 else 0x7632
+                    both = cutlass.Uint32(cute.arch.prmt(first[j // 8], second[j // 8], selector))
+                    for k in cutlass.range_constexpr(4):
+                        out[2 * (j + k) + pair] = self.mul_pair(
+                            e2m1_nibble_pair(both, k, self.bf16), step
+                        )
+        return values
+
+    @cute.jit
+    def e4m3_pair(self, word, high: cutlass.Constexpr):
+        if cutlass.const_expr(self.bf16):
+            return e4m3_pair_as_bf16x2(word, high)
+        return e4m3_pair_as_f16x2(word, high)
+
+    @cute.jit
+    def scale_pair(self, bytes2):
+        """Two e4m3 scales (bytes 0, 1 of a word) as the two 16-bit multipliers of decoded
+        E2M1 values (e2m1_nibble_pair's value / 2^14 or / 2^126) giving value x scale /
+        2^7: scale x 2^7 in fp16, scale x 2^119 in bf16 (448 x 2^119 < bf16's largest)."""
+        halves = e4m3_pair_as_f16x2(bytes2, False)
+        result = cutlass.Int32(0)
+        if cutlass.const_expr(self.bf16):
+            pair = cute.make_rmem_tensor((2,), cutlass.Float16)
+            cute.recast_tensor(pair, cutlass.Int32)[0] = halves
+            wide = pair.load().to(cutlass.Float32) * (E2M1_BF16_FACTOR / NVFP4_FACTOR)
+            narrow = cute.make_rmem_tensor((2,), cutlass.BFloat16)
+            narrow.store(wide.to(cutlass.BFloat16))
+            result = cute.recast_tensor(narrow, cutlass.Int32)[0]
+        else:
+            factor = cute.make_rmem_tensor((2,), cutlass.Float16)
+            factor.fill(E2M1_FP16_FACTOR / NVFP4_FACTOR)
+            result = mul_f16x2(halves, cute.recast_tensor(factor, cutlass.Int32)[0])
+        return result
+
+    @cute.jit
+    def broadcast(self, pair, high: cutlass.Constexpr):
+        """The low (high) 16-bit half of a word in both halves."""
+        return cutlass.Int32(cute.arch.prmt(pair, 0, 0x3232 if high else 0x1010))
+
+    @cute.jit
+    def mul_pair(self, a, b):
+        if cutlass.const_expr(self.bf16):
+            return mul_bf16x2(a, b)
+        return mul_f16x2(a, b)
+
+    @cute.jit
+    def merge_and_store(
+        self, args, storage, acc_O, lse, lse_t, token, kv_head, split, tidx, warp_idx, g, c
+    ):  # fmt: skip
+        """The warps' normalized rows merged by their lse (weights exp(lse_w - lse)) through
+        shared memory, then stored: O (times out_scale, saturated to q's dtype) and the
+        lse when asked, or with splits the fp32 O and lse for msa_attention_combine."""
+        sLse = storage.lse.get_tensor(cute.make_layout((WARPS, ROWS, 2), stride=(ROWS * 2, 2, 1)))
+        if c == 0:
+            for r in cutlass.range_constexpr(2):
+                sLse[warp_idx, g + 8 * r, 0] = lse[r]
+                sLse[warp_idx, g + 8 * r, 1] = lse_t[r]
+        cute.arch.sync_threads()  # every warp's lse written, and its ring no longer read
+        sO = cute.make_tensor(
+            smem_ptr(cutlass.Float32, storage.ring.data_ptr().toint()),
+            cute.make_layout((WARPS, ROWS, O_PITCH), stride=(ROWS * O_PITCH, O_PITCH, 1)),
+        )
+        acc_O_mn = row_view(acc_O, O_TILES)
+        for r in cutlass.range_constexpr(2):
+            row = g + 8 * r
+            top = merged_top(sLse, row, 0)
+            weight = cutlass.Float32(0.0)
+            if lse[r] > NEG_INF:
+                weight = cute.math.exp2((lse[r] - top) * LOG2_E, fastmath=True)
+            for j in cutlass.range_constexpr(O_TILES):
+                for x in cutlass.range_constexpr(2):
+                    sO[warp_idx, row, 16 * (2 * c + x) + j] = acc_O_mn[r, (x, j)] * weight
+        cute.arch.sync_threads()
+        # Thread t: row t // 8, channels 16 (t % 8) .. + 15.
+        row = tidx // 8
+        part = tidx % 8
+        if row < args.group:
+            head = kv_head * args.group + row
+            sums = cute.make_rmem_tensor((16,), cutlass.Float32)
+            sums.fill(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                sums.store(sums.load() + cute.local_tile(sO[w, row, None], (16,), (part,)).load())
+            top = merged_top(sLse, row, 0)
+            total = merged_total(sLse, row, 0, top)
+            scale = cutlass.Float32(0.0)
+            if total > 0.0:
+                scale = args.out_scale * self.value_factor / total
+            result = sums.load() * scale
+            if args.splits > 1:
+                dst = args.mOSplit[split, token, head, None]
+                cute.local_tile(dst, (16,), (part,)).store(result)
+                if part == 0:
+                    for x in cutlass.range_constexpr(2):
+                        top_x = merged_top(sLse, row, x)
+                        args.mLSESplit[split, x, token, head] = merged_lse(
+                            top_x, merged_total(sLse, row, x, top_x)
+                        )
+            else:
+                out = cute.make_rmem_tensor((16,), self.dtype)
+                out.store(saturated(result, self.dtype).to(self.dtype))
+                cute.local_tile(args.mO[token, head, None], (16,), (part,)).store(out.load())
+                if (args.want_lse != 0) & (part == 0):
+                    args.mLSE[token, head] = merged_lse(top, total)
+                    top_t = merged_top(sLse, row, 1)
+                    args.mLSET[token, head] = merged_lse(top_t, merged_total(sLse, row, 1, top_t))
+
+
+@cute.jit
+def merged_top(sLse, row, x):
+    """The largest of the warps' lse (x = 0) or temperature lse (x = 1) of a row."""
+    top = sLse[0, row, x]
+    for w in cutlass.range_constexpr(1, WARPS):
+        top = cute.arch.fmax(top, sLse[w, row, x])
+    return top
+
+
+@cute.jit
+def merged_total(sLse, row, x, top):
+    """sum over the warps of exp(lse_w - top); 0 when no warp saw a key."""
+    total = cutlass.Float32(0.0)
+    for w in cutlass.range_constexpr(WARPS):
+        value = sLse[w, row, x]
+        if value > NEG_INF:
+            total = total + cute.math.exp2((value - top) * LOG2_E, fastmath=True)
+    return total
+
+
+@cute.jit
+def merged_lse(top, total):
+    lse = cutlass.Float32(NEG_INF)
+    if total > 0.0:
+        lse = top + cute.math.log2(total, fastmath=True) * LN_2
+    return lse
+
+
+@cute.jit
+def sequence_of(mCuQ, token, lane):
+    """The sequence holding `token`: the number of sequences b with cu_seqlens_q[b + 1] <=
+    token, found by the warp 32 ways at a time (the bounds [lo, hi] on it shrink 32-fold a
+    round; no per-sequence loop)."""
+    lo = cutlass.Int32(0)
+    hi = mCuQ.shape[0] - 1
+    for _ in cutlass.range(4, unroll=1):  # 32^4 sequences
+        if hi - lo >= 32:
+            stride = cute.ceil_div(hi - lo, 32)
+            b = lo + (lane + 1) * stride - 1
+            ended = False
+            if b < hi:
+                ended = mCuQ[b + 1] <= token
+            lo = lo + cute.arch.popc(cute.arch.vote_ballot_sync(ended)) * stride
+            hi = cutlass.min(hi, lo + stride - 1)
+    b = lo + lane
+    ended = False
+    if b < hi:
+        ended = mCuQ[b + 1] <= token
+    return lo + cutlass.Int32(cute.arch.popc(cute.arch.vote_ballot_sync(ended)))
+
+
+def row_view(acc, tiles: int):
+    """An accumulator of `tiles` m16n8 tiles (4 values each at 4t) as (2 rows, (2, tiles))
+    columns: the (rows, columns) view softmax_update takes."""
+    return cute.make_tensor(acc.iterator, cute.make_layout((2, (2, tiles)), stride=(2, (1, 4))))
+
+
+def smem_ptr(dtype, address):
+    """A 16-byte aligned shared-memory pointer of `dtype` at a byte address."""
+    return cute.make_ptr(dtype, address, cute.AddressSpace.smem, assumed_align=16)
+
+
+@cute.jit
+def load_words(addresses, count: cutlass.Constexpr):
+    """`count` 32-bit words from shared memory: 4 from each 16-byte aligned address (or 2
+    from one 8-byte aligned address when count is 2), one vector load each."""
+    words = cute.make_rmem_tensor((count,), cutlass.Int32)
+    per = 4 if count >= 4 else count
+    for i in cutlass.range_constexpr(count // per):
+        src = cute.make_tensor(
+            cute.make_ptr(
+                cutlass.Int32, addresses[i], cute.AddressSpace.smem, assumed_align=4 * per
+            ),
+            cute.make_layout(per),
+        )
+        cute.make_tensor(words.iterator + per * i, cute.make_layout(per)).store(src.load())
+    return words
+
+
+@cute.jit
+def load_u16(address):
+    src = cute.make_tensor(
+        cute.make_ptr(cutlass.Uint16, address, cute.AddressSpace.smem, assumed_align=2),
+        cute.make_layout(1),
+    )
+    return cutlass.Uint32(src[0])
+
+
+@cute.jit
+def load_u32(address):
+    src = cute.make_tensor(
+        cute.make_ptr(cutlass.Uint32, address, cute.AddressSpace.smem, assumed_align=4),
+        cute.make_layout(1),
+    )
+    return src[0]
+
+
+# Stages a warp's ring holds, by K/V format: shared memory per CTA 4 x stages x stage_bytes
+# (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB); SM120 allows 99 KB a CTA.
+STAGES = {"16bit": 3, "e4m3": 3, "nvfp4": 4}
+STAGES_SM120 = {"16bit": 1, "e4m3": 3, "nvfp4": 4}
+
+
+def make_kernel(variant):
+    kv_format = {
+        "msa_sparse_attention": "16bit",
+        "msa_sparse_attention_fp8kv": "e4m3",
+        "msa_sparse_attention_nvfp4": "nvfp4",
+    }[variant.family.name]
+    stages = (STAGES_SM120 if variant.arch == "sm_120a" else STAGES)[kv_format]
+    return MsaTokenAttention(element_type(variant.params["dtype"]), kv_format, stages)
