@@ -97,6 +97,46 @@ def test_matches_the_reference(kv_format, paged, hq, hkv, causal, tile, monkeypa
     assert empty.any() and (got[empty] == 0).all()
 
 
+def rows_outside_the_sequences(table, used, pages):
+    """(pages, 128) bool: the cache rows that hold no key of any sequence (rows past each
+    sequence's end, and pages no sequence reaches)."""
+    inside = torch.zeros(pages, 128, dtype=torch.bool, device=DEV)
+    for b in range(table.shape[0]):
+        n = int(used[b])
+        for j in range(-(-n // 128)):
+            inside[int(table[b, j]), : min(128, n - 128 * j)] = True
+    return ~inside
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("tile", [None, "token"])
+def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
+    """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3
+    scales, V's through the 4x4 swizzle): the output equals the reference's on the clean
+    cache, with nothing NaN."""
+    use_tile(monkeypatch, tile)
+    kernel, ref = msa_attention_inputs(kv_format, True, [5, 1, 3], [300, 129, 70], 16, 4, 16, 12)
+    want, _, _ = run_reference(ref, True)
+    outside = rows_outside_the_sequences(
+        kernel["page_table"], kernel["seqused_k"], kernel["k"].shape[0]
+    )
+    if kv_format == "nvfp4":
+        page, row = outside.nonzero(as_tuple=True)
+        kernel["k_scale"].permute(0, 2, 1, 3)[page, row] = 0x7F
+        v_scales = kernel["v_scale"]
+        for group in range(8):  # logical (row, group) at (row - row % 4 + group // 2, ...)
+            v_scales[page, :, row - row % 4 + group // 2, group % 2 * 4 + row % 4] = 0x7F
+    else:
+        for name in ("k", "v"):
+            x = kernel[name]
+            x.view(torch.uint8 if x.element_size() == 1 else torch.int16).permute(0, 2, 1, 3)[
+                outside
+            ] = 0x7F if x.element_size() == 1 else 0x7FC0
+    got = msa_ops.msa_sparse_attention(**kernel, causal=True)
+    assert not got.isnan().any()
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+
+
 def test_errors_against_the_unquantized_values_are_reported():
     """FP8 and NVFP4 K/V against the reference on the unquantized K/V (printed, loosely
     bounded: the quantization error, not the kernel's)."""

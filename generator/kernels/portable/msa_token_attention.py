@@ -74,8 +74,9 @@ def key_row(t: int, g):
 
 
 class MsaTokenAttention:
-    def __init__(self, dtype, kv_format: str, stages: int):
+    def __init__(self, dtype, kv_format: str, stages: int, ctas_per_sm: int = 1):
         self.dtype = dtype
+        self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
         self.bf16 = dtype == cutlass.BFloat16
         self.kv_format = kv_format
         self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
@@ -89,7 +90,11 @@ class MsaTokenAttention:
         self.scale_bytes = SCALE_BYTES if self.nvfp4 else 0
         self.stage_bytes = 2 * STEP_KEYS * self.row_bytes + 2 * self.scale_bytes
         self.value_factor = NVFP4_FACTOR if self.nvfp4 else 1.0
-        self.p_offset = probability_offset(dtype)
+        # P V runs in fp16 for e4m3 and NVFP4 V (exact in fp16, a conversion a pair instead
+        # of bf16's four, P with fp16's finer mantissa; their magnitudes cannot overflow the
+        # fp32 sums, so P needs no offset), in q's dtype for 16-bit V.
+        self.pv_dtype = dtype if kv_format == "16bit" else cutlass.Float16
+        self.p_offset = probability_offset(self.pv_dtype)
         self.ring_bytes = WARPS * stages * self.stage_bytes
         # The merge reuses the rings: every warp's rows in fp32.
         assert WARPS * ROWS * O_PITCH * 4 <= self.ring_bytes
@@ -108,16 +113,22 @@ class MsaTokenAttention:
     @cute.jit
     def launch(self, args, stream):
         SharedStorage = self.shared_storage()
-        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)))
-        self.kernel(args, atom, SharedStorage).launch(
+        atoms = tuple(
+            cute.make_mma_atom(warp.MmaF16BF16Op(t, cutlass.Float32, (16, 8, 16)))
+            for t in (self.dtype, self.pv_dtype)
+        )
+        config = dict(
             grid=[args.mQ.shape[0], args.mK.shape[1], args.splits],
             block=[WARPS * 32, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+        if cutlass.const_expr(self.ctas_per_sm > 1):
+            config.update(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
+        self.kernel(args, atoms, SharedStorage).launch(**config)
 
     @cute.kernel
-    def kernel(self, args, atom, SharedStorage: cutlass.Constexpr):
+    def kernel(self, args, atoms, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         token, kv_head, split = cute.arch.block_idx()
         warp_idx = tidx // 32
@@ -158,24 +169,28 @@ class MsaTokenAttention:
         scale_log2 = args.scale_log2 * self.value_factor
         ring = storage.ring.data_ptr().toint() + warp_idx * (self.stages * self.stage_bytes)
         page_rows = (seqlen_k, key_start, kv_head)
+        offsets = self.lane_chunks(lane)
 
         for m in cutlass.range_constexpr(self.stages - 1):
             if m < steps:
-                self.load_step(args, sSteps[warp_idx, m, None], page_rows, ring, m, warp_idx, lane)
+                self.load_step(
+                    args, sSteps[warp_idx, m, None], page_rows, ring, m, warp_idx, lane, offsets
+                )
             cute.arch.cp_async_commit_group()
         for m in cutlass.range(steps, unroll=1):
             ahead = m + self.stages - 1
             if ahead < steps:
                 stage = ahead % self.stages
                 self.load_step(
-                    args, sSteps[warp_idx, ahead, None], page_rows, ring, stage, warp_idx, lane
-                )
+                    args, sSteps[warp_idx, ahead, None], page_rows, ring, stage, warp_idx, lane,
+                    offsets,
+                )  # fmt: skip
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(self.stages - 1)
             cute.arch.sync_warp()  # every lane's copies of step m landed
             first_key = sSteps[warp_idx, m, 0] * BLOCK_KEYS + warp_idx * STEP_KEYS
             base = ring + (m % self.stages) * self.stage_bytes
-            acc_S = self.scores(atom, query, base, g, c)
+            acc_S = self.scores(atoms[0], query, base, g, c)
             limit = key_end - first_key
             if limit < STEP_KEYS:
                 for t in cutlass.range_constexpr(S_TILES):
@@ -189,7 +204,7 @@ class MsaTokenAttention:
             softmax_update(
                 row_max, row_sum, scale_log2, acc_S_mn, row_view(acc_O, O_TILES), self.p_offset
             )
-            self.add_pv(atom, acc_S, acc_O, base, seqlen_k - first_key, g, c)
+            self.add_pv(atoms[1], acc_S, acc_O, base, seqlen_k - first_key, g, c)
             cute.arch.sync_warp()  # every lane is done with the stage the next load refills
         cute.arch.cp_async_wait_group(0)
 
@@ -298,41 +313,34 @@ class MsaTokenAttention:
     def byte_at(self, region, row, chunk):
         return region + self.row_at(row) * self.row_bytes + self.chunk_at(row, chunk) * 16
 
+    def lane_chunks(self, lane):
+        """The stage offsets of the 16-byte chunks a lane copies of a step's K rows (V's are
+        STEP_KEYS x row_bytes further): chunk lane % chunks of rows lane // chunks + i x
+        (32 // chunks), i < chunks; computed once (the swizzle is the same every step)."""
+        chunks = self.row_bytes // 16
+        offsets = cute.make_rmem_tensor((chunks,), cutlass.Int32)
+        for i in range(chunks):
+            offsets[i] = self.byte_at(0, lane // chunks + i * (32 // chunks), lane % chunks)
+        return offsets
+
     @cute.jit
-    def load_step(self, args, step, page_rows, ring, stage, warp_idx, lane):
+    def load_step(self, args, step, page_rows, ring, stage, warp_idx, lane, offsets):
         """cp.async the step's K and V rows (and NVFP4 scale rows) into stage `stage` of the
-        warp's ring; rows past the sequence are zero instead (never read from memory)."""
+        warp's ring (`offsets`: lane_chunks); rows past the sequence are zero instead (never
+        read from memory)."""
         seqlen_k, key_start, kv_head = page_rows
-        block = step[0]
-        first_key = block * BLOCK_KEYS + warp_idx * STEP_KEYS
+        first_key = step[0] * BLOCK_KEYS + warp_idx * STEP_KEYS
         page = step[1]
         page_row = warp_idx * STEP_KEYS
         if args.paged == 0:
             page = 0
             page_row = key_start + first_key
         base = ring + stage * self.stage_bytes
-        chunk_values = 16 // self.elem_bytes
-        chunks = self.row_bytes // 16
-        data_copy = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.raw_type,
-            num_bits_per_copy=128,
-        )
-        for x in cutlass.range_constexpr(2):
-            mX = args.mK if x == 0 else args.mV
-            region = base + x * STEP_KEYS * self.row_bytes
-            for i in cutlass.range_constexpr(STEP_KEYS * chunks // 32):
-                row = (lane + 32 * i) // chunks
-                chunk = (lane + 32 * i) % chunks
-                dst = cute.make_tensor(
-                    smem_ptr(self.raw_type, self.byte_at(region, row, chunk)),
-                    cute.make_layout(chunk_values),
-                )
-                if first_key + row < seqlen_k:
-                    src = mX[page, kv_head, page_row + row, None]
-                    cute.copy(data_copy, cute.local_tile(src, (chunk_values,), (chunk,)), dst)
-                else:
-                    dst.fill(0)
+        if first_key + STEP_KEYS <= seqlen_k:  # the same for the whole warp
+            self.copy_rows(args, page, kv_head, page_row, base, lane, offsets, STEP_KEYS, True)
+        else:
+            rows = seqlen_k - first_key
+            self.copy_rows(args, page, kv_head, page_row, base, lane, offsets, rows, False)
         if cutlass.const_expr(self.nvfp4):
             # The step's scale rows are 256 contiguous bytes for K and for V (the V scales'
             # 4x4 swizzle stays within each 4 rows): lanes 0-15 copy K's, 16-31 V's.
@@ -347,6 +355,48 @@ class MsaTokenAttention:
                 cute.make_layout(16),
             )
             cute.copy(scale_copy, cute.local_tile(src, (16,), (lane % 16,)), dst)
+
+    @cute.jit
+    def copy_rows(
+        self, args, page, kv_head, page_row, base, lane, offsets, rows,
+        all_inside: cutlass.Constexpr,
+    ):  # fmt: skip
+        """The lane's chunks of the step's K and V rows; unless all_inside, rows from `rows`
+        on are zero-filled instead of copied."""
+        chunk_values = 16 // self.elem_bytes
+        chunks = self.row_bytes // 16
+        data_copy = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.raw_type,
+            num_bits_per_copy=128,
+        )
+        first_row = lane // chunks
+        for x in cutlass.range_constexpr(2):
+            mX = args.mK if x == 0 else args.mV
+            lane_row = cute.local_tile(
+                mX[page, kv_head, page_row + first_row, None], (chunk_values,), (lane % chunks,)
+            )
+            # Bytes between the lane's rows (the ABI's strides are multiples of 16 bytes).
+            row_step = cutlass.Int64((32 // chunks) * mX.stride[2] * self.elem_bytes)
+            address = lane_row.iterator.toint()
+            for i in cutlass.range_constexpr(chunks):
+                src = cute.make_tensor(
+                    cute.make_ptr(
+                        self.raw_type, address + i * row_step, cute.AddressSpace.gmem,
+                        assumed_align=16,
+                    ),
+                    lane_row.layout,
+                )  # fmt: skip
+                dst = cute.make_tensor(
+                    smem_ptr(self.raw_type, base + x * STEP_KEYS * self.row_bytes + offsets[i]),
+                    cute.make_layout(chunk_values),
+                )
+                if cutlass.const_expr(all_inside):
+                    cute.copy(data_copy, src, dst)
+                elif first_row + i * (32 // chunks) < rows:
+                    cute.copy(data_copy, src, dst)
+                else:
+                    dst.fill(0)
 
     @cute.jit
     def scores(self, atom, query, base, g, c):
@@ -385,7 +435,7 @@ class MsaTokenAttention:
                     out[2 * s + h] = self.e4m3_pair(words[s], h == 1)
         else:
             scales = load_u16(base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
-            steps = self.scale_pair(scales)  # groups 2c, 2c + 1: the lane's channels 0-15, 16-31
+            steps = self.scale_pair(scales, self.bf16)  # groups 2c, 2c + 1: channels 0-15, 16-31
             for s in cutlass.range_constexpr(K_STEPS):
                 w = s // 2
                 step = self.broadcast(steps, w >= 2)
@@ -399,11 +449,11 @@ class MsaTokenAttention:
         """O += P V over the step's two k16 chunks; `valid`: the step's rows inside the
         sequence (NVFP4: the scales of rows past it are zero, their codes are)."""
         for h in cutlass.range_constexpr(P_CHUNKS):
-            p = cute.make_rmem_tensor((8, 1), self.dtype)
+            p = cute.make_rmem_tensor((8, 1), self.pv_dtype)
             p.store(
                 cute.make_tensor(acc_S.iterator + 8 * h, cute.make_layout((8, 1)))
                 .load()
-                .to(self.dtype)
+                .to(self.pv_dtype)
             )
             values = self.value_operand(base, h, valid, g, c)
             for j in cutlass.range_constexpr(O_TILES):
@@ -414,7 +464,7 @@ class MsaTokenAttention:
     @cute.jit
     def value_operand(self, base, h, valid, g, c):
         """Channels 16g .. 16g + 15 of keys 16h + 4c + i (i < 4) of the step's V as the B
-        operands of the 16 output n-tiles: (4 x O_TILES,) in q's dtype; n-tile j gets
+        operands of the 16 output n-tiles: (4 x O_TILES,) in pv_dtype; n-tile j gets
         channel 16g + j of keys (i = 0, 1) and (2, 3)."""
         lane_bytes = self.row_bytes // 8
         region = base + STEP_KEYS * self.row_bytes
@@ -429,7 +479,7 @@ class MsaTokenAttention:
             else:  # NVFP4: 8 bytes, half of a chunk
                 addresses = [self.byte_at(region, row, g // 2) + 8 * (g % 2)]
             rows.append(load_words(addresses, lane_bytes // 4))
-        values = cute.make_rmem_tensor((4 * O_TILES,), self.dtype)
+        values = cute.make_rmem_tensor((4 * O_TILES,), self.pv_dtype)
         out = cute.recast_tensor(values, cutlass.Int32)  # (2 x O_TILES,): b0 b1 of n-tile j at 2j
         for pair in cutlass.range_constexpr(2):  # keys (0, 1) -> b0, (2, 3) -> b1
             first, second = rows[2 * pair], rows[2 * pair + 1]
@@ -443,8 +493,8 @@ class MsaTokenAttention:
                 for j in cutlass.range_constexpr(0, O_TILES, 2):
                     selector = 0x5140 if j % 4 == 0 else 0x7362
                     both = cutlass.Int32(cute.arch.prmt(first[j // 4], second[j // 4], selector))
-                    out[2 * j + pair] = self.e4m3_pair(both, False)
-                    out[2 * (j + 1) + pair] = self.e4m3_pair(both, True)
+                    out[2 * j + pair] = e4m3_pair_as_f16x2(both, False)
+                    out[2 * (j + 1) + pair] = e4m3_pair_as_f16x2(both, True)
             else:
                 scales = cutlass.Uint32(
                     load_u32(
@@ -459,14 +509,12 @@ class MsaTokenAttention:
                     inside = cutlass.max(valid - 16 * h - 4 * c, 0)
                     if inside < 4:
                         scales = cutlass.Uint32(scales & ((cutlass.Uint32(1) << (8 * inside)) - 1))
-                step = self.scale_pair(scales >> (16 * pair))
+                step = self.scale_pair(scales >> (16 * pair), False)
                 for j in cutlass.range_constexpr(0, O_TILES, 4):
                     selector = 0x5410 if j % 8 == 0 else 0x7632
                     both = cutlass.Uint32(cute.arch.prmt(first[j // 8], second[j // 8], selector))
                     for k in cutlass.range_constexpr(4):
-                        out[2 * (j + k) + pair] = self.mul_pair(
-                            e2m1_nibble_pair(both, k, self.bf16), step
-                        )
+                        out[2 * (j + k) + pair] = mul_f16x2(e2m1_nibble_pair(both, k, False), step)
         return values
 
     @cute.jit
@@ -476,13 +524,13 @@ class MsaTokenAttention:
         return e4m3_pair_as_f16x2(word, high)
 
     @cute.jit
-    def scale_pair(self, bytes2):
+    def scale_pair(self, bytes2, bf16: cutlass.Constexpr):
         """Two e4m3 scales (bytes 0, 1 of a word) as the two 16-bit multipliers of decoded
         E2M1 values (e2m1_nibble_pair's value / 2^14 or / 2^126) giving value x scale /
         2^7: scale x 2^7 in fp16, scale x 2^119 in bf16 (448 x 2^119 < bf16's largest)."""
         halves = e4m3_pair_as_f16x2(bytes2, False)
         result = cutlass.Int32(0)
-        if cutlass.const_expr(self.bf16):
+        if cutlass.const_expr(bf16):
             pair = cute.make_rmem_tensor((2,), cutlass.Float16)
             cute.recast_tensor(pair, cutlass.Int32)[0] = halves
             wide = pair.load().to(cutlass.Float32) * (E2M1_BF16_FACTOR / NVFP4_FACTOR)
@@ -666,9 +714,13 @@ def load_u32(address):
 
 
 # Stages a warp's ring holds, by K/V format: shared memory per CTA 4 x stages x stage_bytes
-# (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB); SM120 allows 99 KB a CTA.
-STAGES = {"16bit": 3, "e4m3": 3, "nvfp4": 4}
-STAGES_SM120 = {"16bit": 1, "e4m3": 3, "nvfp4": 4}
+# (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB); SM120 allows 99 KB a CTA. CTAs an SM:
+# NVFP4's registers are capped for 3 (168, no spills; else 195 and 2 CTAs): the kernel's
+# decoding keeps the issue slots busy, and a third CTA's warps fill their stalls. 16-bit
+# and e4m3 are held to 1 and 2 CTAs by their stages.
+STAGES = {"16bit": 3, "e4m3": 3, "nvfp4": 3}
+STAGES_SM120 = {"16bit": 1, "e4m3": 3, "nvfp4": 3}
+CTAS_PER_SM = {"16bit": 1, "e4m3": 1, "nvfp4": 3}
 
 
 def make_kernel(variant):
@@ -678,4 +730,6 @@ def make_kernel(variant):
         "msa_sparse_attention_nvfp4": "nvfp4",
     }[variant.family.name]
     stages = (STAGES_SM120 if variant.arch == "sm_120a" else STAGES)[kv_format]
-    return MsaTokenAttention(element_type(variant.params["dtype"]), kv_format, stages)
+    return MsaTokenAttention(
+        element_type(variant.params["dtype"]), kv_format, stages, CTAS_PER_SM[kv_format]
+    )
