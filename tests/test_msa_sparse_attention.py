@@ -227,3 +227,13 @@ def test_prepared_decode_arguments():
         msa_ops.prepare_msa_nvfp4_sparse_decode(**(args | {"k": api_args()["k"]}))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         msa_ops.prepare_msa_nvfp4_sparse_decode(**args, seqlen_q=5)
+
+
+def test_prefill_picks_the_one_token_kernel_for_quantized_kv_at_group_16():
+    """FP8 / NVFP4 K/V at G = 16 run on the one-token kernel (faster on MP1 with per-token
+    and with chunk-shared selections, bench/results); bf16 / fp16 and other G keep the union
+    tile."""
+    assert msa_ops._prefill_tile("e4m3", 16) == "token"
+    assert msa_ops._prefill_tile("nvfp4", 16) == "token"
+    for kv_format, group in (("16bit", 16), ("e4m3", 8), ("nvfp4", 4), ("16bit", 1)):
+        assert msa_ops._prefill_tile(kv_format, group) is None

@@ -656,29 +656,11 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     lines.append(
         f"MP1 cuDNN dense causal (Hq {hq}, S {seq}): {dense_ms:.2f} ms, {dense_tflops:.0f} TFLOPS"
     )
-    pos = torch.arange(seq, device=device)
-    own = pos // 128
     cu = torch.tensor([0, seq], **i32)
     table = torch.arange(blocks, **i32)[None]
     used = torch.tensor([seq], **i32)
     for mode in ("random", "chunked"):
-        # Block 0, the token's own block and 14 more visible ones: per token, or drawn once
-        # per 64-token chunk (the chunk's first token's visible blocks).
-        anchor = pos if mode == "random" else pos // 64 * 64
-        draw = torch.rand(hkv, seq, 14, device=device, generator=gen)
-        if mode == "chunked":
-            draw = draw[:, ::64].repeat_interleave(64, 1)
-        extra = (draw * (anchor // 128 + 1)[None, :, None]).long()
-        ids = torch.cat(
-            [torch.zeros_like(extra[..., :1]), own.expand(hkv, seq)[..., None], extra], -1
-        )
-        chosen = torch.zeros(hkv, seq, blocks, dtype=torch.bool, device=device)
-        chosen.scatter_(2, ids, True)
-        ids = torch.where(chosen, torch.arange(blocks, device=device), blocks).sort(-1).values
-        ids = torch.where(ids < blocks, ids, -1)[..., :topk].int().contiguous()
-        # Keys attended: whole blocks below the own block, the own block up to the token.
-        below = chosen.sum(-1) - 1
-        useful = 4 * (hq // hkv) * 128 * float((below * 128 + (pos % 128 + 1)).sum())
+        ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
         for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
             ms = cuda_time_ms(
@@ -695,7 +677,67 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
             )
         del kv
 
-    return lines + msa_decode_times(iters, formats)
+    return lines + msa_prefill_end_to_end(iters) + msa_decode_times(iters, formats)
+
+
+def mp1_selections(seq: int, hq: int, hkv: int, topk: int, mode: str, gen):
+    """MP1's selections for one causal sequence: block 0, the token's own block and 14 more
+    visible ones, drawn per token ("random") or once per 64-token chunk ("chunked", the
+    chunk's first token's visible blocks); ascending with a -1 tail. Returns (q2k (Hkv, seq,
+    topk) int32, useful FLOPs: 4 x Hq x 128 x the keys each query attends)."""
+    device = torch.device("cuda")
+    blocks = seq // 128
+    pos = torch.arange(seq, device=device)
+    own = pos // 128
+    anchor = pos if mode == "random" else pos // 64 * 64
+    draw = torch.rand(hkv, seq, 14, device=device, generator=gen)
+    if mode == "chunked":
+        draw = draw[:, ::64].repeat_interleave(64, 1)
+    extra = (draw * (anchor // 128 + 1)[None, :, None]).long()
+    ids = torch.cat([torch.zeros_like(extra[..., :1]), own.expand(hkv, seq)[..., None], extra], -1)
+    chosen = torch.zeros(hkv, seq, blocks, dtype=torch.bool, device=device)
+    chosen.scatter_(2, ids, True)
+    ids = torch.where(chosen, torch.arange(blocks, device=device), blocks).sort(-1).values
+    ids = torch.where(ids < blocks, ids, -1)[..., :topk].int().contiguous()
+    # Keys attended: whole blocks below the own block, the own block up to the token.
+    below = chosen.sum(-1) - 1
+    useful = 4 * (hq // hkv) * 128 * float((below * 128 + (pos % 128 + 1)).sum())
+    return ids, useful
+
+
+def msa_prefill_end_to_end(iters: int = 10, seq: int = 65536) -> list[str]:
+    """A 65,536-token causal prefill (Hq 64, Hkv 4, bf16 q/k/v, flat K/V) with chunk-shared
+    top-16 selections (MP1's "chunked") against cuDNN dense causal attention on the same
+    q/k/v (K/V heads repeated for the dense call): the speed-up."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparseforge import msa_ops
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(2)
+    hq, hkv = 64, 4
+    q, k, v = (
+        torch.randn(seq, h, 128, device=device, generator=gen).to(torch.bfloat16)
+        for h in (hq, hkv, hkv)
+    )
+    cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
+    ids, _ = mp1_selections(seq, hq, hkv, 16, "chunked", gen)
+    sparse_ms = cuda_time_ms(
+        lambda: msa_ops.msa_sparse_attention(q, k, v, ids, cu, cu, causal=True), iters=iters
+    )
+    dense = [
+        x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(16, 1), v.repeat_interleave(16, 1))
+    ]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        dense_ms = cuda_time_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(*dense, is_causal=True),
+            iters=iters,
+        )
+    return [
+        f"End to end, {seq}-token causal prefill (Hq {hq}, Hkv {hkv}, bf16, chunk-shared "
+        f"top-16): msa_sparse_attention {sparse_ms:.2f} ms, cuDNN dense causal {dense_ms:.2f} "
+        f"ms: {dense_ms / sparse_ms:.1f}x"
+    ]
 
 
 # MSA decode workloads: name, requests, seqlen_q (BENCHMARKS.md MD1 / MD4, and MD1 at small

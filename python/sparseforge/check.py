@@ -365,19 +365,31 @@ def msa_attention_inputs(kv_format, paged, seq_q, seq_k, hq, hkv, topk=8, seed=0
 
 
 def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
-    from sparseforge.msa_ops import msa_sparse_attention
+    """The union tile through msa_sparse_attention; the one-token kernel (tile "token")
+    through its route, msa_sparse_decode_attention (two tokens a request)."""
+    from sparseforge.msa_ops import msa_sparse_attention, msa_sparse_decode_attention
 
     kv_format = {
         "msa_sparse_attention": v["params"]["dtype"],
         "msa_sparse_attention_fp8kv": "e4m3",
         "msa_sparse_attention_nvfp4": "nvfp4",
     }[v["family"]]
+    decode = v["params"].get("tile") == "token"
     seq_q, seq_k = ([5, 1], [200, 3]) if small else ([70, 1, 33], [700, 128, 200])
+    if decode:
+        seq_q = [2] * len(seq_k)
     kernel, ref = msa_attention_inputs(kv_format, True, seq_q, seq_k, 16, 4, seed=seed)
     if kv_format in ("e4m3", "nvfp4") and v["params"]["dtype"] == "fp16":
         kernel["q"] = kernel["q"].half()
     out = torch.full_like(kernel["q"], float("nan"))
-    got, lse = msa_sparse_attention(**kernel, causal=True, return_softmax_lse=True, out=out)
+    if decode:
+        kernel.pop("cu_seqlens_q")
+        q, k, v_, q2k = (kernel.pop(n) for n in ("q", "k", "v", "q2k_indices"))
+        got, lse = msa_sparse_decode_attention(
+            q, k, v_, q2k, seqlen_q=2, return_softmax_lse=True, out=out, **kernel
+        )
+    else:
+        got, lse = msa_sparse_attention(**kernel, causal=True, return_softmax_lse=True, out=out)
     ref.pop("unquantized", None)
     want, want_lse, _ = reference.msa_sparse_attention(
         ref.pop("q"), ref.pop("k"), ref.pop("v"), ref.pop("q2k_indices"), ref.pop("cu_seqlens_q"),
@@ -388,7 +400,8 @@ def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
     ok = err < (5e-3 if kv_format in ("bf16", "fp16") else 1e-2)
     ok &= torch.equal(torch.isfinite(lse), finite)
     ok &= bool((lse[finite] - want_lse[finite]).abs().max() < 2e-2)
-    return f"{kv_format} paged K/V, causal, rel. L2 {err:.1e}", ok
+    route = "decode, 2 tokens a request" if decode else "causal"
+    return f"{kv_format} paged K/V, {route}, rel. L2 {err:.1e}", ok
 
 
 def check_proxy_score(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:

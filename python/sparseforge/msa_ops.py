@@ -505,9 +505,11 @@ def _nvfp4_route_stats(kind: str) -> dict:
         "available": bool(torch.cuda.is_available() and supports_packed_kv()),
         "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
         "kernel": (
-            "portable mma.sync union tile: raw NVFP4 tiles copied a tile ahead by cp.async and "
-            "decoded into shared memory; launches with fewer tiles than SMs split each tile's "
-            "keys across CTAs, fp32 partials merged by their lse (a second launch)"
+            "G = 16: msa_sparse_decode_attention's one-token kernel; other G: portable "
+            "mma.sync union tile, raw "
+            "NVFP4 tiles copied a tile ahead by cp.async and decoded into shared memory, "
+            "launches with fewer tiles than SMs splitting each tile's keys across CTAs, fp32 "
+            "partials merged by their lse (a second launch)"
             if kind == "prefill"
             else "portable mma.sync, one token's heads a CTA, each warp a quarter of every "
             "block: raw NVFP4 rows copied stages ahead by cp.async into each warp's ring and "
@@ -594,6 +596,10 @@ def msa_sparse_attention(
     Returns out (total_q, Hq, 128) in q's dtype (into `out` if given), with
     return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
+    Kernels: with FP8 or NVFP4 K/V and G = 16 the one-token kernel of
+    msa_sparse_decode_attention (each token reads only its own blocks); otherwise the union
+    tile (a CTA of 64 // G tokens walks the union of their blocks once, each row masked to
+    its own: fastest when neighbouring tokens share their blocks, with bf16 / fp16 K/V).
     One launch (two when a small batch's keys are split across CTAs: a second merges the
     fp32 partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
     MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
@@ -603,7 +609,7 @@ def msa_sparse_attention(
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
-        q_offset, return_temperature_lse, lse_temperature_scale, workspace, out,
+        q_offset, return_temperature_lse, lse_temperature_scale, workspace, out, tile="auto",
     )  # fmt: skip
 
 
@@ -663,6 +669,18 @@ def msa_sparse_decode_attention(
 @functools.lru_cache(maxsize=64)
 def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tensor:
     return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
+
+
+def _prefill_tile(kv_format: str, group: int):
+    """msa_sparse_attention's kernel: the one-token kernel ("token") for FP8 and NVFP4 K/V at
+    G = 16, else the union tile (None). MP1 on the H200 (bench/results/
+    2026-12-03_932c88c_h200_msa_token_decode.md): with per-token (random) selections the
+    one-token kernel takes 12.5 / 13.8 ms against the union's 32.4 / 45.3 (FP8 / NVFP4),
+    with chunk-shared ones 12.5 / 13.8 ms against 11.6 / 15.8; with bf16 K/V 21.3 ms against
+    28.7 (random) but 21.1 against 10.2 (chunk-shared), so bf16 / fp16 keep the union."""
+    if kv_format in ("e4m3", "nvfp4") and group == 16:
+        return "token"
+    return None
 
 
 def _splits(device, ctas: int, topk: int) -> int:
@@ -740,7 +758,7 @@ def _attention(
 ):  # fmt: skip
     """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
     the caller's buffer for the lse (implies return_softmax_lse); `tile`: None for the union
-    tile kernel, "token" for the one-token kernel."""
+    tile kernel, "token" for the one-token kernel, "auto" for prefill's choice (_prefill_tile)."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
@@ -874,6 +892,8 @@ def _attention(
     if device.type != "cuda":
         raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
 
+    if tile == "auto":
+        tile = _prefill_tile(kv_format, heads // kv_heads)
     if total_q:
         unused = _constant_count(device, 0)
         if tile == "token":
