@@ -137,6 +137,29 @@ def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, mon
     assert rel_l2(got, want) < TOLERANCE[kv_format]
 
 
+@pytest.mark.parametrize("kv_format", ["e4m3", "nvfp4"])
+@pytest.mark.parametrize("magnitude", [2.0**40, 2.0**-40, 1e4])
+def test_bf16_queries_far_outside_fp16s_range_on_the_decode_kernel(kv_format, magnitude):
+    """FP8 and NVFP4 K/V run fp16 MMAs: bf16 q is scaled into fp16's range by a power of
+    two (one head of one token much larger than the rest at 1e4)."""
+    kernel, ref = msa_attention_inputs(kv_format, True, [2] * 3, [700, 129, 300], 16, 4, 16, 13)
+    kernel.pop("cu_seqlens_q")
+    q, k, v, q2k = (kernel.pop(n) for n in ("q", "k", "v", "q2k_indices"))
+    if magnitude == 1e4:
+        q[1, 3] *= magnitude
+    else:
+        q.mul_(magnitude)
+    got = msa_ops.msa_sparse_decode_attention(
+        q, k, v, q2k, seqlen_q=2, softmax_scale=1.0 / magnitude if magnitude > 1 else 1.0,
+        **kernel,
+    )  # fmt: skip
+    want, _, _ = run_reference(
+        ref | {"q": q.float()}, True, softmax_scale=1.0 / magnitude if magnitude > 1 else 1.0
+    )
+    assert torch.isfinite(got).all()
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+
+
 def test_errors_against_the_unquantized_values_are_reported():
     """FP8 and NVFP4 K/V against the reference on the unquantized K/V (printed, loosely
     bounded: the quantization error, not the kernel's)."""

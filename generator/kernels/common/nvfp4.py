@@ -94,17 +94,12 @@ def e2m1_pair_as_fp16(byte):
     return low | high
 
 
-# The same placement three bits lower in bf16 (s.0000000e1e0.m...) reads as value / 2^126.
-E2M1_BF16_FACTOR = 2.0**126
-
-
 @cute.jit
-def e2m1_nibble_pair(word, k: cutlass.Constexpr, bf16: cutlass.Constexpr):
+def e2m1_nibble_pair(word, k: cutlass.Constexpr):
     """Codes k and k + 4 (bits 4k .. 4k + 3 and 16 + 4k ..) of a 32-bit word (Uint32) as two
-    16-bit values in one word (code k in the low half): fp16 value / 2^14, or bf16 value /
-    2^126 (subnormal for e = 0). Two shifts and an and-or per pair, no table."""
-    magnitude_at = 6 if bf16 else 9  # the lowest bit of e1 e0 m in the 16-bit value
-    magnitude = _shift(word, magnitude_at - 4 * k) & cutlass.Uint32((0x7 << magnitude_at) * 0x10001)
+    fp16 in one word (code k in the low half), each its value / 2^14 (e2m1_pair_as_fp16's
+    placement). Two shifts and two and-ors a pair, no table."""
+    magnitude = _shift(word, 9 - 4 * k) & cutlass.Uint32(0x0E000E00)
     sign = _shift(word, 12 - 4 * k) & cutlass.Uint32(0x80008000)
     return magnitude | sign
 

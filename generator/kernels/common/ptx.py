@@ -53,25 +53,3 @@ def f16x2_broadcast(word, high: bool, *, loc=None, ip=None):
     half = "h" if high else "l"
     asm = f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; mov.b32 $0, {{{half}, {half}}}; }}"
     return inline_ptx(cutlass.Int32, [cutlass.Int32(word)], asm, "=r,r", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def mul_bf16x2(a, b, *, loc=None, ip=None):
-    """The halfwise product of two words of two bf16 each (round to nearest; subnormal
-    inputs kept)."""
-    operands = [cutlass.Int32(a), cutlass.Int32(b)]
-    return inline_ptx(
-        cutlass.Int32, operands, "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip
-    )
-
-
-@dsl_user_op
-def e4m3_pair_as_bf16x2(word, high: bool, *, loc=None, ip=None):
-    """e4m3_pair_as_f16x2 into bf16 (through fp32: exact, NaN kept)."""
-    half = "h" if high else "l"
-    asm = (
-        "{ .reg .b16 l, h; .reg .b32 t; .reg .f32 f0, f1; mov.b32 {l, h}, $1; "
-        f"cvt.rn.f16x2.e4m3x2 t, {half}; mov.b32 {{l, h}}, t; cvt.f32.f16 f0, l; "
-        "cvt.f32.f16 f1, h; cvt.rn.bf16x2.f32 $0, f1, f0; }"
-    )
-    return inline_ptx(cutlass.Int32, [cutlass.Int32(word)], asm, "=r,r", loc=loc, ip=ip)

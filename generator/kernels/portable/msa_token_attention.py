@@ -22,9 +22,11 @@ operands, in orders chosen so that its reads are whole 4/8/16-byte words:
               (one NVFP4 scale group; their four V scales one word of the 4x4 swizzle),
               paired across keys by byte permutes; its output row part is channels
               32c .. 32c + 31, stored contiguously.
-K/V in q's dtype are used as stored; e4m3 converts in pairs (exact); NVFP4 codes go to
-16-bit values by bit placement (e2m1_nibble_pair) times their scale x 2^-7 (value x scale /
-2^7, exact), the 2^7 folded back into the softmax scale and the output scale.
+K/V in q's dtype are used as stored, with MMAs in q's dtype. e4m3 and NVFP4 K/V go to fp16
+MMAs (bf16 q scaled into fp16's range by a power of two, query_operand): e4m3 converts in
+pairs (exact); NVFP4 codes become fp16 by bit placement (e2m1_nibble_pair) times their
+scale x 2^-7 (value x scale / 2^7, exact), the 2^7 folded back into the softmax scale and
+the output scale.
 """
 
 import cutlass
@@ -33,13 +35,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, MAX_TOPK
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_BF16_FACTOR, E2M1_FP16_FACTOR, e2m1_nibble_pair
-from generator.kernels.common.ptx import (
-    e4m3_pair_as_bf16x2,
-    e4m3_pair_as_f16x2,
-    mul_bf16x2,
-    mul_f16x2,
-)
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_nibble_pair
+from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 from generator.kernels.common.softmax import (
     LN_2,
     LOG2_E,
@@ -77,7 +74,6 @@ class MsaTokenAttention:
     def __init__(self, dtype, kv_format: str, stages: int, ctas_per_sm: int = 1):
         self.dtype = dtype
         self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
-        self.bf16 = dtype == cutlass.BFloat16
         self.kv_format = kv_format
         self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
             kv_format
@@ -90,10 +86,12 @@ class MsaTokenAttention:
         self.scale_bytes = SCALE_BYTES if self.nvfp4 else 0
         self.stage_bytes = 2 * STEP_KEYS * self.row_bytes + 2 * self.scale_bytes
         self.value_factor = NVFP4_FACTOR if self.nvfp4 else 1.0
-        # P V runs in fp16 for e4m3 and NVFP4 V (exact in fp16, a conversion a pair instead
-        # of bf16's four, P with fp16's finer mantissa; their magnitudes cannot overflow the
-        # fp32 sums, so P needs no offset), in q's dtype for 16-bit V.
-        self.pv_dtype = dtype if kv_format == "16bit" else cutlass.Float16
+        # The MMAs run in fp16 for e4m3 and NVFP4 K/V (exact in fp16: a conversion a pair
+        # instead of bf16's four; P with fp16's finer mantissa, and their magnitudes cannot
+        # overflow the fp32 sums, so P needs no offset; bf16 q is scaled by a power of two
+        # into fp16's range, query_operand), in q's dtype for 16-bit K/V.
+        self.mma_dtype = dtype if kv_format == "16bit" else cutlass.Float16
+        self.pv_dtype = self.mma_dtype
         self.p_offset = probability_offset(self.pv_dtype)
         self.ring_bytes = WARPS * stages * self.stage_bytes
         # The merge reuses the rings: every warp's rows in fp32.
@@ -115,7 +113,7 @@ class MsaTokenAttention:
         SharedStorage = self.shared_storage()
         atoms = tuple(
             cute.make_mma_atom(warp.MmaF16BF16Op(t, cutlass.Float32, (16, 8, 16)))
-            for t in (self.dtype, self.pv_dtype)
+            for t in (self.mma_dtype, self.pv_dtype)
         )
         config = dict(
             grid=[args.mQ.shape[0], args.mK.shape[1], args.splits],
@@ -160,13 +158,13 @@ class MsaTokenAttention:
         steps = self.list_steps(
             args, sSteps, seq, kv_head, token, split, warp_idx, lane, blocks, key_end
         )
-        query = self.query_operand(args, token, kv_head, g, c)
+        query, query_factor = self.query_operand(args, token, kv_head, g, c)
         acc_O = cute.make_rmem_tensor((4 * O_TILES,), cutlass.Float32)
         acc_O.fill(0.0)
         row_max, row_sum = new_softmax_state(2)
         t_max, t_sum = new_softmax_state(2)
         with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
-        scale_log2 = args.scale_log2 * self.value_factor
+        scale_log2 = args.scale_log2 * self.value_factor * query_factor
         ring = storage.ring.data_ptr().toint() + warp_idx * (self.stages * self.stage_bytes)
         page_rows = (seqlen_k, key_start, kv_head)
         offsets = self.lane_chunks(lane)
@@ -264,8 +262,11 @@ class MsaTokenAttention:
     @cute.jit
     def query_operand(self, args, token, kv_head, g, c):
         """Rows g and g + 8 (heads kv_head x G + row; zero from G on), channels 32c .. 32c +
-        31, as the A operands of the 8 k-steps: (8 x 8,) in q's dtype, the channels of
-        k-step s in key_channels(s) order."""
+        31, as the A operands of the 8 k-steps: (8 x 8,) in mma_dtype, the channels of k-step
+        s in key_channels(s) order; and the factor the scores are to be multiplied by. bf16 q
+        for fp16 MMAs is multiplied by the power of two that puts its largest finite
+        magnitude (over the token's rows) in [2^14, 2^15), exact unless a value falls 2^24
+        below it, and the factor is its inverse (1 otherwise)."""
         rows = cute.make_rmem_tensor((2, HEAD_DIM // 4), self.dtype)
         for r in cutlass.range_constexpr(2):
             if g + 8 * r < args.group:
@@ -273,14 +274,34 @@ class MsaTokenAttention:
                 rows[r, None].store(cute.local_tile(src, (HEAD_DIM // 4,), (c,)).load())
             else:
                 rows[r, None].fill(0.0)
-        query = cute.make_rmem_tensor((8 * K_STEPS,), self.dtype)
+        factor = cutlass.Float32(1.0)
+        operands = rows
+        if cutlass.const_expr(self.dtype != self.mma_dtype):
+            values = rows.load().to(cutlass.Float32)
+            magnitudes = abs(values)
+            finite = cute.where(
+                magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
+            )
+            top = finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+            for offset in (16, 8, 4, 2, 1):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+            shift = cutlass.Int32(0)
+            if top > 0.0:
+                bits = cute.make_rmem_tensor((1,), cutlass.Float32)
+                bits[0] = top
+                exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
+                shift = cutlass.max(exponent - 14, -100)
+            factor = power_of_two(shift)
+            operands = cute.make_rmem_tensor((2, HEAD_DIM // 4), self.mma_dtype)
+            operands.store((values * power_of_two(-shift)).to(self.mma_dtype))
+        query = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
         for s in cutlass.range_constexpr(K_STEPS):
             d = self.key_channels(s)
             for i in cutlass.range_constexpr(2):  # a0 a1 | a4 a5: row g; a2 a3 | a6 a7: g + 8
                 for r in cutlass.range_constexpr(2):
-                    query[8 * s + 4 * i + 2 * r] = rows[r, d[2 * i]]
-                    query[8 * s + 4 * i + 2 * r + 1] = rows[r, d[2 * i + 1]]
-        return query
+                    query[8 * s + 4 * i + 2 * r] = operands[r, d[2 * i]]
+                    query[8 * s + 4 * i + 2 * r + 1] = operands[r, d[2 * i + 1]]
+        return query, factor
 
     def key_channels(self, s: int):
         """The lane's channels (of its 32) in k slots 2c, 2c + 1, 2c + 8, 2c + 9 of k-step s:
@@ -415,7 +436,7 @@ class MsaTokenAttention:
     @cute.jit
     def key_operand(self, base, row, c):
         """Channels 32c .. 32c + 31 of step row `row` of K as the B operands of the 8
-        k-steps: (4 x K_STEPS,) in q's dtype (key_channels order)."""
+        k-steps: (4 x K_STEPS,) in mma_dtype (key_channels order)."""
         lane_bytes = self.row_bytes // 4
         words = load_words(
             [
@@ -424,7 +445,7 @@ class MsaTokenAttention:
             ],
             lane_bytes // 4,
         )
-        keys = cute.make_rmem_tensor((4 * K_STEPS,), self.dtype)
+        keys = cute.make_rmem_tensor((4 * K_STEPS,), self.mma_dtype)
         out = cute.recast_tensor(keys, cutlass.Int32)  # (2 x K_STEPS,): 16-bit pairs
         if cutlass.const_expr(self.kv_format == "16bit"):
             for i in cutlass.range_constexpr(2 * K_STEPS):
@@ -432,16 +453,16 @@ class MsaTokenAttention:
         elif cutlass.const_expr(self.kv_format == "e4m3"):
             for s in cutlass.range_constexpr(K_STEPS):
                 for h in cutlass.range_constexpr(2):
-                    out[2 * s + h] = self.e4m3_pair(words[s], h == 1)
+                    out[2 * s + h] = e4m3_pair_as_f16x2(words[s], h == 1)
         else:
             scales = load_u16(base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
-            steps = self.scale_pair(scales, self.bf16)  # groups 2c, 2c + 1: channels 0-15, 16-31
+            steps = self.scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
             for s in cutlass.range_constexpr(K_STEPS):
                 w = s // 2
                 step = self.broadcast(steps, w >= 2)
                 for h in cutlass.range_constexpr(2):
-                    pair = e2m1_nibble_pair(cutlass.Uint32(words[w]), 2 * (s % 2) + h, self.bf16)
-                    out[2 * s + h] = self.mul_pair(pair, step)
+                    pair = e2m1_nibble_pair(cutlass.Uint32(words[w]), 2 * (s % 2) + h)
+                    out[2 * s + h] = mul_f16x2(pair, step)
         return keys
 
     @cute.jit
@@ -509,50 +530,28 @@ class MsaTokenAttention:
                     inside = cutlass.max(valid - 16 * h - 4 * c, 0)
                     if inside < 4:
                         scales = cutlass.Uint32(scales & ((cutlass.Uint32(1) << (8 * inside)) - 1))
-                step = self.scale_pair(scales >> (16 * pair), False)
+                step = self.scale_pair(scales >> (16 * pair))
                 for j in cutlass.range_constexpr(0, O_TILES, 4):
                     selector = 0x5410 if j % 8 == 0 else 0x7632
                     both = cutlass.Uint32(cute.arch.prmt(first[j // 8], second[j // 8], selector))
                     for k in cutlass.range_constexpr(4):
-                        out[2 * (j + k) + pair] = mul_f16x2(e2m1_nibble_pair(both, k, False), step)
+                        out[2 * (j + k) + pair] = mul_f16x2(e2m1_nibble_pair(both, k), step)
         return values
 
     @cute.jit
-    def e4m3_pair(self, word, high: cutlass.Constexpr):
-        if cutlass.const_expr(self.bf16):
-            return e4m3_pair_as_bf16x2(word, high)
-        return e4m3_pair_as_f16x2(word, high)
-
-    @cute.jit
-    def scale_pair(self, bytes2, bf16: cutlass.Constexpr):
-        """Two e4m3 scales (bytes 0, 1 of a word) as the two 16-bit multipliers of decoded
-        E2M1 values (e2m1_nibble_pair's value / 2^14 or / 2^126) giving value x scale /
-        2^7: scale x 2^7 in fp16, scale x 2^119 in bf16 (448 x 2^119 < bf16's largest)."""
+    def scale_pair(self, bytes2):
+        """Two e4m3 scales (bytes 0, 1 of a word) as the two fp16 multipliers of decoded E2M1
+        values (e2m1_nibble_pair's value / 2^14) giving value x scale / 2^7: scale x 2^7
+        (448 x 2^7 < 65504)."""
+        factor = cute.make_rmem_tensor((2,), cutlass.Float16)
+        factor.fill(E2M1_FP16_FACTOR / NVFP4_FACTOR)
         halves = e4m3_pair_as_f16x2(bytes2, False)
-        result = cutlass.Int32(0)
-        if cutlass.const_expr(bf16):
-            pair = cute.make_rmem_tensor((2,), cutlass.Float16)
-            cute.recast_tensor(pair, cutlass.Int32)[0] = halves
-            wide = pair.load().to(cutlass.Float32) * (E2M1_BF16_FACTOR / NVFP4_FACTOR)
-            narrow = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-            narrow.store(wide.to(cutlass.BFloat16))
-            result = cute.recast_tensor(narrow, cutlass.Int32)[0]
-        else:
-            factor = cute.make_rmem_tensor((2,), cutlass.Float16)
-            factor.fill(E2M1_FP16_FACTOR / NVFP4_FACTOR)
-            result = mul_f16x2(halves, cute.recast_tensor(factor, cutlass.Int32)[0])
-        return result
+        return mul_f16x2(halves, cute.recast_tensor(factor, cutlass.Int32)[0])
 
     @cute.jit
     def broadcast(self, pair, high: cutlass.Constexpr):
         """The low (high) 16-bit half of a word in both halves."""
         return cutlass.Int32(cute.arch.prmt(pair, 0, 0x3232 if high else 0x1010))
-
-    @cute.jit
-    def mul_pair(self, a, b):
-        if cutlass.const_expr(self.bf16):
-            return mul_bf16x2(a, b)
-        return mul_f16x2(a, b)
 
     @cute.jit
     def merge_and_store(
@@ -671,6 +670,14 @@ def row_view(acc, tiles: int):
     """An accumulator of `tiles` m16n8 tiles (4 values each at 4t) as (2 rows, (2, tiles))
     columns: the (rows, columns) view softmax_update takes."""
     return cute.make_tensor(acc.iterator, cute.make_layout((2, (2, tiles)), stride=(2, (1, 4))))
+
+
+@cute.jit
+def power_of_two(exponent):
+    """2^exponent in fp32 for an integer exponent in [-126, 127], from its bits."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+    bits[0] = (exponent + 127) << 23
+    return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
 def smem_ptr(dtype, address):
