@@ -48,6 +48,7 @@ from generator.families.msa_sparse_attention import (
 )
 from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.nvfp4 import decode_chunks
 from generator.kernels.common.softmax import (
     LN_2,
@@ -168,16 +169,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         seqlen_q = args.mCuQ[seq + 1] - q_start
         first_token = q_start + chunk * tokens_per_cta
         tokens = cutlass.min(tokens_per_cta, seqlen_q - chunk * tokens_per_cta)
-        seqlen_k = cutlass.Int32(0)
-        key_start = cutlass.Int32(0)  # flat: the sequence's first row of the one "page"
-        blocks = cutlass.Int32(0)
-        if args.paged != 0:
-            seqlen_k = args.mSeqUsedK[seq]
-            blocks = cutlass.min(cute.ceil_div(seqlen_k, BLOCK_KEYS), args.mPageTable.shape[1])
-        else:
-            key_start = args.mCuK[seq]
-            seqlen_k = args.mCuK[seq + 1] - key_start
-            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+        seqlen_k, key_start, blocks = sequence_keys(args, seq)
         blocks = cutlass.min(blocks, MAX_BLOCKS)
         first_pos = seqlen_k - seqlen_q + chunk * tokens_per_cta  # position of token 0
         if args.has_q_offset != 0:

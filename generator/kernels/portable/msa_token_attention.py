@@ -35,6 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, MAX_TOPK
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_nibble_pair
 from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 from generator.kernels.common.softmax import (
@@ -135,16 +136,7 @@ class MsaTokenAttention:
         c = lane % 4
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         seq = sequence_of(args.mCuQ, token, lane)
-        seqlen_k = cutlass.Int32(0)
-        key_start = cutlass.Int32(0)  # flat: the sequence's first row of the one "page"
-        blocks = cutlass.Int32(0)
-        if args.paged != 0:
-            seqlen_k = args.mSeqUsedK[seq]
-            blocks = cutlass.min(cute.ceil_div(seqlen_k, BLOCK_KEYS), args.mPageTable.shape[1])
-        else:
-            key_start = args.mCuK[seq]
-            seqlen_k = args.mCuK[seq + 1] - key_start
-            blocks = cute.ceil_div(seqlen_k, BLOCK_KEYS)
+        seqlen_k, key_start, blocks = sequence_keys(args, seq)
         q_start = args.mCuQ[seq]
         position = seqlen_k - (args.mCuQ[seq + 1] - q_start) + token - q_start
         if args.has_q_offset != 0:
