@@ -35,6 +35,12 @@ MAX_BLOCKS = 16384  # per sequence: 2M keys
 MAX_SPLITS = 16  # CTAs a tile's keys may be split across (the runtime picks, for small grids)
 NVFP4_GROUP = 16  # values per e4m3 scale
 Q_DTYPES = ("bf16", "fp16")
+# family -> the kernels' name of its K/V format
+KV_FORMAT = {
+    "msa_sparse_attention": "16bit",
+    "msa_sparse_attention_fp8kv": "e4m3",
+    "msa_sparse_attention_nvfp4": "nvfp4",
+}
 KV_FORMATS = {  # family -> (K/V element type, bytes of a 128-value row)
     "msa_sparse_attention": ("input", 256),
     "msa_sparse_attention_fp8kv": ("e4m3", 128),

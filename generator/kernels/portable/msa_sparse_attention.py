@@ -41,6 +41,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.msa_sparse_attention import (
     BLOCK_KEYS,
     HEAD_DIM,
+    KV_FORMAT,
     MAX_BLOCKS,
     MAX_TOPK,
     NVFP4_GROUP,
@@ -655,9 +656,5 @@ def chunk8(fragment, m, k):
 
 
 def make_kernel(variant):
-    kv_format = {
-        "msa_sparse_attention": "16bit",
-        "msa_sparse_attention_fp8kv": "e4m3",
-        "msa_sparse_attention_nvfp4": "nvfp4",
-    }[variant.family.name]
+    kv_format = KV_FORMAT[variant.family.name]
     return MsaSparseAttention(element_type(variant.params["dtype"]), kv_format)

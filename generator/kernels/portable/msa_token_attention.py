@@ -33,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, MAX_TOPK
+from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, KV_FORMAT, MAX_TOPK
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_nibble_pair
@@ -723,11 +723,7 @@ CTAS_PER_SM = {"16bit": 1, "e4m3": 1, "nvfp4": 3}
 
 
 def make_kernel(variant):
-    kv_format = {
-        "msa_sparse_attention": "16bit",
-        "msa_sparse_attention_fp8kv": "e4m3",
-        "msa_sparse_attention_nvfp4": "nvfp4",
-    }[variant.family.name]
+    kv_format = KV_FORMAT[variant.family.name]
     stages = (STAGES_SM120 if variant.arch == "sm_120a" else STAGES)[kv_format]
     return MsaTokenAttention(
         element_type(variant.params["dtype"]), kv_format, stages, CTAS_PER_SM[kv_format]
