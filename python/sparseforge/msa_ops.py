@@ -676,8 +676,8 @@ def _prefill_tile(kv_format: str, group: int):
     G = 16, else the union tile (None). MP1 on the H200 (bench/results/
     2026-12-03_932c88c_h200_msa_token_decode.md): with per-token (random) selections the
     one-token kernel takes 12.5 / 13.8 ms against the union's 32.4 / 45.3 (FP8 / NVFP4),
-    with chunk-shared ones 12.5 / 13.8 ms against 11.6 / 15.8; with bf16 K/V 21.3 ms against
-    28.7 (random) but 21.1 against 10.2 (chunk-shared), so bf16 / fp16 keep the union."""
+    with chunk-shared ones 12.5 / 13.8 ms against 11.6 / 15.8; with bf16 K/V 15.1 ms against
+    28.6 (random) but 14.4 against 10.2 (chunk-shared), so bf16 / fp16 keep the union."""
     if kv_format in ("e4m3", "nvfp4") and group == 16:
         return "token"
     return None

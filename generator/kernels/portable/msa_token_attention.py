@@ -4,7 +4,8 @@ A CTA (4 warps) owns one token's G <= 16 query heads of one kv head: 16 rows, on
 (heads from G on are zero rows, never stored). Each of the token's usable blocks is split
 alike over the warps: warp w scores keys 32w .. 32w + 31 of it (a step) and keeps its own
 online softmax over its steps, with its own ring of STAGES shared-memory stages that
-cp.async fills STAGES - 1 steps ahead and that only the warp synchronises on. The warps meet
+cp.async fills STAGES - 1 steps ahead and that only the warp synchronises on (one stage for
+16-bit K/V: a step is loaded, then used; the other warps of the SM overlap it). The warps meet
 once, at the end, to merge their rows by their lse. Unlike the union tile (a CTA of 64 // G
 tokens walking the union of their blocks, every row masked to its own), nothing is loaded
 or multiplied for a block a row does not see, so per-token selections cost their own
@@ -713,18 +714,19 @@ def load_u32(address):
 
 
 # Stages a warp's ring holds, by K/V format: shared memory per CTA 4 x stages x stage_bytes
-# (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB); SM120 allows 99 KB a CTA. CTAs an SM:
-# NVFP4's registers are capped for 3 (168, no spills; else 195 and 2 CTAs): the kernel's
-# decoding keeps the issue slots busy, and a third CTA's warps fill their stalls. 16-bit
-# and e4m3 are held to 1 and 2 CTAs by their stages.
-STAGES = {"16bit": 3, "e4m3": 3, "nvfp4": 3}
-STAGES_SM120 = {"16bit": 1, "e4m3": 3, "nvfp4": 3}
+# (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB; SM120 allows 99 KB a CTA). 16-bit: one
+# stage, so that two CTAs fit an SM (their registers allow two): more warps in flight beat
+# a warp's own prefetch (MP1 forced onto this kernel 15.1 ms against 21.7 with three
+# stages and one CTA, MD1 272-300 us against 308-352 in the same rounds). CTAs an SM: NVFP4's
+# registers are capped for 3 (168, no spills; else 195 and 2 CTAs): the kernel's decoding
+# keeps the issue slots busy, and a third CTA's warps fill their stalls; e4m3 is held to
+# 2 CTAs by its stages.
+STAGES = {"16bit": 1, "e4m3": 3, "nvfp4": 3}
 CTAS_PER_SM = {"16bit": 1, "e4m3": 1, "nvfp4": 3}
 
 
 def make_kernel(variant):
     kv_format = KV_FORMAT[variant.family.name]
-    stages = (STAGES_SM120 if variant.arch == "sm_120a" else STAGES)[kv_format]
     return MsaTokenAttention(
-        element_type(variant.params["dtype"]), kv_format, stages, CTAS_PER_SM[kv_format]
+        element_type(variant.params["dtype"]), kv_format, STAGES[kv_format], CTAS_PER_SM[kv_format]
     )
