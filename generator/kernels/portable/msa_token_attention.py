@@ -643,7 +643,7 @@ def sequence_of(mCuQ, token, lane):
     round; no per-sequence loop)."""
     lo = cutlass.Int32(0)
     hi = mCuQ.shape[0] - 1
-    for _ in cutlass.range(4, unroll=1):  # 32^4 sequences
+    for _ in cutlass.range(4, unroll=1):  # with the last round: up to 32^5 sequences
         if hi - lo >= 32:
             stride = cute.ceil_div(hi - lo, 32)
             b = lo + (lane + 1) * stride - 1
