@@ -506,10 +506,9 @@ def _nvfp4_route_stats(kind: str) -> dict:
         "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
         "kernel": (
             "G = 16: msa_sparse_decode_attention's one-token kernel; other G: portable "
-            "mma.sync union tile, raw "
-            "NVFP4 tiles copied a tile ahead by cp.async and decoded into shared memory, "
-            "launches with fewer tiles than SMs splitting each tile's keys across CTAs, fp32 "
-            "partials merged by their lse (a second launch)"
+            "mma.sync union tile, raw NVFP4 tiles copied a tile ahead by cp.async and decoded "
+            "into shared memory, launches with fewer tiles than SMs splitting each tile's keys "
+            "across CTAs, fp32 partials merged by their lse (a second launch)"
             if kind == "prefill"
             else "portable mma.sync, one token's heads a CTA, each warp a quarter of every "
             "block: raw NVFP4 rows copied stages ahead by cp.async into each warp's ring and "

@@ -93,8 +93,7 @@ class MsaTokenAttention:
         # overflow the fp32 sums, so P needs no offset; bf16 q is scaled by a power of two
         # into fp16's range, query_operand), in q's dtype for 16-bit K/V.
         self.mma_dtype = dtype if kv_format == "16bit" else cutlass.Float16
-        self.pv_dtype = self.mma_dtype
-        self.p_offset = probability_offset(self.pv_dtype)
+        self.p_offset = probability_offset(self.mma_dtype)
         self.ring_bytes = WARPS * stages * self.stage_bytes
         # The merge reuses the rings: every warp's rows in fp32.
         assert WARPS * ROWS * O_PITCH * 4 <= self.ring_bytes
@@ -113,10 +112,7 @@ class MsaTokenAttention:
     @cute.jit
     def launch(self, args, stream):
         SharedStorage = self.shared_storage()
-        atoms = tuple(
-            cute.make_mma_atom(warp.MmaF16BF16Op(t, cutlass.Float32, (16, 8, 16)))
-            for t in (self.mma_dtype, self.pv_dtype)
-        )
+        atom = cute.make_mma_atom(warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16)))
         config = dict(
             grid=[args.mQ.shape[0], args.mK.shape[1], args.splits],
             block=[WARPS * 32, 1, 1],
@@ -125,10 +121,10 @@ class MsaTokenAttention:
         )
         if cutlass.const_expr(self.ctas_per_sm > 1):
             config.update(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
-        self.kernel(args, atoms, SharedStorage).launch(**config)
+        self.kernel(args, atom, SharedStorage).launch(**config)
 
     @cute.kernel
-    def kernel(self, args, atoms, SharedStorage: cutlass.Constexpr):
+    def kernel(self, args, atom, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         token, kv_head, split = cute.arch.block_idx()
         warp_idx = tidx // 32
@@ -181,7 +177,7 @@ class MsaTokenAttention:
             cute.arch.sync_warp()  # every lane's copies of step m landed
             first_key = sSteps[warp_idx, m, 0] * BLOCK_KEYS + warp_idx * STEP_KEYS
             base = ring + (m % self.stages) * self.stage_bytes
-            acc_S = self.scores(atoms[0], query, base, g, c)
+            acc_S = self.scores(atom, query, base, g, c)
             limit = key_end - first_key
             if limit < STEP_KEYS:
                 for t in cutlass.range_constexpr(S_TILES):
@@ -195,7 +191,7 @@ class MsaTokenAttention:
             softmax_update(
                 row_max, row_sum, scale_log2, acc_S_mn, row_view(acc_O, O_TILES), self.p_offset
             )
-            self.add_pv(atoms[1], acc_S, acc_O, base, seqlen_k - first_key, g, c)
+            self.add_pv(atom, acc_S, acc_O, base, seqlen_k - first_key, g, c)
             cute.arch.sync_warp()  # every lane is done with the stage the next load refills
         cute.arch.cp_async_wait_group(0)
 
@@ -448,7 +444,9 @@ class MsaTokenAttention:
                 for h in cutlass.range_constexpr(2):
                     out[2 * s + h] = e4m3_pair_as_f16x2(words[s], h == 1)
         else:
-            scales = load_u16(base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
+            scales = cutlass.Uint32(
+                load_shared(cutlass.Uint16, base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
+            )
             steps = self.scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
             for s in cutlass.range_constexpr(K_STEPS):
                 w = s // 2
@@ -463,11 +461,11 @@ class MsaTokenAttention:
         """O += P V over the step's two k16 chunks; `valid`: the step's rows inside the
         sequence (NVFP4: the scales of rows past it are zero, their codes are)."""
         for h in cutlass.range_constexpr(P_CHUNKS):
-            p = cute.make_rmem_tensor((8, 1), self.pv_dtype)
+            p = cute.make_rmem_tensor((8, 1), self.mma_dtype)
             p.store(
                 cute.make_tensor(acc_S.iterator + 8 * h, cute.make_layout((8, 1)))
                 .load()
-                .to(self.pv_dtype)
+                .to(self.mma_dtype)
             )
             values = self.value_operand(base, h, valid, g, c)
             for j in cutlass.range_constexpr(O_TILES):
@@ -478,7 +476,7 @@ class MsaTokenAttention:
     @cute.jit
     def value_operand(self, base, h, valid, g, c):
         """Channels 16g .. 16g + 15 of keys 16h + 4c + i (i < 4) of the step's V as the B
-        operands of the 16 output n-tiles: (4 x O_TILES,) in pv_dtype; n-tile j gets
+        operands of the 16 output n-tiles: (4 x O_TILES,) in mma_dtype; n-tile j gets
         channel 16g + j of keys (i = 0, 1) and (2, 3)."""
         lane_bytes = self.row_bytes // 8
         region = base + STEP_KEYS * self.row_bytes
@@ -493,7 +491,7 @@ class MsaTokenAttention:
             else:  # NVFP4: 8 bytes, half of a chunk
                 addresses = [self.byte_at(region, row, g // 2) + 8 * (g % 2)]
             rows.append(load_words(addresses, lane_bytes // 4))
-        values = cute.make_rmem_tensor((4 * O_TILES,), self.pv_dtype)
+        values = cute.make_rmem_tensor((4 * O_TILES,), self.mma_dtype)
         out = cute.recast_tensor(values, cutlass.Int32)  # (2 x O_TILES,): b0 b1 of n-tile j at 2j
         for pair in cutlass.range_constexpr(2):  # keys (0, 1) -> b0, (2, 3) -> b1
             first, second = rows[2 * pair], rows[2 * pair + 1]
@@ -511,12 +509,13 @@ class MsaTokenAttention:
                     out[2 * (j + 1) + pair] = e4m3_pair_as_f16x2(both, True)
             else:
                 scales = cutlass.Uint32(
-                    load_u32(
+                    load_shared(
+                        cutlass.Uint32,
                         base
                         + 2 * STEP_KEYS * self.row_bytes
                         + SCALE_BYTES
                         + (16 * h + 4 * c) * 8
-                        + 4 * g
+                        + 4 * g,
                     )
                 )
                 if valid < STEP_KEYS:
@@ -673,9 +672,9 @@ def power_of_two(exponent):
     return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
-def smem_ptr(dtype, address):
-    """A 16-byte aligned shared-memory pointer of `dtype` at a byte address."""
-    return cute.make_ptr(dtype, address, cute.AddressSpace.smem, assumed_align=16)
+def smem_ptr(dtype, address, align: int = 16):
+    """A shared-memory pointer of `dtype` at a byte address aligned to `align` bytes."""
+    return cute.make_ptr(dtype, address, cute.AddressSpace.smem, assumed_align=align)
 
 
 @cute.jit
@@ -686,9 +685,7 @@ def load_words(addresses, count: cutlass.Constexpr):
     per = 4 if count >= 4 else count
     for i in cutlass.range_constexpr(count // per):
         src = cute.make_tensor(
-            cute.make_ptr(
-                cutlass.Int32, addresses[i], cute.AddressSpace.smem, assumed_align=4 * per
-            ),
+            smem_ptr(cutlass.Int32, addresses[i], 4 * per),
             cute.make_layout(per),
         )
         cute.make_tensor(words.iterator + per * i, cute.make_layout(per)).store(src.load())
@@ -696,20 +693,9 @@ def load_words(addresses, count: cutlass.Constexpr):
 
 
 @cute.jit
-def load_u16(address):
-    src = cute.make_tensor(
-        cute.make_ptr(cutlass.Uint16, address, cute.AddressSpace.smem, assumed_align=2),
-        cute.make_layout(1),
-    )
-    return cutlass.Uint32(src[0])
-
-
-@cute.jit
-def load_u32(address):
-    src = cute.make_tensor(
-        cute.make_ptr(cutlass.Uint32, address, cute.AddressSpace.smem, assumed_align=4),
-        cute.make_layout(1),
-    )
+def load_shared(dtype: cutlass.Constexpr, address):
+    """One value of `dtype` (aligned to its size) from a shared-memory byte address."""
+    src = cute.make_tensor(smem_ptr(dtype, address, dtype.width // 8), cute.make_layout(1))
     return src[0]
 
 
