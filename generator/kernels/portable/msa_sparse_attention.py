@@ -47,9 +47,16 @@ from generator.families.msa_sparse_attention import (
     NVFP4_GROUP,
     TILE_ROWS,
 )
-from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
+from generator.kernels.common.msa_union import (
+    NEG_INF,
+    block_union,
+    first_key_of,
+    mask_to_own_blocks,
+    row_limits,
+    token_tile_of_cta,
+)
 from generator.kernels.common.nvfp4 import decode_chunks
 from generator.kernels.common.softmax import (
     LN_2,
@@ -72,7 +79,6 @@ assert TILE_ROWS == TILE_M
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles per block
 WORDS = MAX_BLOCKS // 32
 UNION_CAPACITY = TILE_ROWS * MAX_TOPK  # tokens of a CTA (<= 64) x topk
-NEG_INF = -cutlass.Float32.inf
 # FP8 / NVFP4: elements of one 16-byte shared-memory chunk (8 values of q's dtype) as stored:
 RAW_ELEMENTS = {"e4m3": 8, "nvfp4": 4}  # nvfp4: 4 bytes of two codes each
 
@@ -143,16 +149,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         cta, kv_head, split = cute.arch.block_idx()
         group = args.group
         tokens_per_cta = TILE_ROWS // group
-        # This CTA's sequence and token tile: the tiles of the sequences in order.
-        seq = cutlass.Int32(-1)
-        chunk = cutlass.Int32(0)
-        tiles_before = cutlass.Int32(0)
-        for b in cutlass.range(args.mCuQ.shape[0] - 1, unroll=1):
-            tiles = cute.ceil_div(args.mCuQ[b + 1] - args.mCuQ[b], tokens_per_cta)
-            if (seq < 0) & (cta < tiles_before + tiles):
-                seq = b
-                chunk = cta - tiles_before
-            tiles_before = tiles_before + tiles
+        seq, chunk = token_tile_of_cta(args.mCuQ, cta, tokens_per_cta)
         if seq >= 0:
             self.attend_tile(
                 args, sQ_layout, sKV_layout, rows_copy, tiled_mma, SharedStorage, tidx,
@@ -184,9 +181,11 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         sBits = storage.sBits.get_tensor(cute.make_layout(WORDS))
         sIds = storage.sIds.get_tensor(cute.make_layout(UNION_CAPACITY))
         sMask = storage.sMask.get_tensor(cute.make_layout(2 * UNION_CAPACITY))
-        num_union = self.block_union(
-            args, storage, sBits, sIds, sMask, tidx, seq, kv_head, first_token, tokens, blocks
-        )
+        num_union = block_union(
+            args, sBits, storage.sBase.get_tensor(cute.make_layout(WORDS)),
+            storage.sWarpSums.get_tensor(cute.make_layout(4)), sIds, sMask, tidx, seq, kv_head,
+            first_token, tokens, blocks, NUM_THREADS,
+        )  # fmt: skip
 
         # Rows of this thread's 16-byte chunks of a (64, 128) tile: Q / O rows, K / V keys.
         thr_rows = rows_copy.get_slice(tidx)
@@ -218,16 +217,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         v_operand = self.operand_b(tiled_mma, tidx, cute.make_copy_atom(ldsm_t, self.dtype), sVt)
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
-        # Per row of this thread: its token, and the keys it may see end before `key_end`.
-        row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)
-        key_end = cute.make_rmem_tensor((rows,), cutlass.Int32)
-        for r in cutlass.range_constexpr(rows):
-            row_token[r] = tScS_mn[r, 0][0] // group
-            key_end[r] = seqlen_k
-            if args.causal != 0:
-                key_end[r] = cutlass.min(seqlen_k, first_pos + row_token[r] + 1)
-            if row_token[r] >= tokens:
-                key_end[r] = 0
+        row_token, key_end = row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos)
 
         row_max, row_sum = new_softmax_state(rows)
         t_max, t_sum = new_softmax_state(rows)  # the temperature lse's
@@ -315,7 +305,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                             args, raw_tiles[0], raw_scales[0], tidx, fetch_args, u + 1
                         )
                 cute.arch.cp_async_commit_group()
-                first_key = sIds[u // HALVES] * BLOCK_KEYS + (u % HALVES) * TILE_N
+                first_key = first_key_of(sIds, u, TILE_N)
                 valid_rows = seqlen_k - first_key
                 for x in cutlass.range_constexpr(2):
                     if i % 2 == 0:
@@ -370,18 +360,9 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         online softmax (and the temperature lse's sums); O += P V."""
         sIds, sMask, row_token, key_end, tScS_mn = masks
         row_max, row_sum, t_max, t_sum, with_temperature = state
-        j = u // HALVES
-        first_key = sIds[j] * BLOCK_KEYS + (u % HALVES) * TILE_N
         acc_S_mn = acc_mn_view(acc_S)
-        for r in cutlass.range_constexpr(cute.size(row_token)):
-            token = row_token[r]
-            selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
-            limit = key_end[r] - first_key
-            if selected == 0:
-                limit = 0
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if tScS_mn[r, c][1] >= limit:
-                    acc_S_mn[r, c] = NEG_INF
+        first_key = first_key_of(sIds, u, TILE_N)
+        mask_to_own_blocks(acc_S_mn, tScS_mn, sMask, u // HALVES, first_key, row_token, key_end)
         if with_temperature:
             temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
         softmax_update(
@@ -423,51 +404,6 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                         cute.copy(async_copy, cute.local_tile(src, (8,), (col // 8,)), dst)
                     else:
                         dst.fill(0)
-
-    @cute.jit
-    def block_union(
-        self, args, storage, sBits, sIds, sMask, tidx, seq, kv_head, first_token, tokens, blocks
-    ):
-        """The union of the tile's tokens' usable blocks: its ascending ids into sIds and each
-        block's token mask into sMask; returns its size."""
-        sBase = storage.sBase.get_tensor(cute.make_layout(WORDS))
-        sWarpSums = storage.sWarpSums.get_tensor(cute.make_layout(4))
-        topk = args.mIdx.shape[2]
-        words = cute.ceil_div(blocks, 32)
-        for w in cutlass.range(tidx, words, NUM_THREADS, unroll=1):
-            sBits[w] = 0
-        for w in cutlass.range(tidx, 2 * tokens * topk, NUM_THREADS, unroll=1):
-            sMask[w] = 0
-        cute.arch.sync_threads()
-        for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
-            block = args.mIdx[kv_head, first_token + e // topk, e % topk]
-            if self.usable(args, seq, block, blocks):
-                add_member(sBits, block)
-        cute.arch.sync_threads()
-        num_union = popcount_scan(sBits, sBase, sWarpSums, words, tidx, NUM_THREADS)
-        for e in cutlass.range(tidx, tokens * topk, NUM_THREADS, unroll=1):
-            token = e // topk
-            block = args.mIdx[kv_head, first_token + token, e % topk]
-            if self.usable(args, seq, block, blocks):
-                place = rank(sBits, sBase, block)
-                sIds[place] = block
-                bit = cutlass.Int32(1) << (token % 32)
-                cute.arch.atomic_or(sMask.iterator + 2 * place + token // 32, bit)
-        cute.arch.sync_threads()
-        return num_union
-
-    @cute.jit
-    def usable(self, args, seq, block, blocks):
-        """Whether a listed block is attended: an id of the sequence's blocks whose page id,
-        when paged, lies inside the cache. A -1, an id past the sequence or a page id outside
-        the cache is skipped (raising would need a host synchronisation; reading it would
-        leave the cache)."""
-        ok = (block >= 0) & (block < blocks)
-        if args.paged != 0:
-            if ok:
-                page = args.mPageTable[seq, block]
-                ok = (page >= 0) & (page < args.mK.shape[0])
-        return ok
 
     @cute.jit
     def copy_raw_async(self, args, tiles, scale_tiles, tidx, fetch_args, u):

@@ -1,0 +1,116 @@
+"""The union tile of the MSA attention kernels (msa_sparse_attention's ABI): a CTA owns
+consecutive tokens of one sequence times the G query heads of one kv head (row r is token
+r // G, head r % G) and streams the union of its tokens' blocks once, each row masked to
+its own token's blocks. The portable (mma.sync) and sm_90a (wgmma) templates share these.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from generator.families.msa_sparse_attention import BLOCK_KEYS
+from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
+
+NEG_INF = -cutlass.Float32.inf
+
+
+@cute.jit
+def token_tile_of_cta(mCuQ, cta, tokens_per_cta):
+    """(sequence, token tile in it) of CTA `cta`: the tiles of the sequences in order
+    (sequence -1 past the last tile; the grid bounds the tiles by total_q / T + B)."""
+    seq = cutlass.Int32(-1)
+    chunk = cutlass.Int32(0)
+    tiles_before = cutlass.Int32(0)
+    for b in cutlass.range(mCuQ.shape[0] - 1, unroll=1):
+        tiles = cute.ceil_div(mCuQ[b + 1] - mCuQ[b], tokens_per_cta)
+        if (seq < 0) & (cta < tiles_before + tiles):
+            seq = b
+            chunk = cta - tiles_before
+        tiles_before = tiles_before + tiles
+    return seq, chunk
+
+
+@cute.jit
+def usable(args, seq, block, blocks):
+    """Whether a listed block is attended: an id of the sequence's blocks whose page id,
+    when paged, lies inside the cache. A -1, an id past the sequence or a page id outside
+    the cache is skipped (raising would need a host synchronisation; reading it would
+    leave the cache)."""
+    ok = (block >= 0) & (block < blocks)
+    if args.paged != 0:
+        if ok:
+            page = args.mPageTable[seq, block]
+            ok = (page >= 0) & (page < args.mK.shape[0])
+    return ok
+
+
+@cute.jit
+def block_union(
+    args, sBits, sBase, sWarpSums, sIds, sMask, tidx, seq, kv_head, first_token, tokens,
+    blocks, num_threads: cutlass.Constexpr,
+):  # fmt: skip
+    """The union of the tile's tokens' usable blocks: its ascending ids into sIds and each
+    block's token mask into sMask (two words a block: bit t of word t // 32 = token t
+    selected it); returns its size. sBits / sBase: a word per 32 of the sequence's blocks;
+    sWarpSums: a word per warp."""
+    topk = args.mIdx.shape[2]
+    words = cute.ceil_div(blocks, 32)
+    for w in cutlass.range(tidx, words, num_threads, unroll=1):
+        sBits[w] = 0
+    for w in cutlass.range(tidx, 2 * tokens * topk, num_threads, unroll=1):
+        sMask[w] = 0
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, tokens * topk, num_threads, unroll=1):
+        block = args.mIdx[kv_head, first_token + e // topk, e % topk]
+        if usable(args, seq, block, blocks):
+            add_member(sBits, block)
+    cute.arch.sync_threads()
+    num_union = popcount_scan(sBits, sBase, sWarpSums, words, tidx, num_threads)
+    for e in cutlass.range(tidx, tokens * topk, num_threads, unroll=1):
+        token = e // topk
+        block = args.mIdx[kv_head, first_token + token, e % topk]
+        if usable(args, seq, block, blocks):
+            place = rank(sBits, sBase, block)
+            sIds[place] = block
+            bit = cutlass.Int32(1) << (token % 32)
+            cute.arch.atomic_or(sMask.iterator + 2 * place + token // 32, bit)
+    cute.arch.sync_threads()
+    return num_union
+
+
+@cute.jit
+def row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos):
+    """Per row of this thread (tScS_mn: the accumulator's coordinates as (rows, columns)):
+    its token, and the end of the keys it may see (the sequence's, or with causal its own
+    position + 1; 0 for rows past the tile's tokens)."""
+    rows = cute.size(tScS_mn, mode=[0])
+    row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)
+    key_end = cute.make_rmem_tensor((rows,), cutlass.Int32)
+    for r in cutlass.range_constexpr(rows):
+        row_token[r] = tScS_mn[r, 0][0] // group
+        key_end[r] = seqlen_k
+        if args.causal != 0:
+            key_end[r] = cutlass.min(seqlen_k, first_pos + row_token[r] + 1)
+        if row_token[r] >= tokens:
+            key_end[r] = 0
+    return row_token, key_end
+
+
+@cute.jit
+def mask_to_own_blocks(acc_S_mn, tScS_mn, sMask, j, first_key, row_token, key_end):
+    """Scores of union block j's keys from first_key (a tile of acc_S_mn's columns): -inf
+    where the row's token did not select the block, and from the row's key_end on."""
+    for r in cutlass.range_constexpr(cute.size(row_token)):
+        token = row_token[r]
+        selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
+        limit = key_end[r] - first_key
+        if selected == 0:
+            limit = 0
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            if tScS_mn[r, c][1] >= limit:
+                acc_S_mn[r, c] = NEG_INF
+
+
+def first_key_of(sIds, u, tile_keys: int):
+    """The first key (in the sequence) of the union's tile u of `tile_keys` keys."""
+    halves = BLOCK_KEYS // tile_keys
+    return sIds[u // halves] * BLOCK_KEYS + (u % halves) * tile_keys
