@@ -54,18 +54,29 @@ FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 
 def use_tile(monkeypatch, tile):
-    """Run msa_sparse_attention on the given kernel: None, the union tile (prefill's), or
-    "token", the one-token kernel (decode's)."""
+    """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
+    its sm_90a form (G = 16, K/V in q's dtype), or "token", the one-token kernel (decode's)."""
     attention = msa_ops._attention
     monkeypatch.setattr(
         msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": tile})
     )
 
 
-@pytest.mark.parametrize("kv_format, paged", FORMATS)
-@pytest.mark.parametrize("hq, hkv", [(4, 4), (16, 4), (16, 1)])
+# (K/V format, paged, Hq, Hkv, kernel): the portable union tile and the one-token kernel on
+# every case, the wgmma union tile (sm_90a) on those it takes (K/V in q's dtype, G = 16).
+CASES = [
+    (fmt, paged, hq, hkv, tile)
+    for fmt, paged in FORMATS
+    for hq, hkv in [(4, 4), (16, 4), (16, 1)]
+    for tile in (None, "token")
+]
+CASES += [
+    (fmt, paged, hq, hkv, "wgmma") for fmt, paged in FORMATS[:4] for hq, hkv in [(16, 1), (32, 2)]
+]
+
+
+@pytest.mark.parametrize("kv_format, paged, hq, hkv, tile", CASES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tile", [None, "token"])
 def test_matches_the_reference(kv_format, paged, hq, hkv, causal, tile, monkeypatch):
     use_tile(monkeypatch, tile)
     seq_q, seq_k = [70, 1, 33], [700, 128, 200]
@@ -108,14 +119,17 @@ def rows_outside_the_sequences(table, used, pages):
     return ~inside
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
-@pytest.mark.parametrize("tile", [None, "token"])
+@pytest.mark.parametrize(
+    "kv_format, tile",
+    [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token")] + [("bf16", "wgmma")],
+)
 def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
     """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3
     scales, V's through the 4x4 swizzle): the output equals the reference's on the clean
     cache, with nothing NaN."""
     use_tile(monkeypatch, tile)
-    kernel, ref = msa_attention_inputs(kv_format, True, [5, 1, 3], [300, 129, 70], 16, 4, 16, 12)
+    hkv = 1 if tile == "wgmma" else 4
+    kernel, ref = msa_attention_inputs(kv_format, True, [5, 1, 3], [300, 129, 70], 16, hkv, 16, 12)
     want, _, _ = run_reference(ref, True)
     outside = rows_outside_the_sequences(
         kernel["page_table"], kernel["seqused_k"], kernel["k"].shape[0]
@@ -176,12 +190,13 @@ def test_errors_against_the_unquantized_values_are_reported():
         assert rel_l2(got, plain) < 0.2
 
 
-@pytest.mark.parametrize("tile", [None, "token"])
+@pytest.mark.parametrize("tile", [None, "token", "wgmma"])
 def test_explicit_q_offset_and_topk_range(tile, monkeypatch):
     use_tile(monkeypatch, tile)
+    hkv = 1 if tile == "wgmma" else 4
     for topk, offsets in ((1, [700, 5, 190]), (32, [100, 0, 170]), (17, [640, 127, 0])):
         kernel, ref = msa_attention_inputs(
-            "bf16", True, [70, 1, 33], [700, 128, 200], 16, 4, topk, topk
+            "bf16", True, [70, 1, 33], [700, 128, 200], 16, hkv, topk, topk
         )
         q_offset = torch.tensor(offsets, dtype=torch.int32, device=DEV)
         got = msa_ops.msa_sparse_attention(**kernel, causal=True, q_offset=q_offset)

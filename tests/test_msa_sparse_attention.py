@@ -237,3 +237,21 @@ def test_prefill_picks_the_one_token_kernel_for_quantized_kv_at_group_16():
     assert msa_ops._prefill_tile("nvfp4", 16) == "token"
     for kv_format, group in (("16bit", 16), ("e4m3", 8), ("nvfp4", 4), ("16bit", 1)):
         assert msa_ops._prefill_tile(kv_format, group) is None
+
+
+def test_a_forced_variant_picks_its_tile(monkeypatch):
+    """SPARSEFORGE_VARIANT=<an MSA attention variant> makes prefill run that variant's tile
+    (the wgmma union tile is reached only so until it has run on a GPU); a variant of
+    another family leaves prefill's choice alone."""
+    from sparseforge.families import msa_sparse_attention as family
+
+    monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
+    assert family.forced_tile("16bit") == "auto"
+    for name, tile in (
+        ("msa_sparse_attention__wgmma__bf16_d128__sm_90a", "wgmma"),
+        ("msa_sparse_attention__warp_mma__bf16_d128__sm_90a", None),
+        ("msa_sparse_attention__warp_mma_token__fp16_d128__sm_100a", "token"),
+    ):
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
+        assert family.forced_tile("16bit") == tile
+        assert family.forced_tile("e4m3") == "auto"

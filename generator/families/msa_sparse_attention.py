@@ -30,6 +30,7 @@ HEAD_DIM = 128
 TILE_ROWS = 64  # rows of a CTA: (tokens of one sequence) x (query heads of one kv head)
 MAX_TOPK = 32
 MAX_GROUP = 16  # query heads per kv head
+WGMMA_GROUP = 16  # the sm_90a template's G (4 tokens x 16 heads a CTA)
 # A CTA keeps the union of its tokens' blocks as a bitmap over the sequence's blocks.
 MAX_BLOCKS = 16384  # per sequence: 2M keys
 MAX_SPLITS = 16  # CTAs a tile's keys may be split across (the runtime picks, for small grids)
@@ -114,6 +115,18 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
 
 def _family(name: str, doc: str) -> Family:
     kv_dtype, _ = KV_FORMATS[name]
+    wgmma = ()
+    if KV_FORMAT[name] == "16bit":
+        wgmma = (
+            # The union tile on sm_90a for G = 16 (4 tokens a CTA), K/V in q's dtype: wgmma,
+            # K and V tiles TMA-gathered by page. Chosen by tile="wgmma".
+            Template(
+                "wgmma",
+                "generator.kernels.sm90.msa_sparse_attention",
+                archs=("sm_90a",),
+                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma") for t in Q_DTYPES),
+            ),
+        )
     return Family(
         name=name,
         doc=doc,
@@ -125,13 +138,13 @@ def _family(name: str, doc: str) -> Family:
             "tile_rows": TILE_ROWS,
             "max_topk": MAX_TOPK,
             "max_group": MAX_GROUP,
+            "wgmma_group": WGMMA_GROUP,
             "max_blocks": MAX_BLOCKS,
             "max_splits": MAX_SPLITS,
         },
         templates=(
             # The union tile (64 // G tokens a CTA): mma.sync on every arch, K/V dequantized
-            # into shared memory in q's dtype; the sm_90a wgmma / TMA-gather template is to
-            # come.
+            # into shared memory in q's dtype.
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_sparse_attention",
@@ -139,6 +152,7 @@ def _family(name: str, doc: str) -> Family:
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
                 portable=True,
             ),
+            *wgmma,
             # One token a CTA, each warp a quarter of every block (decode): mma.sync on every
             # arch, K/V read from shared memory straight into MMA operands. Chosen by
             # tile="token".

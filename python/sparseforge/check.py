@@ -365,8 +365,9 @@ def msa_attention_inputs(kv_format, paged, seq_q, seq_k, hq, hkv, topk=8, seed=0
 
 
 def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
-    """The union tile through msa_sparse_attention; the one-token kernel (tile "token")
-    through its route, msa_sparse_decode_attention (two tokens a request)."""
+    """The union tiles (portable, and wgmma at G = 16) through msa_sparse_attention with the
+    variant forced; the one-token kernel (tile "token") through its route,
+    msa_sparse_decode_attention (two tokens a request)."""
     from sparseforge.msa_ops import msa_sparse_attention, msa_sparse_decode_attention
 
     kv_format = {
@@ -378,7 +379,8 @@ def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
     seq_q, seq_k = ([5, 1], [200, 3]) if small else ([70, 1, 33], [700, 128, 200])
     if decode:
         seq_q = [2] * len(seq_k)
-    kernel, ref = msa_attention_inputs(kv_format, True, seq_q, seq_k, 16, 4, seed=seed)
+    hkv = 1 if v["params"].get("tile") == "wgmma" else 4  # the wgmma tile takes G = 16
+    kernel, ref = msa_attention_inputs(kv_format, True, seq_q, seq_k, 16, hkv, seed=seed)
     if kv_format in ("e4m3", "nvfp4") and v["params"]["dtype"] == "fp16":
         kernel["q"] = kernel["q"].half()
     out = torch.full_like(kernel["q"], float("nan"))
@@ -388,8 +390,12 @@ def check_msa_attention(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]
         got, lse = msa_sparse_decode_attention(
             q, k, v_, q2k, seqlen_q=2, return_softmax_lse=True, out=out, **kernel
         )
-    else:
-        got, lse = msa_sparse_attention(**kernel, causal=True, return_softmax_lse=True, out=out)
+    else:  # prefill runs the variant SPARSEFORGE_VARIANT names (a union tile)
+        os.environ["SPARSEFORGE_VARIANT"] = v["name"]
+        try:
+            got, lse = msa_sparse_attention(**kernel, causal=True, return_softmax_lse=True, out=out)
+        finally:
+            os.environ.pop("SPARSEFORGE_VARIANT")
     ref.pop("unquantized", None)
     want, want_lse, _ = reference.msa_sparse_attention(
         ref.pop("q"), ref.pop("k"), ref.pop("v"), ref.pop("q2k_indices"), ref.pop("cu_seqlens_q"),

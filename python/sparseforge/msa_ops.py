@@ -676,7 +676,9 @@ def _prefill_tile(kv_format: str, group: int):
     2026-12-03_932c88c_h200_msa_token_decode.md): with per-token (random) selections the
     one-token kernel takes 12.5 / 13.8 ms against the union's 32.4 / 45.3 (FP8 / NVFP4),
     with chunk-shared ones 12.5 / 13.8 ms against 11.6 / 15.8; with bf16 K/V 15.1 ms against
-    28.6 (random) but 14.4 against 10.2 (chunk-shared), so bf16 / fp16 keep the union."""
+    28.6 (random) but 14.4 against 10.2 (chunk-shared), so bf16 / fp16 keep the union. The
+    union tile's wgmma form (tile "wgmma", sm_90a, G = 16) is not chosen here: it has not
+    run on a GPU yet (SPARSEFORGE_VARIANT runs it)."""
     if kv_format in ("e4m3", "nvfp4") and group == 16:
         return "token"
     return None
@@ -757,7 +759,8 @@ def _attention(
 ):  # fmt: skip
     """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
     the caller's buffer for the lse (implies return_softmax_lse); `tile`: None for the union
-    tile kernel, "token" for the one-token kernel, "auto" for prefill's choice (_prefill_tile)."""
+    tile kernel, "wgmma" for its sm_90a form (G = 16, K/V in q's dtype, never split),
+    "token" for the one-token kernel, "auto" for prefill's choice (_prefill_tile)."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
@@ -891,6 +894,8 @@ def _attention(
     if device.type != "cuda":
         raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
 
+    if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
+        tile = attention_family.forced_tile(kv_format)
     if tile == "auto":
         tile = _prefill_tile(kv_format, heads // kv_heads)
     if total_q:
@@ -901,6 +906,8 @@ def _attention(
             tokens_per_cta = attention_family.constant("tile_rows") // (heads // kv_heads)
             ctas = (total_q // tokens_per_cta + cu_seqlens_q.shape[0] - 1) * kv_heads
         splits = _splits(device, ctas, q2k_indices.shape[2])
+        if tile == "wgmma":  # one CTA a tile
+            splits = 1
         partial_o, partial_lse = _no_partials(device)
         if splits > 1:
             partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 
 from generator.families.msa_sparse_attention import BLOCK_KEYS
 from generator.kernels.common.bitmap_union import add_member, popcount_scan, rank
+from generator.kernels.common.softmax import LN_2, acc_mn_view, quad_sum, softmax_finalize
 
 NEG_INF = -cutlass.Float32.inf
 
@@ -96,21 +97,56 @@ def row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos):
 
 
 @cute.jit
-def mask_to_own_blocks(acc_S_mn, tScS_mn, sMask, j, first_key, row_token, key_end):
+def mask_to_own_blocks(
+    acc_S_mn, tScS_mn, sMask, j, first_key, row_token, key_end, full: cutlass.Constexpr = 0
+):
     """Scores of union block j's keys from first_key (a tile of acc_S_mn's columns): -inf
-    where the row's token did not select the block, and from the row's key_end on."""
+    where the row's token did not select the block, and from the row's key_end on. With
+    `full` (the tile's width), a row that keeps every key skips the compares."""
     for r in cutlass.range_constexpr(cute.size(row_token)):
         token = row_token[r]
         selected = (sMask[2 * j + token // 32] >> (token % 32)) & 1
         limit = key_end[r] - first_key
         if selected == 0:
             limit = 0
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            if tScS_mn[r, c][1] >= limit:
-                acc_S_mn[r, c] = NEG_INF
+        if cutlass.const_expr(full == 0):
+            mask_row_from(acc_S_mn, tScS_mn, r, limit)
+        elif limit < full:
+            mask_row_from(acc_S_mn, tScS_mn, r, limit)
+
+
+@cute.jit
+def mask_row_from(acc_S_mn, tScS_mn, r, limit):
+    """Row r's scores of the columns from `limit` on: -inf."""
+    for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+        if tScS_mn[r, c][1] >= limit:
+            acc_S_mn[r, c] = NEG_INF
 
 
 def first_key_of(sIds, u, tile_keys: int):
     """The first key (in the sequence) of the union's tile u of `tile_keys` keys."""
     halves = BLOCK_KEYS // tile_keys
     return sIds[u // halves] * BLOCK_KEYS + (u % halves) * tile_keys
+
+
+@cute.jit
+def finalize_rows(args, acc_O, state, row_lse, row_lse_t, p_offset: cutlass.Constexpr):
+    """O / rowsum x out_scale in acc_O; each row's lse and temperature lse (the lse when
+    no temperature is asked), natural log. state: (row max, row sum, temperature max,
+    temperature sum, whether the temperature lse is asked)."""
+    row_max, row_sum, t_max, t_sum, with_temperature = state
+    softmax_finalize(row_max, row_sum, args.scale_log2, acc_mn_view(acc_O), row_lse, p_offset)
+    acc_O.store(acc_O.load() * args.out_scale)
+    for r in cutlass.range_constexpr(cute.size(row_lse)):
+        row_lse_t[r] = row_lse[r]
+        if with_temperature:
+            total = quad_sum(t_sum[r])
+            row_lse_t[r] = NEG_INF
+            if total > 0.0:
+                log_total = cute.math.log2(total, fastmath=True)
+                row_lse_t[r] = (t_max[r] * args.scale_log2 * args.temperature + log_total) * LN_2
+
+
+def chunk8(fragment, m, k):
+    """The 8 values (one 16-byte shared-memory chunk) of a row-copy fragment at (m, k)."""
+    return cute.make_tensor(fragment[None, m, k].iterator, cute.make_layout(8))

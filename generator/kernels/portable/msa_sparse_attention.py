@@ -50,8 +50,9 @@ from generator.families.msa_sparse_attention import (
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.msa_union import (
-    NEG_INF,
     block_union,
+    chunk8,
+    finalize_rows,
     first_key_of,
     mask_to_own_blocks,
     row_limits,
@@ -59,12 +60,9 @@ from generator.kernels.common.msa_union import (
 )
 from generator.kernels.common.nvfp4 import decode_chunks
 from generator.kernels.common.softmax import (
-    LN_2,
     acc_mn_view,
     new_softmax_state,
-    quad_sum,
     saturated,
-    softmax_finalize,
     softmax_update,
     temperature_update,
 )
@@ -329,7 +327,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
 
         row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
         row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        self.finish_rows(args, acc_O, state, row_lse, row_lse_t)
+        finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
         if args.splits > 1:
             self.store_split(
                 args, tiled_mma, acc_O, row_lse, row_lse_t, tidx, kv_head, first_token, tokens,
@@ -500,26 +498,6 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
             decode_chunks(raw, scales, rKV, self.dtype)
 
     @cute.jit
-    def finish_rows(self, args, acc_O, state, row_lse, row_lse_t):
-        """O / rowsum x out_scale in acc_O; each row's lse and temperature lse (the lse when
-        no temperature is asked), natural log."""
-        row_max, row_sum, t_max, t_sum, with_temperature = state
-        softmax_finalize(
-            row_max, row_sum, args.scale_log2, acc_mn_view(acc_O), row_lse, self.p_offset
-        )
-        acc_O.store(acc_O.load() * args.out_scale)
-        for r in cutlass.range_constexpr(cute.size(row_lse)):
-            row_lse_t[r] = row_lse[r]
-            if with_temperature:
-                total = quad_sum(t_sum[r])
-                row_lse_t[r] = NEG_INF
-                if total > 0.0:
-                    log_total = cute.math.log2(total, fastmath=True)
-                    row_lse_t[r] = (
-                        t_max[r] * args.scale_log2 * args.temperature + log_total
-                    ) * LN_2
-
-    @cute.jit
     def store_split(
         self, args, tiled_mma, acc_O, row_lse, row_lse_t, tidx, kv_head, first_token, tokens,
         split,
@@ -584,11 +562,6 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                 if token < tokens:
                     dst = args.mO[first_token + token, kv_head * group + row % group, None]
                     cute.local_tile(dst, (8,), (col // 8,)).store(chunk8(rOut, m, k).load())
-
-
-def chunk8(fragment, m, k):
-    """The 8 values (one 16-byte shared-memory chunk) of a row-copy fragment at (m, k)."""
-    return cute.make_tensor(fragment[None, m, k].iterator, cute.make_layout(8))
 
 
 def make_kernel(variant):

@@ -173,46 +173,8 @@ class BlockSparseFwdSm90:
             cute.make_layout((mQ.shape[0], d, mQ.shape[1]), stride=(mQ.stride[0], 1, mQ.stride[1])),
         )
         k_view = self.k_tma_view(mK)
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            cutlass.Float32,
-            (1, 1, 1),
-            (TILE_M, TILE_N),
-        )
-        pv_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            self.v_major,
-            cutlass.Float32,
-            (1, 1, 1),
-            (TILE_M, d),
-            warpgroup.OperandSource.RMEM,
-        )
-        v_enum = (
-            LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
-        )
-        sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.warpgroups
-        )
-        sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages
-        )
-        sV_layout = sm90_utils.make_smem_layout_b(
-            v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages
-        )
-        # Output staging, one tile per warpgroup: plain 8x64 swizzled rows (16-bit) for
-        # 16-byte global stores.
-        sO_layout = cute.tile_to_shape(
-            cute.make_composed_layout(
-                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-            ),
-            (TILE_M, d, self.warpgroups),
-            (0, 1, 2),
-        )
+        qk_mma, pv_mma = self.mmas()
+        sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_q_tensor = cpasync.make_tiled_tma_atom(
             tma_op, q_view, cute.slice_(sQ_layout, (None, None, 0)), (TILE_M, d)
@@ -239,6 +201,58 @@ class BlockSparseFwdSm90:
             sO_layout,
             tile_bytes,
         )
+
+    def mmas(self):
+        """S = Q K^T (both operands K-major in shared memory) and O += P V (P from registers,
+        V of major mode `self.v_major`), fp32 accumulators, one warpgroup's 64 rows."""
+        d = self.head_dim
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            (TILE_M, TILE_N),
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            self.v_major,
+            cutlass.Float32,
+            (1, 1, 1),
+            (TILE_M, d),
+            warpgroup.OperandSource.RMEM,
+        )
+        return qk_mma, pv_mma
+
+    def smem_layouts(self):
+        """Shared-memory layouts: the warpgroups' Q tiles, the K and V ring (kv_stages tiles)
+        and the output staging tiles."""
+        d = self.head_dim
+        v_enum = (
+            LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
+        )
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.warpgroups
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages
+        )
+        sV_layout = sm90_utils.make_smem_layout_b(
+            v_enum, (TILE_M, d, TILE_N), self.dtype, self.kv_stages
+        )
+        # Output staging, one tile per warpgroup: plain 8x64 swizzled rows (16-bit) for
+        # 16-byte global stores.
+        sO_layout = cute.tile_to_shape(
+            cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            ),
+            (TILE_M, d, self.warpgroups),
+            (0, 1, 2),
+        )
+        return sQ_layout, sK_layout, sV_layout, sO_layout
 
     def k_tma_view(self, mK):
         """K as TMA loads it: (seq, D, heads), the K-major B operand of S = Q K^T."""
@@ -767,6 +781,19 @@ class BlockSparseFwdSm90:
             if tidx % 4 == 0 and row < rows_left:
                 mLSE[chunk * TILE_M + row, head] = row_lse[r]
 
+        tOrO, tOcO, store = self.stage_output(pv_mma, acc_O, sO, out_dtype, tidx, bar)
+        gO = cute.local_tile(mO[None, head, None], (TILE_M, d), (chunk, 0))
+        tOgO = store.get_slice(tidx).partition_D(gO)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(store, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def stage_output(self, pv_mma, acc_O, sO, out_dtype, tidx, bar):
+        """acc_O (saturated to out_dtype) through the staging tile sO (free by now) into
+        registers as 16-byte row chunks: returns them, their (row, column) coordinates and
+        the copy that stores them (tiled over the 64 x D tile)."""
+        d = self.head_dim
         rO = cute.make_fragment_like(acc_O, out_dtype)
         rO.store(saturated(acc_O.load(), out_dtype).to(out_dtype))
         bar.arrive_and_wait()
@@ -777,23 +804,24 @@ class BlockSparseFwdSm90:
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
         bar.arrive_and_wait()
 
-        elems = 128 // out_dtype.width
-        per_row = d // elems if d < 64 else 64 // elems
-        store = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128),
+        store = self.rows_copy(out_dtype)
+        thr_store = store.get_slice(tidx)
+        tOsO = thr_store.partition_S(sO)
+        tOcO = thr_store.partition_D(cute.make_identity_tensor((TILE_M, d)))
+        tOrO = cute.make_fragment_like(tOsO, out_dtype)
+        cute.copy(store, tOsO, tOrO)
+        return tOrO, tOcO, store
+
+    def rows_copy(self, dtype):
+        """16-byte copies of a warpgroup's 64 x D tile in row chunks, a row's 64 columns (the
+        staging swizzle's atom width; all D when smaller) over per_row threads."""
+        elems = 128 // dtype.width
+        per_row = self.head_dim // elems if self.head_dim < 64 else 64 // elems
+        return cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
             cute.make_layout((CONSUMER_THREADS // per_row, per_row), stride=(per_row, 1)),
             cute.make_layout((1, elems)),
         )
-        thr_store = store.get_slice(tidx)
-        gO = cute.local_tile(mO[None, head, None], (TILE_M, d), (chunk, 0))
-        tOsO = thr_store.partition_S(sO)
-        tOgO = thr_store.partition_D(gO)
-        tOcO = thr_store.partition_D(cute.make_identity_tensor((TILE_M, d)))
-        tOrO = cute.make_fragment_like(tOgO, out_dtype)
-        cute.copy(store, tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(store, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
     def qk(self, qk_mma, acc_S, tSrQ, tSrK):

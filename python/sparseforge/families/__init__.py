@@ -81,7 +81,8 @@ def _not_built(family: str, arch: str, candidates: list, params: dict) -> Varian
     return VariantNotBuiltError(f"no built {family} variant on {arch} has {params}")
 
 
-def _forced_variant() -> _library.Kernel | None:
+def forced_variant() -> _library.Kernel | None:
+    """The variant SPARSEFORGE_VARIANT names (see choose), or None."""
     name = os.environ.get("SPARSEFORGE_VARIANT")
     if not name:
         return None
@@ -106,7 +107,7 @@ def choose(
     """
     fits = fits or (lambda units: True)
     built = _library.kernels(family, arch)
-    forced = _forced_variant()
+    forced = forced_variant()
     if forced is not None and forced.family == family:
         if forced not in built or not _matches(forced, params):
             raise VariantNotBuiltError(

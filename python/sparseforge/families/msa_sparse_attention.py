@@ -17,6 +17,7 @@ CONSTANTS = (
     "tile_rows",
     "max_topk",
     "max_group",
+    "wgmma_group",
     "max_blocks",
     "max_splits",
 )
@@ -41,6 +42,15 @@ def built_for(device_index: int, kv_format: str) -> bool:
     return True
 
 
+def forced_tile(kv_format: str):
+    """The tile of the variant SPARSEFORGE_VARIANT forces in the K/V format's family (None
+    for the union tile), or "auto" when it forces none of that family."""
+    forced = families.forced_variant()
+    if forced is not None and forced.family == FAMILY_OF_FORMAT[kv_format]:
+        return forced.params.get("tile")
+    return "auto"
+
+
 @functools.lru_cache(maxsize=256)
 def launch(
     device_index: int,
@@ -58,7 +68,7 @@ def launch(
     tile: str | None = None,
 ):
     """The bound launch; `tile`: None for the union tile kernel (64 // G tokens a CTA),
-    "token" for the one-token kernel."""
+    "wgmma" for its sm_90a form (G = 16), "token" for the one-token kernel."""
     kernel = families.choose(
         FAMILY_OF_FORMAT[kv_format],
         arch_for_device(device_index),

@@ -1,0 +1,376 @@
+"""MSA sparse attention on Hopper (sm_90a), K/V in q's dtype: the union tile on wgmma, K and V
+tiles TMA-gathered by page.
+
+Same contract as the portable union tile (generator/kernels/portable/msa_sparse_attention.py)
+for G = 16 query heads per kv head: a CTA of one warpgroup owns 64 rows, 4 consecutive
+tokens of one sequence times the 16 heads of one kv head (row r is token r // 16, head
+r % 16), and streams the union of its tokens' blocks once (common/msa_union.py), each row
+masked to its own token's blocks, its causal limit and the sequence's end.
+
+The loop is the block-sparse kernel's (sm90/block_sparse_fwd.py, one warpgroup a CTA, three
+CTAs an SM at 168 registers, warp 0 also issuing the loads): S = Q K^T and O += P V on
+wgmma, S of tile j+1 issued right behind P V of tile j, a ring of 3 stages of 64-key tiles
+(K and V of a tile in consecutive stages). A union block is two such tiles, each loaded by
+TMA at (its page, kv head, row 0 or 64) of the paged cache, or at (its first key) of the
+flat one. Q comes through registers (its rows are 16 heads of 4 tokens, not one TMA box),
+written into the swizzled Q tile with 16-byte stores. V rows past the sequence are zeroed in
+shared memory (a page's tail, or the next sequence's keys when flat), so a NaN there cannot
+reach O through a zero probability.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from generator.families.msa_sparse_attention import (
+    BLOCK_KEYS,
+    HEAD_DIM,
+    MAX_BLOCKS,
+    MAX_TOPK,
+    TILE_ROWS,
+    WGMMA_GROUP,
+)
+from generator.kernels.common.entry import element_type
+from generator.kernels.common.msa_sequence import sequence_keys
+from generator.kernels.common.msa_union import (
+    block_union,
+    chunk8,
+    finalize_rows,
+    first_key_of,
+    mask_to_own_blocks,
+    row_limits,
+    token_tile_of_cta,
+)
+from generator.kernels.common.softmax import (
+    acc_mn_view,
+    new_softmax_state,
+    softmax_update,
+    temperature_update,
+)
+from generator.kernels.sm90.block_sparse_fwd import (
+    CONSUMER_THREADS,
+    TILE_M,
+    TILE_N,
+    BlockSparseFwdSm90,
+)
+
+assert TILE_M == TILE_ROWS
+TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a CTA
+HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
+WORDS = MAX_BLOCKS // 32
+UNION_CAPACITY = TOKENS * MAX_TOPK
+
+
+class MsaSparseAttentionSm90(BlockSparseFwdSm90):
+    def __init__(self, dtype):
+        super().__init__(dtype, HEAD_DIM)
+
+    @cute.jit
+    def launch(self, args, stream):
+        d = self.head_dim
+        mK, mV = args.mK, args.mV
+        # TMA views of the (pages, Hkv, rows, D) cache: K as (rows, D, Hkv, pages), V as
+        # (D, rows, Hkv, pages) (the MN-major B operand of O += P V).
+        k_view = cute.make_tensor(
+            mK.iterator,
+            cute.make_layout(
+                (mK.shape[2], d, mK.shape[1], mK.shape[0]),
+                stride=(mK.stride[2], 1, mK.stride[1], mK.stride[0]),
+            ),
+        )
+        v_view = cute.make_tensor(
+            mV.iterator,
+            cute.make_layout(
+                (d, mV.shape[2], mV.shape[1], mV.shape[0]),
+                stride=(1, mV.stride[2], mV.stride[1], mV.stride[0]),
+            ),
+        )
+        qk_mma, pv_mma = self.mmas()
+        sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
+        )
+        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
+            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
+        )
+        tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
+            sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
+            sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
+            sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
+            sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
+            sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * UNION_CAPACITY], 16]
+
+        tiles_bound = args.mQ.shape[0] // TOKENS + args.mCuQ.shape[0] - 1
+        self.kernel(
+            qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, args, sQ_layout,
+            sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
+        ).launch(
+            grid=[tiles_bound, mK.shape[1], 1],
+            block=[CONSUMER_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV_tma: cute.Tensor,
+        args,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tile_bytes: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cta, kv_head, _ = cute.arch.block_idx()
+        seq, chunk = token_tile_of_cta(args.mCuQ, cta, TOKENS)
+        if seq >= 0:
+            self.attend_tile(
+                qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
+                sV_layout, sO_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+            )  # fmt: skip
+
+    @cute.jit
+    def attend_tile(
+        self, qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
+        sV_layout, sO_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+    ):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bar = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        loader = warp == 0
+        q_start = args.mCuQ[seq]
+        seqlen_q = args.mCuQ[seq + 1] - q_start
+        first_token = q_start + chunk * TOKENS
+        tokens = cutlass.min(TOKENS, seqlen_q - chunk * TOKENS)
+        seqlen_k, key_start, blocks = sequence_keys(args, seq)
+        blocks = cutlass.min(blocks, MAX_BLOCKS)
+        first_pos = seqlen_k - seqlen_q + chunk * TOKENS  # position of token 0
+        if args.has_q_offset != 0:
+            first_pos = args.mQOffset[seq] + chunk * TOKENS
+
+        storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_barriers.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=tile_bytes,
+        ).make_participants()
+        sIds = storage.sIds.get_tensor(cute.make_layout(UNION_CAPACITY))
+        sPages = storage.sPages.get_tensor(cute.make_layout(UNION_CAPACITY))
+        sMask = storage.sMask.get_tensor(cute.make_layout(2 * UNION_CAPACITY))
+        num_union = block_union(
+            args, storage.sBits.get_tensor(cute.make_layout(WORDS)),
+            storage.sBase.get_tensor(cute.make_layout(WORDS)),
+            storage.sWarpSums.get_tensor(cute.make_layout(4)), sIds, sMask, tidx, seq, kv_head,
+            first_token, tokens, blocks, CONSUMER_THREADS,
+        )  # fmt: skip
+        # Where each union block lies, for the loads: its page (flat: the one "page").
+        for i in cutlass.range(tidx, num_union, CONSUMER_THREADS, unroll=1):
+            sPages[i] = 0
+            if args.paged != 0:
+                sPages[i] = args.mPageTable[seq, sIds[i]]
+        cute.arch.sync_threads()
+
+        tiles = num_union * HALVES
+        place = (sIds, sPages, key_start, kv_head)
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if tiles > 0:  # loads 0, 1: K and V of tile 0
+                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 0, False)
+                kv_producer.advance()
+                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 0, True)
+                kv_producer.advance()
+            if tiles > 1:  # load 2: K of tile 1
+                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 1, False)
+                kv_producer.advance()
+        self.store_q(args, sQ[None, None, 0], tidx, kv_head, first_token, tokens)
+
+        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
+            qk_mma, pv_mma, sQ, sK, sV, tidx
+        )
+        sQ_stage = tSrQ[None, None, None, 0]
+        row_token, key_end = row_limits(args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos)
+        t_max, t_sum = new_softmax_state(cute.size(row_max))  # the temperature lse's
+        with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
+        state = (row_max, row_sum, t_max, t_sum, with_temperature)
+        masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
+
+        if tiles > 0:
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
+        if loader:
+            if tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
+                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 1, True)
+                kv_producer.advance()
+        for j in cutlass.range(tiles - 1, unroll=1):
+            v_handle = self.scores_then_pv(
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar
+            )
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            k_handle.release()
+            if loader:
+                if j + 2 < tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, j + 2, False)
+                    kv_producer.advance()
+                    self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, j + 2, True)
+                    kv_producer.advance()
+        if tiles > 0:
+            self.scores_then_pv(
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, tiles - 1,
+                tidx, bar, drain=True,
+            )  # fmt: skip
+
+        rows = cute.size(row_max)
+        row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
+        self.store_rows(
+            args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
+            first_token, tokens,
+        )  # fmt: skip
+
+    @cute.jit
+    def load_kv(self, kv_producer, atom, mX_tma, sX, args, place, u, is_v: cutlass.Constexpr):
+        """TMA-load K (or V, is_v) of union tile u into the ring's current stage: rows
+        (u % 2) * 64 on of its block's page, or (flat) from the block's first key."""
+        sIds, sPages, key_start, kv_head = place
+        d = self.head_dim
+        j = u // HALVES
+        row = (u % HALVES) * TILE_N
+        if args.paged == 0:
+            row = row + key_start + sIds[j] * BLOCK_KEYS
+        page = sPages[j]
+        if cutlass.const_expr(is_v):
+            g = cute.local_tile(
+                cute.domain_offset((0, row), mX_tma[None, None, kv_head, page]),
+                (d, TILE_N),
+                (0, None),
+            )
+        else:
+            g = cute.local_tile(
+                cute.domain_offset((row, 0), mX_tma[None, None, kv_head, page]),
+                (TILE_N, d),
+                (None, 0),
+            )
+        tXsX, tXgX = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        handle = kv_producer.acquire()
+        cute.copy(atom, tXgX[None, 0], tXsX[None, handle.index], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def store_q(self, args, sQ, tidx, kv_head, first_token, tokens):
+        """The 64 Q rows (zero past the tile's tokens) into the Q tile by 16-byte stores, made
+        visible to wgmma (the async proxy) for the whole warpgroup. sQ: the tile as wgmma
+        reads it (its swizzle on the pointer, in bytes: sQ_layout's inner swizzle is not one
+        of element offsets)."""
+        rows_copy = self.rows_copy(self.dtype)
+        thr = rows_copy.get_slice(tidx)
+        tQsQ = thr.partition_D(sQ)
+        tQcQ = thr.partition_D(cute.make_identity_tensor((TILE_M, self.head_dim)))
+        rQ = cute.make_fragment_like(tQsQ)
+        for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
+                row, col = tQcQ[0, m, k][0], tQcQ[0, m, k][1]
+                token = row // WGMMA_GROUP
+                if token < tokens:
+                    src = args.mQ[
+                        first_token + token, kv_head * WGMMA_GROUP + row % WGMMA_GROUP, None
+                    ]
+                    chunk8(rQ, m, k).store(cute.local_tile(src, (8,), (col // 8,)).load())
+                else:
+                    chunk8(rQ, m, k).fill(0)
+        cute.copy(rows_copy, rQ, tQsQ)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def scores_then_pv(
+        self, args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, u, tidx, bar,
+        drain: cutlass.Constexpr = False,
+    ):  # fmt: skip
+        """Tile u's scores in acc_S: each row keeps its token's blocks before its key_end;
+        online softmax (and the temperature lse's sums); then issue O += P V. Returns V's
+        stage handle, or with drain waits for every MMA issued and releases V's stage."""
+        sIds, sMask, row_token, key_end, tScS_mn, seqlen_k = masks
+        row_max, row_sum, t_max, t_sum, with_temperature = state
+        acc_S_mn = acc_mn_view(acc_S)
+        first_key = first_key_of(sIds, u, TILE_N)
+        mask_to_own_blocks(
+            acc_S_mn, tScS_mn, sMask, u // HALVES, first_key, row_token, key_end, TILE_N
+        )
+        if with_temperature:
+            temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
+        softmax_update(
+            row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
+        )
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tOrP = cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
+        v_handle = kv_consumer.wait_and_advance()
+        if seqlen_k - first_key < TILE_N:
+            self.zero_keys_from(sV[None, None, v_handle.index], seqlen_k - first_key, tidx, bar)
+        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
+        if cutlass.const_expr(drain):
+            warpgroup.wait_group(0)
+            v_handle.release()
+        return v_handle
+
+    @cute.jit
+    def store_rows(
+        self, args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
+        first_token, tokens,
+    ):  # fmt: skip
+        """lse and temperature lse (when asked), then O through shared memory (the Q tile,
+        free by now) to each row's (token, head) by 16-byte stores."""
+        tOcO_mn = acc_mn_view(
+            pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
+        )
+        if args.want_lse != 0:
+            for r in cutlass.range_constexpr(cute.size(row_lse)):
+                row = tOcO_mn[r, 0][0]
+                if (tidx % 4 == 0) & (row // WGMMA_GROUP < tokens):
+                    token = first_token + row // WGMMA_GROUP
+                    head = kv_head * WGMMA_GROUP + row % WGMMA_GROUP
+                    args.mLSE[token, head] = row_lse[r]
+                    args.mLSET[token, head] = row_lse_t[r]
+        sO = storage.sQ.get_tensor(sO_layout)[None, None, 0]
+        tOrO, tOcO, _ = self.stage_output(pv_mma, acc_O, sO, self.dtype, tidx, bar)
+        for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
+                row, col = tOcO[0, m, k][0], tOcO[0, m, k][1]
+                token = row // WGMMA_GROUP
+                if token < tokens:
+                    dst = args.mO[
+                        first_token + token, kv_head * WGMMA_GROUP + row % WGMMA_GROUP, None
+                    ]
+                    cute.local_tile(dst, (8,), (col // 8,)).store(chunk8(tOrO, m, k).load())
+
+
+def make_kernel(variant):
+    return MsaSparseAttentionSm90(element_type(variant.params["dtype"]))
