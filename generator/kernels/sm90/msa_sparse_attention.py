@@ -62,7 +62,7 @@ WORDS = MAX_BLOCKS // 32
 UNION_CAPACITY = TOKENS * MAX_TOPK
 
 
-class MsaSparseAttentionSm90(BlockSparseFwdSm90):
+class MsaUnionTileSm90(BlockSparseFwdSm90):
     def __init__(self, dtype):
         super().__init__(dtype, HEAD_DIM)
 
@@ -373,4 +373,4 @@ class MsaSparseAttentionSm90(BlockSparseFwdSm90):
 
 
 def make_kernel(variant):
-    return MsaSparseAttentionSm90(element_type(variant.params["dtype"]))
+    return MsaUnionTileSm90(element_type(variant.params["dtype"]))
