@@ -116,10 +116,11 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
 def _family(name: str, doc: str) -> Family:
     kv_dtype, _ = KV_FORMATS[name]
     wgmma = ()
-    if KV_FORMAT[name] == "16bit":
+    if KV_FORMAT[name] in ("16bit", "e4m3"):
         wgmma = (
-            # The union tile on sm_90a for G = 16 (4 tokens a CTA), K/V in q's dtype: wgmma,
-            # K and V tiles TMA-gathered by page. Chosen by tile="wgmma".
+            # The union tile on sm_90a for G = 16 (4 tokens a CTA): wgmma, K and V tiles
+            # TMA-gathered by page (e4m3 converted to q's dtype in shared memory). Chosen
+            # by tile="wgmma".
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",

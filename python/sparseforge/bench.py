@@ -631,8 +631,8 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted).
-    MP1 with bf16 K/V also runs the sm_90a wgmma union tile where it is built (forced by
-    SPARSEFORGE_VARIANT: prefill does not choose it yet), beside the default."""
+    MP1 with bf16 and e4m3 K/V also runs the sm_90a wgmma union tile where it is built
+    (forced by SPARSEFORGE_VARIANT: prefill does not choose it yet), beside the default."""
     from sparseforge import _library, msa_ops
     from sparseforge.arch import arch_for_device
 
@@ -662,22 +662,25 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     cu = torch.tensor([0, seq], **i32)
     table = torch.arange(blocks, **i32)[None]
     used = torch.tensor([seq], **i32)
-    # 16-bit K/V also on the kernels prefill does not choose yet (forced), beside the default.
+    # Also on the kernels prefill does not choose yet (forced), beside the default.
     arch = arch_for_device(device.index)
-    candidates = {
-        v["name"]: v["params"]["tile"]
-        for v in _library.manifest()["variants"]
-        if v["family"] == "msa_sparse_attention"
-        and v["arch"] == arch
-        and v["params"]["dtype"] == "bf16"
-        and v["params"].get("tile") == "wgmma"
+    families = {"bf16": "msa_sparse_attention", "e4m3": "msa_sparse_attention_fp8kv"}
+    unchosen = {
+        fmt: {
+            v["name"]: f"{v['params']['tile']} tile, forced"
+            for v in _library.manifest()["variants"]
+            if v["family"] == family
+            and v["arch"] == arch
+            and v["params"]["dtype"] == "bf16"
+            and v["params"].get("tile") == "wgmma"
+        }
+        for fmt, family in families.items()
     }
     for mode in ("random", "chunked"):
         ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
         for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
-            forced = {"": "default"} | (candidates if fmt == "bf16" else {})
-            for variant, label in forced.items():
+            for variant, label in ({"": ""} | unchosen.get(fmt, {})).items():
                 os.environ["SPARSEFORGE_VARIANT"] = variant
                 ms = cuda_time_ms(
                     lambda kv=kv, ids=ids: msa_ops.msa_sparse_attention(
@@ -688,7 +691,7 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
                 )  # fmt: skip
                 os.environ.pop("SPARSEFORGE_VARIANT")
                 tflops = useful / ms / 1e9
-                kernel = "" if label == "default" else f" ({label} tile, forced)"
+                kernel = f" ({label})" if label else ""
                 lines.append(
                     f"MP1 {mode} selections, {fmt} K/V{kernel}: {ms:.2f} ms, {tflops:.0f} "
                     f"useful TFLOPS ({tflops / dense_tflops:.2f}x cuDNN dense)"

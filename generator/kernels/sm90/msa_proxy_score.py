@@ -36,6 +36,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM
+from generator.kernels.common.e4m3_tiles import THREADS as CONVERTER_THREADS
+from generator.kernels.common.e4m3_tiles import convert_tile
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.proxy_blocks import scored_blocks
 from generator.kernels.common.softmax import acc_mn_view, quad_max
@@ -44,7 +46,6 @@ WG_ROWS = 64  # query rows of one consumer warpgroup (wgmma M)
 CONSUMERS = 2
 CTA_ROWS = WG_ROWS * CONSUMERS
 CONSUMER_THREADS = 128
-CONVERTER_THREADS = 128
 # Each of the two CTAs of an SM: its Q tile and a ring of this many bytes (two 32 KB bf16
 # blocks, four e4m3 ones) within half the SM's 228 KB.
 RING_BYTES = 64 * 1024
@@ -443,28 +444,6 @@ def tree_max(acc_mn: cute.Tensor, r: int):
             [vals[-1]] if len(vals) % 2 else []
         )
     return vals[0]
-
-
-@cute.jit
-def convert_tile(src: cute.Tensor, dst: cute.Tensor, tidx):
-    """src (e4m3) into dst (fp16), both (rows, 128) wgmma tiles, by CONVERTER_THREADS threads:
-    eight consecutive values of a row a step (8-byte reads, 16-byte writes)."""
-    threads = cute.make_layout((CONVERTER_THREADS // 16, 16), stride=(16, 1))
-    values = cute.make_layout((1, 8))
-    universal = cute.nvgpu.CopyUniversalOp()
-    read = cute.make_tiled_copy_tv(
-        cute.make_copy_atom(universal, src.element_type, num_bits_per_copy=64), threads, values
-    )
-    write = cute.make_tiled_copy_tv(
-        cute.make_copy_atom(universal, dst.element_type, num_bits_per_copy=128), threads, values
-    )
-    tSs = read.get_slice(tidx).partition_S(src)
-    tDd = write.get_slice(tidx).partition_D(dst)
-    raw = cute.make_fragment_like(tSs)
-    cute.copy(read, tSs, raw)
-    converted = cute.make_fragment_like(tDd)
-    converted.store(raw.load().to(dst.element_type))
-    cute.copy(write, converted, tDd)
 
 
 def make_kernel(variant):

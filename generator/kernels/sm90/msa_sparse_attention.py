@@ -1,36 +1,46 @@
-"""MSA sparse attention on Hopper (sm_90a), K/V in q's dtype: the union tile on wgmma, K and V
-tiles TMA-gathered by page.
+"""MSA sparse attention on Hopper (sm_90a): the union tile on wgmma, K and V tiles
+TMA-gathered by page; K/V in q's dtype or e4m3.
 
 Same contract as the portable union tile (generator/kernels/portable/msa_sparse_attention.py)
 for G = 16 query heads per kv head: a CTA of one warpgroup owns 64 rows, 4 consecutive
 tokens of one sequence times the 16 heads of one kv head (row r is token r // 16, head
 r % 16), and streams the union of its tokens' blocks once (common/msa_union.py), each row
-masked to its own token's blocks, its causal limit and the sequence's end.
+masked to its own token's blocks, its causal limit and the sequence's end. A union block is
+two 64-key tiles, each loaded by TMA at (its page, kv head, row 0 or 64) of the paged cache,
+or at (its first key) of the flat one. Q comes through registers (its rows are 16 heads of
+4 tokens, not one TMA box), written into the swizzled Q tile with 16-byte stores. Three
+CTAs an SM (168 registers), warp 0 also issuing the loads.
 
-The loop is the block-sparse kernel's (sm90/block_sparse_fwd.py, one warpgroup a CTA, three
-CTAs an SM at 168 registers, warp 0 also issuing the loads): S = Q K^T and O += P V on
-wgmma, S of tile j+1 issued right behind P V of tile j, a ring of 3 stages of 64-key tiles
-(K and V of a tile in consecutive stages). A union block is two such tiles, each loaded by
-TMA at (its page, kv head, row 0 or 64) of the paged cache, or at (its first key) of the
-flat one. Q comes through registers (its rows are 16 heads of 4 tokens, not one TMA box),
-written into the swizzled Q tile with 16-byte stores. V rows past the sequence are zeroed in
-shared memory (a page's tail, or the next sequence's keys when flat), so a NaN there cannot
-reach O through a zero probability.
+K/V in q's dtype: the block-sparse kernel's loop (sm90/block_sparse_fwd.py): S = Q K^T and
+  O += P V on wgmma, S of tile j+1 issued right behind P V of tile j, a ring of 3 stages of
+  64-key tiles (K and V of a tile in consecutive stages). V rows past the sequence are
+  zeroed in shared memory (a page's tail, or the next sequence's keys when flat), so a NaN
+  there cannot reach O through a zero probability.
+e4m3 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 8 KB each, one tile
+  ahead); per tile the warpgroup converts them into one 16-bit K and one V tile (exact:
+  every e4m3 value is a bf16 and an fp16 one; rows past the sequence written as zeros),
+  releases the raw stages to the next tile's loads, then S = Q K^T, softmax, O += P V, each
+  waited for: the conversion needs the 16-bit tiles free, so CTAs overlap each other's
+  steps, not their own. k_scale and v_scale fold into the softmax and output scales.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.msa_sparse_attention import (
     BLOCK_KEYS,
     HEAD_DIM,
+    KV_FORMAT,
     MAX_BLOCKS,
     MAX_TOPK,
     TILE_ROWS,
     WGMMA_GROUP,
 )
+from generator.kernels.common.e4m3_tiles import convert_tile
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.msa_union import (
@@ -60,48 +70,66 @@ TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a CTA
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
 UNION_CAPACITY = TOKENS * MAX_TOPK
+RAW_STAGES = 2  # e4m3: raw K and V of one tile ahead (three CTAs an SM: 70 KB of shared memory)
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
-    def __init__(self, dtype):
+    def __init__(self, dtype, kv_format: str):
         super().__init__(dtype, HEAD_DIM)
+        self.kv_format = kv_format
+        self.raw_type = cutlass.Float8E4M3FN
+        self.ring_stages = self.kv_stages
+        if kv_format == "e4m3":
+            self.kv_stages = 2  # the converted K tile (stage 0) and V tile (stage 1)
+            self.ring_stages = RAW_STAGES
 
     @cute.jit
     def launch(self, args, stream):
         d = self.head_dim
         mK, mV = args.mK, args.mV
-        # TMA views of the (pages, Hkv, rows, D) cache: K as (rows, D, Hkv, pages), V as
-        # (D, rows, Hkv, pages) (the MN-major B operand of O += P V).
-        k_view = cute.make_tensor(
-            mK.iterator,
-            cute.make_layout(
-                (mK.shape[2], d, mK.shape[1], mK.shape[0]),
-                stride=(mK.stride[2], 1, mK.stride[1], mK.stride[0]),
-            ),
-        )
-        v_view = cute.make_tensor(
-            mV.iterator,
-            cute.make_layout(
-                (d, mV.shape[2], mV.shape[1], mV.shape[0]),
-                stride=(1, mV.stride[2], mV.stride[1], mV.stride[0]),
-            ),
-        )
         qk_mma, pv_mma = self.mmas()
         sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, k_view, cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
+        # The raw e4m3 ring (16-bit K/V: unused, one byte): K and V tiles as stored, rows of
+        # 128 bytes.
+        raw_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.raw_type, self.ring_stages
         )
-        tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
-        )
-        tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        raw_size = 1
+        # TMA views of the (pages, Hkv, rows, D) cache: rows first, as (rows, D, Hkv, pages);
+        # 16-bit V as (D, rows, Hkv, pages), the MN-major B operand of O += P V.
+        if cutlass.const_expr(self.kv_format == "e4m3"):
+            raw_tile = cute.slice_(raw_layout, (None, None, 0))
+            tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, rows_view(mK, d), raw_tile, (TILE_N, d)
+            )
+            tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, rows_view(mV, d), raw_tile, (TILE_N, d)
+            )
+            tile_bytes = cute.size_in_bytes(self.raw_type, raw_tile)
+            raw_size = cute.cosize(raw_layout)
+        else:
+            v_view = cute.make_tensor(
+                mV.iterator,
+                cute.make_layout(
+                    (d, mV.shape[2], mV.shape[1], mV.shape[0]),
+                    stride=(1, mV.stride[2], mV.stride[1], mV.stride[0]),
+                ),
+            )
+            tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, rows_view(mK, d), cute.slice_(sK_layout, (None, None, 0)), (TILE_N, d)
+            )
+            tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
+            )
+            tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ring_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sRaw: cute.struct.Align[cute.struct.MemRange[self.raw_type, raw_size], 1024]
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
@@ -112,7 +140,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         tiles_bound = args.mQ.shape[0] // TOKENS + args.mCuQ.shape[0] - 1
         self.kernel(
             qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, args, sQ_layout,
-            sK_layout, sV_layout, sO_layout, tile_bytes, SharedStorage,
+            sK_layout, sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage,
         ).launch(
             grid=[tiles_bound, mK.shape[1], 1],
             block=[CONSUMER_THREADS, 1, 1],
@@ -136,6 +164,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        raw_layout: cute.ComposedLayout,
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -144,13 +173,13 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         if seq >= 0:
             self.attend_tile(
                 qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
-                sV_layout, sO_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+                sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
             )  # fmt: skip
 
     @cute.jit
     def attend_tile(
         self, qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
-        sV_layout, sO_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+        sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
     ):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -167,9 +196,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             first_pos = args.mQOffset[seq] + chunk * TOKENS
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
-        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(),
-            num_stages=self.kv_stages,
+        ring_producer, ring_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ring_barriers.data_ptr(),
+            num_stages=self.ring_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
             tx_count=tile_bytes,
@@ -192,57 +221,26 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
         tiles = num_union * HALVES
         place = (sIds, sPages, key_start, kv_head)
-        if loader:
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if tiles > 0:  # loads 0, 1: K and V of tile 0
-                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 0, False)
-                kv_producer.advance()
-                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 0, True)
-                kv_producer.advance()
-            if tiles > 1:  # load 2: K of tile 1
-                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 1, False)
-                kv_producer.advance()
-        self.store_q(args, sQ[None, None, 0], tidx, kv_head, first_token, tokens)
-
         tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
             qk_mma, pv_mma, sQ, sK, sV, tidx
         )
-        sQ_stage = tSrQ[None, None, None, 0]
         row_token, key_end = row_limits(args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos)
         t_max, t_sum = new_softmax_state(cute.size(row_max))  # the temperature lse's
         with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
         state = (row_max, row_sum, t_max, t_sum, with_temperature)
         masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
-
-        if tiles > 0:
-            k_handle = kv_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            warpgroup.wait_group(0)
-            k_handle.release()
-        if loader:
-            if tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
-                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 1, True)
-                kv_producer.advance()
-        for j in cutlass.range(tiles - 1, unroll=1):
-            v_handle = self.scores_then_pv(
-                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar
-            )
-            k_handle = kv_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-            warpgroup.wait_group(0)
-            v_handle.release()
-            k_handle.release()
-            if loader:
-                if j + 2 < tiles:  # loads 2j+4, 2j+5 into the two stages just released
-                    self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, j + 2, False)
-                    kv_producer.advance()
-                    self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, j + 2, True)
-                    kv_producer.advance()
-        if tiles > 0:
-            self.scores_then_pv(
-                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, tiles - 1,
-                tidx, bar, drain=True,
+        operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
+        q_rows = (sQ[None, None, 0], kv_head, first_token, tokens)
+        if cutlass.const_expr(self.kv_format == "e4m3"):
+            sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
+            self.stream_converted(
+                args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v,
+                mV_tma, sRaw, sK, sV, ring_producer, ring_consumer, tidx, loader, bar,
+            )  # fmt: skip
+        else:
+            self.stream_16bit(
+                args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v,
+                mV_tma, sK, sV, ring_producer, ring_consumer, tidx, loader, bar,
             )  # fmt: skip
 
         rows = cute.size(row_max)
@@ -255,9 +253,106 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         )  # fmt: skip
 
     @cute.jit
-    def load_kv(self, kv_producer, atom, mX_tma, sX, args, place, u, is_v: cutlass.Constexpr):
-        """TMA-load K (or V, is_v) of union tile u into the ring's current stage: rows
-        (u % 2) * 64 on of its block's page, or (flat) from the block's first key."""
+    def stream_16bit(
+        self, args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v, mV_tma,
+        sK, sV, kv_producer, kv_consumer, tidx, loader, bar,
+    ):  # fmt: skip
+        """K/V in q's dtype: the ring's load n is K of tile n // 2 (n even) or its V (n odd);
+        S of tile j+1 is issued right behind P V of tile j, one wait covering both."""
+        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if tiles > 0:  # loads 0, 1: K and V of tile 0
+                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 0, True)
+                kv_producer.advance()
+                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 0, False)
+                kv_producer.advance()
+            if tiles > 1:  # load 2: K of tile 1
+                self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, 1, True)
+                kv_producer.advance()
+        self.store_q(args, *q_rows, tidx)
+        if tiles > 0:
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            k_handle.release()
+        if loader:
+            if tiles > 1:  # load 3: V of tile 1, into K of tile 0's stage
+                self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, 1, False)
+                kv_producer.advance()
+        for j in cutlass.range(tiles - 1, unroll=1):
+            v_handle = self.scores_then_pv(
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar
+            )
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            warpgroup.wait_group(0)
+            v_handle.release()
+            k_handle.release()
+            if loader:
+                if j + 2 < tiles:  # loads 2j+4, 2j+5 into the two stages just released
+                    self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, j + 2, True)
+                    kv_producer.advance()
+                    self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, j + 2, False)
+                    kv_producer.advance()
+        if tiles > 0:
+            self.scores_then_pv(
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, tiles - 1,
+                tidx, bar, drain=True,
+            )  # fmt: skip
+
+    @cute.jit
+    def stream_converted(
+        self, args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v, mV_tma,
+        sRaw, sK, sV, raw_producer, raw_consumer, tidx, loader, bar,
+    ):  # fmt: skip
+        """e4m3 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n odd), one
+        tile ahead; each tile is converted into the one 16-bit K tile (sK stage 0) and V
+        tile (sV stage 1), then multiplied."""
+        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        sIds, seqlen_k = masks[0], masks[5]
+        k_tile = sK[None, None, 0]
+        v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as its rows (keys)
+        v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if tiles > 0:
+                self.load_kv(raw_producer, tma_k, mK_tma, sRaw, args, place, 0, True)
+                raw_producer.advance()
+                self.load_kv(raw_producer, tma_v, mV_tma, sRaw, args, place, 0, True)
+                raw_producer.advance()
+        self.store_q(args, *q_rows, tidx)
+        for j in cutlass.range(tiles, unroll=1):
+            valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
+            bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
+            k_raw = raw_consumer.wait_and_advance()
+            convert_tile(sRaw[None, None, k_raw.index], k_tile, tidx, valid_rows)
+            k_raw.release()
+            v_raw = raw_consumer.wait_and_advance()
+            convert_tile(sRaw[None, None, v_raw.index], v_rows, tidx, valid_rows)
+            v_raw.release()
+            if loader:
+                if j + 1 < tiles:  # tile j + 1 into the stages just released
+                    self.load_kv(raw_producer, tma_k, mK_tma, sRaw, args, place, j + 1, True)
+                    raw_producer.advance()
+                    self.load_kv(raw_producer, tma_v, mV_tma, sRaw, args, place, j + 1, True)
+                    raw_producer.advance()
+            # The converted tiles (generic-proxy stores of every warp) to wgmma.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            bar.arrive_and_wait()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 0])
+            warpgroup.wait_group(0)
+            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j)
+            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
+            warpgroup.wait_group(0)
+
+    @cute.jit
+    def load_kv(self, producer, atom, mX_tma, sX, args, place, u, rows_first: cutlass.Constexpr):
+        """TMA-load K or V of union tile u into the ring's current stage: rows (u % 2) * 64
+        on of its block's page, or (flat) from the block's first key. mX_tma is a rows-first
+        view (rows, D, Hkv, pages), or with rows_first False the (D, rows, Hkv, pages) one."""
         sIds, sPages, key_start, kv_head = place
         d = self.head_dim
         j = u // HALVES
@@ -265,26 +360,26 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         if args.paged == 0:
             row = row + key_start + sIds[j] * BLOCK_KEYS
         page = sPages[j]
-        if cutlass.const_expr(is_v):
-            g = cute.local_tile(
-                cute.domain_offset((0, row), mX_tma[None, None, kv_head, page]),
-                (d, TILE_N),
-                (0, None),
-            )
-        else:
+        if cutlass.const_expr(rows_first):
             g = cute.local_tile(
                 cute.domain_offset((row, 0), mX_tma[None, None, kv_head, page]),
                 (TILE_N, d),
                 (None, 0),
             )
+        else:
+            g = cute.local_tile(
+                cute.domain_offset((0, row), mX_tma[None, None, kv_head, page]),
+                (d, TILE_N),
+                (0, None),
+            )
         tXsX, tXgX = cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g, 0, 2)
         )
-        handle = kv_producer.acquire()
+        handle = producer.acquire()
         cute.copy(atom, tXgX[None, 0], tXsX[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
-    def store_q(self, args, sQ, tidx, kv_head, first_token, tokens):
+    def store_q(self, args, sQ, kv_head, first_token, tokens, tidx):
         """The 64 Q rows (zero past the tile's tokens) into the Q tile by 16-byte stores, made
         visible to wgmma (the async proxy) for the whole warpgroup. sQ: the tile as wgmma
         reads it (its swizzle on the pointer, in bytes: sQ_layout's inner swizzle is not one
@@ -310,20 +405,17 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         cute.arch.sync_threads()
 
     @cute.jit
-    def scores_then_pv(
-        self, args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, u, tidx, bar,
-        drain: cutlass.Constexpr = False,
-    ):  # fmt: skip
+    def own_block_probabilities(self, args, acc_S, acc_O, state, masks, u):
         """Tile u's scores in acc_S: each row keeps its token's blocks before its key_end;
-        online softmax (and the temperature lse's sums); then issue O += P V. Returns V's
-        stage handle, or with drain waits for every MMA issued and releases V's stage."""
-        sIds, sMask, row_token, key_end, tScS_mn, seqlen_k = masks
+        online softmax (rescaling acc_O; and the temperature lse's sums); P in the A-operand
+        layout of O += P V."""
+        sIds, sMask, row_token, key_end, tScS_mn, _ = masks
         row_max, row_sum, t_max, t_sum, with_temperature = state
         acc_S_mn = acc_mn_view(acc_S)
-        first_key = first_key_of(sIds, u, TILE_N)
         mask_to_own_blocks(
-            acc_S_mn, tScS_mn, sMask, u // HALVES, first_key, row_token, key_end, TILE_N
-        )
+            acc_S_mn, tScS_mn, sMask, u // HALVES, first_key_of(sIds, u, TILE_N), row_token,
+            key_end, TILE_N,
+        )  # fmt: skip
         if with_temperature:
             temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
         softmax_update(
@@ -331,10 +423,22 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         )
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        tOrP = cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
+        return cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
+
+    @cute.jit
+    def scores_then_pv(
+        self, args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, u, tidx, bar,
+        drain: cutlass.Constexpr = False,
+    ):  # fmt: skip
+        """16-bit K/V: tile u's probabilities, then issue O += P V (V rows past the sequence
+        zeroed first). Returns V's stage handle, or with drain waits for every MMA issued and
+        releases V's stage."""
+        sIds, seqlen_k = masks[0], masks[5]
+        tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, u)
+        valid_rows = seqlen_k - first_key_of(sIds, u, TILE_N)
         v_handle = kv_consumer.wait_and_advance()
-        if seqlen_k - first_key < TILE_N:
-            self.zero_keys_from(sV[None, None, v_handle.index], seqlen_k - first_key, tidx, bar)
+        if valid_rows < TILE_N:
+            self.zero_keys_from(sV[None, None, v_handle.index], valid_rows, tidx, bar)
         self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
         if cutlass.const_expr(drain):
             warpgroup.wait_group(0)
@@ -372,5 +476,17 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     cute.local_tile(dst, (8,), (col // 8,)).store(chunk8(tOrO, m, k).load())
 
 
+def rows_view(mX: cute.Tensor, d: int) -> cute.Tensor:
+    """The (pages, Hkv, rows, D) cache as TMA loads its row tiles: (rows, D, Hkv, pages)."""
+    return cute.make_tensor(
+        mX.iterator,
+        cute.make_layout(
+            (mX.shape[2], d, mX.shape[1], mX.shape[0]),
+            stride=(mX.stride[2], 1, mX.stride[1], mX.stride[0]),
+        ),
+    )
+
+
 def make_kernel(variant):
-    return MsaUnionTileSm90(element_type(variant.params["dtype"]))
+    kv_format = KV_FORMAT[variant.family.name]
+    return MsaUnionTileSm90(element_type(variant.params["dtype"]), kv_format)
