@@ -36,11 +36,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.msa_proxy_score import BLOCK_KEYS, HEAD_DIM
-from generator.kernels.common.e4m3_tiles import THREADS as CONVERTER_THREADS
-from generator.kernels.common.e4m3_tiles import convert_tile
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.proxy_blocks import scored_blocks
 from generator.kernels.common.softmax import acc_mn_view, quad_max
+from generator.kernels.common.tile_convert import THREADS as CONVERTER_THREADS
+from generator.kernels.common.tile_convert import convert_e4m3_tile
 
 WG_ROWS = 64  # query rows of one consumer warpgroup (wgmma M)
 CONSUMERS = 2
@@ -323,12 +323,12 @@ class MsaProxyScoreSm90:
             raw = raw_q.wait_and_advance()
             out = fill_q.acquire_and_advance()
             for w in cutlass.range_constexpr(CONSUMERS):
-                convert_tile(rawQ[None, None, w], sQ[None, None, w], tidx)
+                convert_e4m3_tile(rawQ[None, None, w], sQ[None, None, w], tidx)
             self.hand_over(raw, out)
             for _ in cutlass.range(blocks, unroll=1):
                 raw = raw_k.wait_and_advance()
                 out = fill_k.acquire_and_advance()
-                convert_tile(rawK[None, None, raw.index], sK[None, None, out.index], tidx)
+                convert_e4m3_tile(rawK[None, None, raw.index], sK[None, None, out.index], tidx)
                 self.hand_over(raw, out)
 
     @cute.jit

@@ -40,7 +40,6 @@ from generator.families.msa_sparse_attention import (
     TILE_ROWS,
     WGMMA_GROUP,
 )
-from generator.kernels.common.e4m3_tiles import convert_tile
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.msa_union import (
@@ -58,6 +57,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
     temperature_update,
 )
+from generator.kernels.common.tile_convert import convert_e4m3_tile
 from generator.kernels.sm90.block_sparse_fwd import (
     CONSUMER_THREADS,
     TILE_M,
@@ -328,10 +328,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
             k_raw = raw_consumer.wait_and_advance()
-            convert_tile(sRaw[None, None, k_raw.index], k_tile, tidx, valid_rows)
+            convert_e4m3_tile(sRaw[None, None, k_raw.index], k_tile, tidx, valid_rows)
             k_raw.release()
             v_raw = raw_consumer.wait_and_advance()
-            convert_tile(sRaw[None, None, v_raw.index], v_rows, tidx, valid_rows)
+            convert_e4m3_tile(sRaw[None, None, v_raw.index], v_rows, tidx, valid_rows)
             v_raw.release()
             if loader:
                 if j + 1 < tiles:  # tile j + 1 into the stages just released

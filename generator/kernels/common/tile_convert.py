@@ -1,0 +1,92 @@
+"""FP8 (e4m3) and NVFP4 tiles in shared memory converted to the 16-bit tiles a 16-bit MMA
+reads, exactly (an e4m3 value, and an E2M1 code times its e4m3 scale, is a bf16 and an fp16
+value): the sm_90a kernels that multiply quantized data in exact fp32 sums
+(msa_proxy_score's converter warpgroup, the MSA wgmma union tile).
+
+A warpgroup converts a (rows, 128) tile: thread t takes 8 consecutive values of a row (a
+16-byte store) in rows t // 16 + 8i, columns 8 (t % 16) on. The destination may carry any
+swizzle, and may be a transposed view of an MN-major operand (its rows the contiguous mode).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from generator.kernels.common.nvfp4 import GROUP, decode_chunks
+
+THREADS = 128  # a warpgroup converts a tile
+
+
+def row_chunks(dtype, values: int = 8):
+    """The warpgroup's copy of a (rows, 16 x values) tile of dtype: `values` consecutive
+    values of a row a thread, 16 threads a row."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=values * dtype.width
+        ),
+        cute.make_layout((THREADS // 16, 16), stride=(16, 1)),
+        cute.make_layout((1, values)),
+    )
+
+
+@cute.jit
+def convert_e4m3_tile(src: cute.Tensor, dst: cute.Tensor, tidx, valid_rows=None):
+    """src (e4m3) into dst (fp16 or bf16), both (rows, 128) tiles: 8-byte reads, 16-byte
+    writes. With valid_rows, rows from valid_rows on are written as zeros (what they hold
+    is not data)."""
+    read = row_chunks(src.element_type)
+    write = row_chunks(dst.element_type)
+    tSs = read.get_slice(tidx).partition_S(src)
+    tDd = write.get_slice(tidx).partition_D(dst)
+    raw = cute.make_fragment_like(tSs)
+    cute.copy(read, tSs, raw)
+    converted = cute.make_fragment_like(tDd)
+    if cutlass.const_expr(dst.element_type == cutlass.Float16):
+        converted.store(raw.load().to(cutlass.Float16))
+    else:
+        converted.store(raw.load().to(cutlass.Float32).to(dst.element_type))
+    if cutlass.const_expr(valid_rows is not None):
+        tDc = write.get_slice(tidx).partition_D(cute.make_identity_tensor(rows_and_columns(dst)))
+        for m in cutlass.range_constexpr(cute.size(tDc, mode=[1])):
+            if tDc[0, m, 0][0] >= valid_rows:
+                converted[None, m, None].fill(0)
+    cute.copy(write, converted, tDd)
+
+
+@cute.jit
+def convert_nvfp4_tile(
+    codes: cute.Tensor, scales: cute.Tensor, dst: cute.Tensor, tidx, valid_rows,
+    swizzled_scales: cutlass.Constexpr,
+):  # fmt: skip
+    """codes (rows, 64 bytes: two E2M1 codes a byte, the even element in the low nibble) with
+    their e4m3 scales (one byte per 16 values, rows x 8 bytes in a flat tensor: linear, or
+    with swizzled_scales in the 4x4 swizzle of V scales, (row, group) at
+    ((row // 4) * 4 + group // 2, (group % 2) * 4 + row % 4)) into dst (fp16 or bf16,
+    (rows, 128)): 4-byte code reads, 16-byte writes. Rows from valid_rows on are zeros
+    (their scales read as 0)."""
+    read = row_chunks(codes.element_type, 4)  # 4 bytes: 8 codes
+    write = row_chunks(dst.element_type)
+    tSs = read.get_slice(tidx).partition_S(codes)
+    tDd = write.get_slice(tidx).partition_D(dst)
+    tDc = write.get_slice(tidx).partition_D(cute.make_identity_tensor(rows_and_columns(dst)))
+    raw = cute.make_fragment_like(tSs)
+    cute.copy(read, tSs, raw)
+    raw_bytes = cute.make_tensor(raw.iterator, cute.make_layout((4,) + raw.shape[1:]))
+    scale_bytes = cute.make_rmem_tensor((2,) + raw.shape[1:], cutlass.Uint8)
+    for m in cutlass.range_constexpr(cute.size(tDc, mode=[1])):
+        for k in cutlass.range_constexpr(cute.size(tDc, mode=[2])):
+            row, col = tDc[0, m, k][0], tDc[0, m, k][1]
+            group = col // GROUP
+            place = row * 8 + group
+            if cutlass.const_expr(swizzled_scales):
+                place = (row - row % 4 + group // 2) * 8 + group % 2 * 4 + row % 4
+            scale_bytes[0, m, k] = cutlass.Uint8(0)
+            if row < valid_rows:
+                scale_bytes[0, m, k] = scales[place]
+    converted = cute.make_fragment_like(tDd)
+    decode_chunks(raw_bytes, scale_bytes, converted, dst.element_type)
+    cute.copy(write, converted, tDd)
+
+
+def rows_and_columns(tile: cute.Tensor):
+    """A tile's (rows, columns) as flat sizes (its modes may be hierarchical)."""
+    return (cute.size(tile, mode=[0]), cute.size(tile, mode=[1]))
