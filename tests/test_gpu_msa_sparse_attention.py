@@ -55,8 +55,7 @@ FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 def use_tile(monkeypatch, tile):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
-    its sm_90a form (G = 16, 16-bit or e4m3 K/V), or "token", the one-token kernel
-    (decode's)."""
+    its sm_90a form (G = 16), or "token", the one-token kernel (decode's)."""
     attention = msa_ops._attention
     monkeypatch.setattr(
         msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": tile})
@@ -64,7 +63,7 @@ def use_tile(monkeypatch, tile):
 
 
 # (K/V format, paged, Hq, Hkv, kernel): the portable union tile and the one-token kernel on
-# every case, the wgmma union tile (sm_90a) on those it takes (16-bit and e4m3 K/V, G = 16).
+# every case, the wgmma union tile (sm_90a) on those it takes (G = 16).
 CASES = [
     (fmt, paged, hq, hkv, tile)
     for fmt, paged in FORMATS
@@ -72,7 +71,7 @@ CASES = [
     for tile in (None, "token")
 ]
 CASES += [
-    (fmt, paged, hq, hkv, "wgmma") for fmt, paged in FORMATS[:6] for hq, hkv in [(16, 1), (32, 2)]
+    (fmt, paged, hq, hkv, "wgmma") for fmt, paged in FORMATS for hq, hkv in [(16, 1), (32, 2)]
 ]
 
 
@@ -122,8 +121,7 @@ def rows_outside_the_sequences(table, used, pages):
 
 @pytest.mark.parametrize(
     "kv_format, tile",
-    [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token")]
-    + [("bf16", "wgmma"), ("e4m3", "wgmma")],
+    [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token", "wgmma")],
 )
 def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
     """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3

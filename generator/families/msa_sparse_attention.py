@@ -115,19 +115,6 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
 
 def _family(name: str, doc: str) -> Family:
     kv_dtype, _ = KV_FORMATS[name]
-    wgmma = ()
-    if KV_FORMAT[name] in ("16bit", "e4m3"):
-        wgmma = (
-            # The union tile on sm_90a for G = 16 (4 tokens a CTA): wgmma, K and V tiles
-            # TMA-gathered by page (e4m3 converted to q's dtype in shared memory). Chosen
-            # by tile="wgmma".
-            Template(
-                "wgmma",
-                "generator.kernels.sm90.msa_sparse_attention",
-                archs=("sm_90a",),
-                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma") for t in Q_DTYPES),
-            ),
-        )
     return Family(
         name=name,
         doc=doc,
@@ -153,7 +140,15 @@ def _family(name: str, doc: str) -> Family:
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
                 portable=True,
             ),
-            *wgmma,
+            # The union tile on sm_90a for G = 16 (4 tokens a CTA): wgmma, K and V tiles
+            # TMA-gathered by page (FP8 / NVFP4 converted to q's dtype in shared memory).
+            # Chosen by tile="wgmma".
+            Template(
+                "wgmma",
+                "generator.kernels.sm90.msa_sparse_attention",
+                archs=("sm_90a",),
+                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma") for t in Q_DTYPES),
+            ),
             # One token a CTA, each warp a quarter of every block (decode): mma.sync on every
             # arch, K/V read from shared memory straight into MMA operands. Chosen by
             # tile="token".

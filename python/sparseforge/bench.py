@@ -631,8 +631,8 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted).
-    MP1 with bf16 and e4m3 K/V also runs the sm_90a wgmma union tile where it is built
-    (forced by SPARSEFORGE_VARIANT: prefill does not choose it yet), beside the default."""
+    MP1 also runs the sm_90a wgmma union tile where it is built (forced by
+    SPARSEFORGE_VARIANT: prefill does not choose it yet), beside the default."""
     from sparseforge import _library, msa_ops
     from sparseforge.arch import arch_for_device
 
@@ -664,7 +664,11 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     used = torch.tensor([seq], **i32)
     # Also on the kernels prefill does not choose yet (forced), beside the default.
     arch = arch_for_device(device.index)
-    families = {"bf16": "msa_sparse_attention", "e4m3": "msa_sparse_attention_fp8kv"}
+    families = {
+        "bf16": "msa_sparse_attention",
+        "e4m3": "msa_sparse_attention_fp8kv",
+        "nvfp4": "msa_sparse_attention_nvfp4",
+    }
     unchosen = {
         fmt: {
             v["name"]: f"{v['params']['tile']} tile, forced"

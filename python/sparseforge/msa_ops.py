@@ -759,7 +759,7 @@ def _attention(
 ):  # fmt: skip
     """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
     the caller's buffer for the lse (implies return_softmax_lse); `tile`: None for the union
-    tile kernel, "wgmma" for its sm_90a form (G = 16, K/V in q's dtype, never split),
+    tile kernel, "wgmma" for its sm_90a form (G = 16, never split),
     "token" for the one-token kernel, "auto" for prefill's choice (_prefill_tile)."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")

@@ -37,6 +37,7 @@ from generator.families.msa_sparse_attention import (
     KV_FORMAT,
     MAX_BLOCKS,
     MAX_TOPK,
+    NVFP4_GROUP,
     TILE_ROWS,
     WGMMA_GROUP,
 )
@@ -57,7 +58,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
     temperature_update,
 )
-from generator.kernels.common.tile_convert import convert_e4m3_tile
+from generator.kernels.common.tile_convert import convert_e4m3_tile, convert_nvfp4_tile
 from generator.kernels.sm90.block_sparse_fwd import (
     CONSUMER_THREADS,
     TILE_M,
@@ -70,16 +71,20 @@ TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a CTA
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
 UNION_CAPACITY = TOKENS * MAX_TOPK
-RAW_STAGES = 2  # e4m3: raw K and V of one tile ahead (three CTAs an SM: 70 KB of shared memory)
+RAW_STAGES = 2  # FP8 / NVFP4: raw K and V of one tile ahead (three CTAs an SM: <= 71 KB each)
+SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
     def __init__(self, dtype, kv_format: str):
         super().__init__(dtype, HEAD_DIM)
         self.kv_format = kv_format
-        self.raw_type = cutlass.Float8E4M3FN
+        self.converted = kv_format != "16bit"
+        # Raw rows as stored: e4m3 a byte a value, NVFP4 two codes a byte (16-bit: unused).
+        self.raw_type = cutlass.Uint8 if kv_format == "nvfp4" else cutlass.Float8E4M3FN
+        self.raw_width = HEAD_DIM // 2 if kv_format == "nvfp4" else HEAD_DIM
         self.ring_stages = self.kv_stages
-        if kv_format == "e4m3":
+        if self.converted:
             self.kv_stages = 2  # the converted K tile (stage 0) and V tile (stage 1)
             self.ring_stages = RAW_STAGES
 
@@ -93,18 +98,25 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         # The raw e4m3 ring (16-bit K/V: unused, one byte): K and V tiles as stored, rows of
         # 128 bytes.
         raw_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.raw_type, self.ring_stages
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, self.raw_width), self.raw_type, self.ring_stages
+        )
+        # NVFP4 scales of a tile: its rows' 8 bytes as 32 rows of 16 (TMA's least box width).
+        scale_layout = cute.make_layout(
+            (TILE_N // 2, 2 * SCALE_BYTES, self.ring_stages),
+            stride=(2 * SCALE_BYTES, 1, TILE_N * SCALE_BYTES),
         )
         raw_size = 1
-        # TMA views of the (pages, Hkv, rows, D) cache: rows first, as (rows, D, Hkv, pages);
+        scale_size = 1
+        # TMA views of the (pages, Hkv, rows, X) cache: rows first, as (rows, X, Hkv, pages);
         # 16-bit V as (D, rows, Hkv, pages), the MN-major B operand of O += P V.
-        if cutlass.const_expr(self.kv_format == "e4m3"):
+        if cutlass.const_expr(self.converted):
             raw_tile = cute.slice_(raw_layout, (None, None, 0))
+            box = (TILE_N, self.raw_width)
             tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-                tma_op, rows_view(mK, d), raw_tile, (TILE_N, d)
+                tma_op, rows_view(mK, self.raw_width), raw_tile, box
             )
             tma_v, tma_v_tensor = cpasync.make_tiled_tma_atom(
-                tma_op, rows_view(mV, d), raw_tile, (TILE_N, d)
+                tma_op, rows_view(mV, self.raw_width), raw_tile, box
             )
             tile_bytes = cute.size_in_bytes(self.raw_type, raw_tile)
             raw_size = cute.cosize(raw_layout)
@@ -123,6 +135,19 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 tma_op, v_view, cute.slice_(sV_layout, (None, None, 0)), (d, TILE_N)
             )
             tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        # The scale loads (other formats: K's and V's atoms again, never used).
+        tma_ks, tma_ks_tensor, tma_vs, tma_vs_tensor = tma_k, tma_k_tensor, tma_v, tma_v_tensor
+        if cutlass.const_expr(self.kv_format == "nvfp4"):
+            scale_tile = cute.slice_(scale_layout, (None, None, 0))
+            box = (TILE_N // 2, 2 * SCALE_BYTES)
+            tma_ks, tma_ks_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, scale_rows_view(args.mKScale), scale_tile, box
+            )
+            tma_vs, tma_vs_tensor = cpasync.make_tiled_tma_atom(
+                tma_op, scale_rows_view(args.mVScale), scale_tile, box
+            )
+            tile_bytes = tile_bytes + TILE_N * SCALE_BYTES
+            scale_size = cute.cosize(scale_layout)
 
         @cute.struct
         class SharedStorage:
@@ -130,6 +155,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sRaw: cute.struct.Align[cute.struct.MemRange[self.raw_type, raw_size], 1024]
+            sRawScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, scale_size], 128]
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
@@ -139,8 +165,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
         tiles_bound = args.mQ.shape[0] // TOKENS + args.mCuQ.shape[0] - 1
         self.kernel(
-            qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, args, sQ_layout,
-            sK_layout, sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage,
+            qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, tma_ks, tma_ks_tensor,
+            tma_vs, tma_vs_tensor, args, sQ_layout, sK_layout, sV_layout, sO_layout, raw_layout,
+            scale_layout, tile_bytes, SharedStorage,
         ).launch(
             grid=[tiles_bound, mK.shape[1], 1],
             block=[CONSUMER_THREADS, 1, 1],
@@ -159,27 +186,33 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         mK_tma: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV_tma: cute.Tensor,
+        tma_ks: cute.CopyAtom,
+        mKS_tma: cute.Tensor,
+        tma_vs: cute.CopyAtom,
+        mVS_tma: cute.Tensor,
         args,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
         raw_layout: cute.ComposedLayout,
+        scale_layout: cute.Layout,
         tile_bytes: cutlass.Constexpr,
         SharedStorage: cutlass.Constexpr,
     ):
         cta, kv_head, _ = cute.arch.block_idx()
         seq, chunk = token_tile_of_cta(args.mCuQ, cta, TOKENS)
         if seq >= 0:
+            loads = (tma_k, mK_tma, tma_v, mV_tma, tma_ks, mKS_tma, tma_vs, mVS_tma)
             self.attend_tile(
-                qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
-                sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+                qk_mma, pv_mma, loads, args, sQ_layout, sK_layout, sV_layout, sO_layout,
+                raw_layout, scale_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
             )  # fmt: skip
 
     @cute.jit
     def attend_tile(
-        self, qk_mma, pv_mma, tma_k, mK_tma, tma_v, mV_tma, args, sQ_layout, sK_layout,
-        sV_layout, sO_layout, raw_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
+        self, qk_mma, pv_mma, loads, args, sQ_layout, sK_layout, sV_layout, sO_layout,
+        raw_layout, scale_layout, tile_bytes, SharedStorage, kv_head, seq, chunk,
     ):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -231,16 +264,17 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
         operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
         q_rows = (sQ[None, None, 0], kv_head, first_token, tokens)
-        if cutlass.const_expr(self.kv_format == "e4m3"):
+        if cutlass.const_expr(self.converted):
             sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
+            sScale = storage.sRawScale.get_tensor(scale_layout)
             self.stream_converted(
-                args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v,
-                mV_tma, sRaw, sK, sV, ring_producer, ring_consumer, tidx, loader, bar,
+                args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
+                ring_producer, ring_consumer, tidx, loader, bar,
             )  # fmt: skip
         else:
             self.stream_16bit(
-                args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v,
-                mV_tma, sK, sV, ring_producer, ring_consumer, tidx, loader, bar,
+                args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
+                ring_producer, ring_consumer, tidx, loader, bar,
             )  # fmt: skip
 
         rows = cute.size(row_max)
@@ -254,12 +288,13 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
     @cute.jit
     def stream_16bit(
-        self, args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v, mV_tma,
-        sK, sV, kv_producer, kv_consumer, tidx, loader, bar,
+        self, args, operands, state, masks, place, q_rows, tiles, loads, sK, sV, kv_producer,
+        kv_consumer, tidx, loader, bar,
     ):  # fmt: skip
         """K/V in q's dtype: the ring's load n is K of tile n // 2 (n even) or its V (n odd);
         S of tile j+1 is issued right behind P V of tile j, one wait covering both."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        tma_k, mK_tma, tma_v, mV_tma = loads[:4]
         if loader:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -304,13 +339,14 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
     @cute.jit
     def stream_converted(
-        self, args, operands, state, masks, place, q_rows, tiles, tma_k, mK_tma, tma_v, mV_tma,
-        sRaw, sK, sV, raw_producer, raw_consumer, tidx, loader, bar,
+        self, args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
+        raw_producer, raw_consumer, tidx, loader, bar,
     ):  # fmt: skip
-        """e4m3 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n odd), one
-        tile ahead; each tile is converted into the one 16-bit K tile (sK stage 0) and V
-        tile (sV stage 1), then multiplied."""
+        """FP8 / NVFP4 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n
+        odd), one tile ahead; each tile is converted into the one 16-bit K tile (sK stage 0)
+        and V tile (sV stage 1), then multiplied."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
         sIds, seqlen_k = masks[0], masks[5]
         k_tile = sK[None, None, 0]
         v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as its rows (keys)
@@ -318,27 +354,28 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         if loader:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.kv_format == "nvfp4"):
+                cpasync.prefetch_descriptor(tma_ks)
+                cpasync.prefetch_descriptor(tma_vs)
             if tiles > 0:
-                self.load_kv(raw_producer, tma_k, mK_tma, sRaw, args, place, 0, True)
-                raw_producer.advance()
-                self.load_kv(raw_producer, tma_v, mV_tma, sRaw, args, place, 0, True)
-                raw_producer.advance()
+                for x in cutlass.range_constexpr(2):
+                    self.load_raw(raw_producer, loads, sRaw, sScale, args, place, 0, x == 1)
+                    raw_producer.advance()
         self.store_q(args, *q_rows, tidx)
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
             k_raw = raw_consumer.wait_and_advance()
-            convert_e4m3_tile(sRaw[None, None, k_raw.index], k_tile, tidx, valid_rows)
+            self.convert(sRaw, sScale, k_raw.index, k_tile, tidx, valid_rows, False)
             k_raw.release()
             v_raw = raw_consumer.wait_and_advance()
-            convert_e4m3_tile(sRaw[None, None, v_raw.index], v_rows, tidx, valid_rows)
+            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, valid_rows, True)
             v_raw.release()
             if loader:
                 if j + 1 < tiles:  # tile j + 1 into the stages just released
-                    self.load_kv(raw_producer, tma_k, mK_tma, sRaw, args, place, j + 1, True)
-                    raw_producer.advance()
-                    self.load_kv(raw_producer, tma_v, mV_tma, sRaw, args, place, j + 1, True)
-                    raw_producer.advance()
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, j + 1, x == 1)
+                        raw_producer.advance()
             # The converted tiles (generic-proxy stores of every warp) to wgmma.
             cute.arch.fence_proxy("async.shared", space="cta")
             bar.arrive_and_wait()
@@ -349,12 +386,59 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             warpgroup.wait_group(0)
 
     @cute.jit
+    def convert(self, sRaw, sScale, stage, dst, tidx, valid_rows, is_v: cutlass.Constexpr):
+        """The raw tile in `stage` (and its NVFP4 scales, V's in the 4x4 swizzle) into dst."""
+        if cutlass.const_expr(self.kv_format == "nvfp4"):
+            scales = cute.make_tensor(
+                sScale[None, None, stage].iterator, cute.make_layout(TILE_N * SCALE_BYTES)
+            )
+            convert_nvfp4_tile(sRaw[None, None, stage], scales, dst, tidx, valid_rows, is_v)
+        else:
+            convert_e4m3_tile(sRaw[None, None, stage], dst, tidx, valid_rows)
+
+    @cute.jit
+    def load_raw(self, producer, loads, sRaw, sScale, args, place, u, is_v: cutlass.Constexpr):
+        """TMA-load K's (or V's) raw tile u, and its NVFP4 scale rows, into the ring's
+        current stage (one barrier for both)."""
+        tma_k, mK_tma, tma_v, mV_tma, tma_ks, mKS_tma, tma_vs, mVS_tma = loads
+        handle = producer.acquire()
+        src, dst = self.tile_partitions(
+            tma_v if is_v else tma_k, mV_tma if is_v else mK_tma, sRaw, args, place, u, True
+        )
+        cute.copy(
+            tma_v if is_v else tma_k, src, dst[None, handle.index], tma_bar_ptr=handle.barrier
+        )
+        if cutlass.const_expr(self.kv_format == "nvfp4"):
+            sIds, sPages, _, kv_head = place
+            g = cute.local_tile(
+                cute.domain_offset(
+                    ((u % HALVES) * (TILE_N // 2), 0),
+                    (mVS_tma if is_v else mKS_tma)[None, None, kv_head, sPages[u // HALVES]],
+                ),
+                (TILE_N // 2, 2 * SCALE_BYTES),
+                (None, 0),
+            )
+            atom = tma_vs if is_v else tma_ks
+            tSs, tSg = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(sScale, 0, 2),
+                cute.group_modes(g, 0, 2),
+            )  # fmt: skip
+            cute.copy(atom, tSg[None, 0], tSs[None, handle.index], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
     def load_kv(self, producer, atom, mX_tma, sX, args, place, u, rows_first: cutlass.Constexpr):
-        """TMA-load K or V of union tile u into the ring's current stage: rows (u % 2) * 64
-        on of its block's page, or (flat) from the block's first key. mX_tma is a rows-first
-        view (rows, D, Hkv, pages), or with rows_first False the (D, rows, Hkv, pages) one."""
+        """TMA-load K or V of union tile u (in q's dtype) into the ring's current stage."""
+        src, dst = self.tile_partitions(atom, mX_tma, sX, args, place, u, rows_first)
+        handle = producer.acquire()
+        cute.copy(atom, src, dst[None, handle.index], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def tile_partitions(self, atom, mX_tma, sX, args, place, u, rows_first: cutlass.Constexpr):
+        """(TMA source, staged destinations) of union tile u: rows (u % 2) * 64 on of its
+        block's page, or (flat) from the block's first key. mX_tma is a rows-first view
+        (rows, X, Hkv, pages), or with rows_first False the (D, rows, Hkv, pages) one."""
         sIds, sPages, key_start, kv_head = place
-        d = self.head_dim
+        width = cute.size(sX, mode=[1]) if rows_first else cute.size(sX, mode=[0])
         j = u // HALVES
         row = (u % HALVES) * TILE_N
         if args.paged == 0:
@@ -363,20 +447,19 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         if cutlass.const_expr(rows_first):
             g = cute.local_tile(
                 cute.domain_offset((row, 0), mX_tma[None, None, kv_head, page]),
-                (TILE_N, d),
+                (TILE_N, width),
                 (None, 0),
             )
         else:
             g = cute.local_tile(
                 cute.domain_offset((0, row), mX_tma[None, None, kv_head, page]),
-                (d, TILE_N),
+                (width, TILE_N),
                 (0, None),
             )
         tXsX, tXgX = cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g, 0, 2)
         )
-        handle = producer.acquire()
-        cute.copy(atom, tXgX[None, 0], tXsX[None, handle.index], tma_bar_ptr=handle.barrier)
+        return tXgX[None, 0], tXsX
 
     @cute.jit
     def store_q(self, args, sQ, kv_head, first_token, tokens, tidx):
@@ -483,6 +566,18 @@ def rows_view(mX: cute.Tensor, d: int) -> cute.Tensor:
         cute.make_layout(
             (mX.shape[2], d, mX.shape[1], mX.shape[0]),
             stride=(mX.stride[2], 1, mX.stride[1], mX.stride[0]),
+        ),
+    )
+
+
+def scale_rows_view(mS: cute.Tensor) -> cute.Tensor:
+    """NVFP4 scales (pages, Hkv, rows, 8), each (page, head)'s rows contiguous, as TMA loads
+    them: pairs of rows, (rows / 2, 16 bytes, Hkv, pages)."""
+    return cute.make_tensor(
+        mS.iterator,
+        cute.make_layout(
+            (mS.shape[2] // 2, 2 * SCALE_BYTES, mS.shape[1], mS.shape[0]),
+            stride=(2 * SCALE_BYTES, 1, mS.stride[1], mS.stride[0]),
         ),
     )
 
