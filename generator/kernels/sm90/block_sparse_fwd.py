@@ -738,9 +738,21 @@ class BlockSparseFwdSm90:
         tOrP = self.probabilities(
             acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, logits, words, tile
         )
+        return self.pv_staged(
+            pv_mma, acc_O, tOrP, tOrV, sV, kv_consumer, tile_len, tidx, bar, drain
+        )
+
+    @cute.jit
+    def pv_staged(
+        self, pv_mma, acc_O, tOrP, tOrV, sV, kv_consumer, valid_keys, tidx, bar,
+        drain: cutlass.Constexpr,
+    ):  # fmt: skip
+        """Issue O += P V with the ring's next stage as V (its keys from valid_keys on zeroed
+        first); returns V's stage handle, or with drain waits for every MMA issued and
+        releases V's stage."""
         v_handle = kv_consumer.wait_and_advance()
-        if tile_len < TILE_N:
-            self.zero_keys_from(sV[None, None, v_handle.index], tile_len, tidx, bar)
+        if valid_keys < TILE_N:
+            self.zero_keys_from(sV[None, None, v_handle.index], valid_keys, tidx, bar)
         self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
         if cutlass.const_expr(drain):
             warpgroup.wait_group(0)

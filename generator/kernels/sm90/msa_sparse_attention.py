@@ -475,12 +475,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
                 row, col = tQcQ[0, m, k][0], tQcQ[0, m, k][1]
-                token = row // WGMMA_GROUP
-                if token < tokens:
-                    src = args.mQ[
-                        first_token + token, kv_head * WGMMA_GROUP + row % WGMMA_GROUP, None
-                    ]
-                    chunk8(rQ, m, k).store(cute.local_tile(src, (8,), (col // 8,)).load())
+                if row // WGMMA_GROUP < tokens:
+                    src = row_chunk(args.mQ, first_token, kv_head, row, col)
+                    chunk8(rQ, m, k).store(src.load())
                 else:
                     chunk8(rQ, m, k).fill(0)
         cute.copy(rows_copy, rQ, tQsQ)
@@ -518,15 +515,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         releases V's stage."""
         sIds, seqlen_k = masks[0], masks[5]
         tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, u)
-        valid_rows = seqlen_k - first_key_of(sIds, u, TILE_N)
-        v_handle = kv_consumer.wait_and_advance()
-        if valid_rows < TILE_N:
-            self.zero_keys_from(sV[None, None, v_handle.index], valid_rows, tidx, bar)
-        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_handle.index])
-        if cutlass.const_expr(drain):
-            warpgroup.wait_group(0)
-            v_handle.release()
-        return v_handle
+        valid_keys = seqlen_k - first_key_of(sIds, u, TILE_N)
+        return self.pv_staged(
+            pv_mma, acc_O, tOrP, tOrV, sV, kv_consumer, valid_keys, tidx, bar, drain
+        )
 
     @cute.jit
     def store_rows(
@@ -551,12 +543,17 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
                 row, col = tOcO[0, m, k][0], tOcO[0, m, k][1]
-                token = row // WGMMA_GROUP
-                if token < tokens:
-                    dst = args.mO[
-                        first_token + token, kv_head * WGMMA_GROUP + row % WGMMA_GROUP, None
-                    ]
-                    cute.local_tile(dst, (8,), (col // 8,)).store(chunk8(tOrO, m, k).load())
+                if row // WGMMA_GROUP < tokens:
+                    dst = row_chunk(args.mO, first_token, kv_head, row, col)
+                    dst.store(chunk8(tOrO, m, k).load())
+
+
+def row_chunk(mX: cute.Tensor, first_token, kv_head, row, col):
+    """Columns col .. col + 7 of a CTA row (token first_token + row // 16, head row % 16 of
+    kv_head) in a (total_q, Hq, D) tensor."""
+    token = first_token + row // WGMMA_GROUP
+    head = kv_head * WGMMA_GROUP + row % WGMMA_GROUP
+    return cute.local_tile(mX[token, head, None], (8,), (col // 8,))
 
 
 def rows_view(mX: cute.Tensor, d: int) -> cute.Tensor:
