@@ -255,3 +255,11 @@ def test_a_forced_variant_picks_its_tile(monkeypatch):
         monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
         assert family.forced_tile("16bit") == tile
         assert family.forced_tile("e4m3") == "auto"
+
+
+def test_the_forced_wgmma_tile_refuses_other_groups(monkeypatch):
+    """The wgmma union tile is built for G = 16 only: forced at G = 4 it raises before the
+    launch, naming the requirement."""
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", "msa_sparse_attention__wgmma__bf16_d128__sm_90a")
+    with pytest.raises(ValueError, match="takes 16 query heads per kv head; Hq = 16, Hkv = 4"):
+        msa_ops.msa_sparse_attention(**api_args(), causal=True)

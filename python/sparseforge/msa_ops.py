@@ -891,13 +891,19 @@ def _attention(
         if t is not None:
             inputs.append((name, t))
     check_writable("out", out, inputs)
-    if device.type != "cuda":
-        raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
-
     if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
         tile = attention_family.forced_tile(kv_format)
     if tile == "auto":
         tile = _prefill_tile(kv_format, heads // kv_heads)
+    wgmma_group = attention_family.constant("wgmma_group")
+    if tile == "wgmma" and heads // kv_heads != wgmma_group:
+        raise ValueError(
+            f"the wgmma union tile (SPARSEFORGE_VARIANT) takes {wgmma_group} query heads per "
+            f"kv head; Hq = {heads}, Hkv = {kv_heads}"
+        )
+    if device.type != "cuda":
+        raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
+
     if total_q:
         unused = _constant_count(device, 0)
         if tile == "token":
