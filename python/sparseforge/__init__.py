@@ -3,6 +3,9 @@
 Importing needs no GPU and no driver; kernels load on first use. See README.md.
 """
 
+# selftest: the first-use self-checks of variants of archs our GPU suite has not run, put in
+# place for every variant choice (families.self_check) by importing it.
+from sparseforge import selftest  # noqa: F401
 from sparseforge.errors import (
     KernelLaunchError,
     NoGPUError,
@@ -10,6 +13,7 @@ from sparseforge.errors import (
     SparseforgeError,
     UnsupportedArchError,
     VariantNotBuiltError,
+    VariantSelfCheckError,
 )
 from sparseforge.msa_ops import (
     MSASparseAttentionWorkspace,
@@ -74,5 +78,6 @@ __all__ = [
     "SparseforgeError",
     "UnsupportedArchError",
     "VariantNotBuiltError",
+    "VariantSelfCheckError",
     "__version__",
 ]

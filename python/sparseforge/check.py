@@ -794,6 +794,43 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+# The families with checks of their own; the others (tile_compact, msa_attention_combine,
+# rope_llama) run inside the checks of the kernels that use them.
+CHECKED_FAMILIES = (
+    *ATTENTION_FAMILIES,
+    QUANTIZER_FAMILY,
+    TOPK_FAMILY,
+    *PROXY_FAMILIES,
+    NVFP4_WRITE_FAMILY,
+    SDSA_QUANTIZE_FAMILY,
+    *SDSA_FAMILIES,
+    *MSA_ATTENTION_FAMILIES,
+    *TOKEN_SPARSE_FAMILIES,
+)
+
+
+def check_variant(v: dict, small: bool) -> list[tuple[str, bool]]:
+    """(what, passed) of each case of the variant with manifest entry v, on the current GPU."""
+    family = v["family"]
+    if family == QUANTIZER_FAMILY:
+        return [check_quantizer(v, small)]
+    if family == TOPK_FAMILY:
+        return [check_topk_select(small)]
+    if family in PROXY_FAMILIES:
+        return [check_proxy_score(v, small)]
+    if family == NVFP4_WRITE_FAMILY:
+        return [check_nvfp4_write(v, small)]
+    if family == SDSA_QUANTIZE_FAMILY:
+        return [check_sdsa_quantize(v, small)]
+    if family in SDSA_FAMILIES:
+        return [check_sdsa(v, small)]
+    if family in MSA_ATTENTION_FAMILIES:
+        return [check_msa_attention(v, small)]
+    if family in TOKEN_SPARSE_FAMILIES:
+        return [check_token_sparse(v, small)]
+    return [check_attention(v, block, small) for block in (64, 128)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", help="only this variant")
@@ -804,18 +841,7 @@ def main(argv=None) -> int:
     chosen = [
         v
         for v in _library.manifest()["variants"]
-        if v["family"]
-        in (
-            *ATTENTION_FAMILIES,
-            QUANTIZER_FAMILY,
-            TOPK_FAMILY,
-            *PROXY_FAMILIES,
-            NVFP4_WRITE_FAMILY,
-            SDSA_QUANTIZE_FAMILY,
-            *SDSA_FAMILIES,
-            *MSA_ATTENTION_FAMILIES,
-            *TOKEN_SPARSE_FAMILIES,
-        )
+        if v["family"] in CHECKED_FAMILIES
         and v["arch"] == arch
         and args.variant in (None, v["name"])
         and v["family"].startswith(args.family or "")
@@ -825,25 +851,7 @@ def main(argv=None) -> int:
         return 1
     cases = failed = 0
     for v in chosen:
-        if v["family"] == QUANTIZER_FAMILY:
-            runs = [check_quantizer(v, args.small)]
-        elif v["family"] == TOPK_FAMILY:
-            runs = [check_topk_select(args.small)]
-        elif v["family"] in PROXY_FAMILIES:
-            runs = [check_proxy_score(v, args.small)]
-        elif v["family"] == NVFP4_WRITE_FAMILY:
-            runs = [check_nvfp4_write(v, args.small)]
-        elif v["family"] == SDSA_QUANTIZE_FAMILY:
-            runs = [check_sdsa_quantize(v, args.small)]
-        elif v["family"] in SDSA_FAMILIES:
-            runs = [check_sdsa(v, args.small)]
-        elif v["family"] in MSA_ATTENTION_FAMILIES:
-            runs = [check_msa_attention(v, args.small)]
-        elif v["family"] in TOKEN_SPARSE_FAMILIES:
-            runs = [check_token_sparse(v, args.small)]
-        else:
-            runs = [check_attention(v, block, args.small) for block in (64, 128)]
-        for what, ok in runs:
+        for what, ok in check_variant(v, args.small):
             cases += 1
             failed += not ok
             print(f"{v['name']} {what} {'ok' if ok else 'FAILED'}", flush=True)

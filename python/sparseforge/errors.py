@@ -21,5 +21,10 @@ class VariantNotBuiltError(SparseforgeError):
     """The requested kernel configuration was not compiled into this build."""
 
 
+class VariantSelfCheckError(VariantNotBuiltError):
+    """Every variant that fits a call failed its first-use self-check on this GPU (an arch our
+    GPU suite has not run: sparseforge.selftest)."""
+
+
 class KernelLaunchError(SparseforgeError):
     """The CUDA runtime reported an error while loading or launching a kernel."""

@@ -1,7 +1,9 @@
-"""`python -m sparseforge info`: what this build contains and what GPU it would run on."""
+"""`python -m sparseforge info [--selftest]`: what this build contains and what GPU it would run
+on; with --selftest, every variant of that GPU against the PyTorch reference."""
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import sparseforge
@@ -65,7 +67,12 @@ def distribution_version() -> str:
         return sparseforge.__version__
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    """With --selftest, also run every check of this GPU's variants (sparseforge.check)."""
+    args = argv or []
+    if any(a != "--selftest" for a in args):
+        print("usage: python -m sparseforge info [--selftest]", file=sys.stderr)
+        return 2
     print(f"sparseforge {distribution_version()}")
     try:
         for line in build_summary():
@@ -74,4 +81,8 @@ def main() -> int:
         print(f"build: {exc}")
         return 1
     print(gpu_summary())
+    if args:
+        from sparseforge import check
+
+        return check.main([])
     return 0

@@ -21,7 +21,7 @@ import pkgutil
 from dataclasses import dataclass
 
 from sparseforge import _library
-from sparseforge.errors import NotBuiltError, VariantNotBuiltError
+from sparseforge.errors import NotBuiltError, VariantNotBuiltError, VariantSelfCheckError
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ def forced_variant() -> _library.Kernel | None:
     return _library.Kernel.from_manifest(entry)
 
 
+def _unchecked(kernel: _library.Kernel, arch: str) -> str | None:
+    return None
+
+
+# What keeps a chosen variant from running (None: nothing): sparseforge.selftest installs its
+# first-use self-check here when sparseforge is imported (this package cannot import it: the
+# checks import the families).
+self_check = _unchecked
+
+
 def choose(
     family: str, arch: str, *, portable: bool = False, fits=None, **params
 ) -> _library.Kernel:
@@ -104,6 +114,10 @@ def choose(
     SPARSEFORGE_VARIANT=<name> forces a variant of the family it belongs to (tuning,
     debugging): it must exist in this build, and for its family's calls be of this arch,
     match the parameters and fit. Other families' choices are not affected.
+
+    On an arch our GPU suite has not run, a variant is chosen only once its first-use
+    self-check passed (self_check, sparseforge.selftest): one that fails gives way to the
+    next that fits.
     """
     fits = fits or (lambda units: True)
     built = _library.kernels(family, arch)
@@ -119,18 +133,33 @@ def choose(
                 f"SPARSEFORGE_VARIANT={forced.name} runs units in groups of "
                 f"{forced.units_per_cta} with one tile list; this plan has none"
             )
+        why = self_check(forced, arch)
+        if why is not None:
+            raise VariantSelfCheckError(
+                f"SPARSEFORGE_VARIANT={forced.name} failed its self-check on this GPU: {why}"
+            )
         return forced
     order = spec(family).templates.get(arch, ())
     if portable:
         order = tuple(t for t in order if t in spec(family).portable_templates)
+    failed = []
     for template in order:
         candidates = [
             k
             for k in built
             if k.template == template and _matches(k, params) and fits(k.units_per_cta)
         ]
-        if candidates:
-            return max(candidates, key=lambda k: k.units_per_cta)
+        for kernel in sorted(candidates, key=lambda k: -k.units_per_cta):
+            why = self_check(kernel, arch)
+            if why is None:
+                return kernel
+            failed.append(f"{kernel.name}: {why}")
+    if failed:
+        raise VariantSelfCheckError(
+            f"every {family} variant for this call failed its self-check on this GPU ("
+            + "; ".join(failed)
+            + "); SPARSEFORGE_SELFTEST=0 runs them unchecked"
+        )
     raise _not_built(family, arch, [k for k in built if k.template in order], params)
 
 
