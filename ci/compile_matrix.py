@@ -7,8 +7,10 @@ ELF images (64-bit ELF, e_machine 190 = EM_CUDA, SM number in bits 8-15 of e_fla
 image is attributed to a template by its kernel class (manifest.json), whose name is in the
 image's kernel symbol. Prints one row per template with the number of cubins per SM; exits 1
 unless the cubins match the manifest and every family has code for each arch it requires
-(manifest.json, from its spec in generator/families/), or if ptxas serialized the wgmma of a
-Hopper kernel.
+(manifest.json, from its spec in generator/families/), if ptxas serialized the wgmma of a
+Hopper kernel, or if an image lacks the tensor-core instructions its template declares
+(Template.mma: "wgmma" needs HGMMA / QGMMA, "mma.sync" HMMA / QMMA / IMMA) - a kernel built
+for an arch no machine here runs still shows that it multiplies on the tensor cores.
 
 Serialized wgmma (ptxas advisory C7512, e.g. when a change needs more registers than the
 CTAs-per-SM bound leaves) still computes the right answer but waits for every MMA before
@@ -92,23 +94,46 @@ def nvdisasm() -> str | None:
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
-def serialized_wgmma(library: Path, manifest: dict, tool: str) -> list[str]:
-    """Templates of the sm_90 images whose every wgmma carries gsb0 (serialized by ptxas)."""
-    bad = []
+# SASS opcodes a template's declared tensor-core instructions compile to.
+MMA_SASS = {"wgmma": re.compile(r"\b[HQ]GMMA\b"), "mma.sync": re.compile(r"\b[HQI]MMA\b")}
+
+
+def disassembled(library: Path, manifest: dict, tool: str):
+    """(template, SM, SASS text) of every image of the library."""
     classes = kernel_classes(manifest)
     for sm, image in cuda_elf_images(library.read_bytes()):
-        if sm != 90:
-            continue
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(image)
             f.flush()
             sass = subprocess.run(
                 [tool, "-c", f.name], capture_output=True, text=True, check=True
             ).stdout
+        yield template_of(image, classes), sm, sass
+
+
+def template_mma(manifest: dict) -> dict[str, str]:
+    """{template: its tensor-core instructions} over the families (a template name means
+    the same kind of kernel in every family that has it)."""
+    kinds = {}
+    for spec in manifest["families"].values():
+        for template, kind in spec["mma"].items():
+            assert kinds.setdefault(template, kind) == kind, f"{template}: {kind} and {kinds}"
+    return kinds
+
+
+def sass_findings(library: Path, manifest: dict, tool: str) -> tuple[list[str], list[str]]:
+    """(templates of the sm_90 images whose every wgmma carries gsb0 - serialized by ptxas -,
+    'template on sm_N' of the images without their template's tensor-core instructions)."""
+    serialized, missing = [], []
+    kinds = template_mma(manifest)
+    for template, sm, sass in disassembled(library, manifest, tool):
         mmas = re.findall(r"[HQ]GMMA\.[^;]*;", sass)
-        if mmas and all("gsb0" in m for m in mmas):
-            bad.append(template_of(image, classes) or "unknown")
-    return bad
+        if sm == 90 and mmas and all("gsb0" in m for m in mmas):
+            serialized.append(template or "unknown")
+        kind = kinds.get(template)
+        if kind is not None and not MMA_SASS[kind].search(sass):
+            missing.append(f"{template} on sm_{sm}")
+    return serialized, missing
 
 
 def expected(manifest: dict) -> Counter:
@@ -140,12 +165,14 @@ def main(argv=None) -> int:
             ok = False
     print("compile matrix OK" if ok else "compile matrix MISMATCH (see manifest.json)")
     tool = nvdisasm()
-    serialized = serialized_wgmma(library, manifest, tool) if tool else []
     if not tool:
         print(
-            "sm_90 wgmma NOT checked: no nvdisasm here (CUDA toolkit or pip nvidia-cuda-nvdisasm)"
+            "SASS NOT checked (wgmma pipelining, tensor-core instructions): no nvdisasm here "
+            "(CUDA toolkit or pip nvidia-cuda-nvdisasm)"
         )
-    elif serialized:
+        return 0 if ok else 1
+    serialized, missing = sass_findings(library, manifest, tool)
+    if serialized:
         print(
             f"wgmma serialized by ptxas in {len(serialized)} sm_90 kernels: "
             f"{sorted(set(serialized))}"
@@ -153,6 +180,11 @@ def main(argv=None) -> int:
         ok = False
     else:
         print("sm_90 wgmma pipelined (no kernel serialized by ptxas)")
+    if missing:
+        print(f"tensor-core instructions missing in {len(missing)} images: {sorted(set(missing))}")
+        ok = False
+    else:
+        print("every image of a tensor-core template has its MMA instructions")
     return 0 if ok else 1
 
 

@@ -69,6 +69,7 @@ def manifest(variants: list[Variant], archs) -> dict:
                 "required_archs": list(family.required_archs),
                 "templates": {arch: [t.name for t in family.templates_for(arch)] for arch in archs},
                 "portable_templates": [t.name for t in family.templates if t.portable],
+                "mma": {t.name: t.mma for t in family.templates if t.mma},
                 "constants": dict(family.constants),
             }
             for family in families().values()

@@ -27,8 +27,10 @@ def test_manifest_schema():
             "required_archs",
             "templates",
             "portable_templates",
+            "mma",
             "constants",
         }
+        assert set(family["mma"].values()) <= {"wgmma", "mma.sync"}, name
         assert set(family["templates"]) == set(m["archs"]), name
     for index, v in enumerate(m["variants"]):
         assert set(v) == {

@@ -107,6 +107,7 @@ def templates(logits: bool):
         Template(
             "sm90_wgmma",
             "generator.kernels.sm90.block_sparse_fwd",
+            mma="wgmma",
             archs=("sm_90a",),
             configs=tuple(
                 dict(dtype=t, head_dim=d, warpgroups=w, **extra)
@@ -121,6 +122,7 @@ def templates(logits: bool):
         Template(
             "warp_mma",
             "generator.kernels.portable.block_sparse_fwd",
+            mma="mma.sync",
             archs=ALL_ARCHS,
             configs=tuple(
                 dict(dtype=t, head_dim=d, **extra)

@@ -100,6 +100,7 @@ FAMILIES = (
             Template(
                 "sm90_wgmma",
                 "generator.kernels.sm90.msa_proxy_score",
+                mma="wgmma",
                 archs=("sm_90a",),
                 configs=tuple(
                     dict(dtype=t, head_dim=HEAD_DIM, key_layout=layout, accumulate=acc)
@@ -113,6 +114,7 @@ FAMILIES = (
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_proxy_score",
+                mma="mma.sync",
                 archs=ALL_ARCHS,
                 configs=tuple(
                     dict(dtype=t, head_dim=HEAD_DIM, key_layout=layout, accumulate="fp32")
@@ -134,6 +136,7 @@ FAMILIES = (
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_proxy_score",
+                mma="mma.sync",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(head_dim=HEAD_DIM, key_layout=layout) for layout in KEY_LAYOUTS),
                 portable=True,

@@ -136,6 +136,7 @@ def _family(name: str, doc: str) -> Family:
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_sparse_attention",
+                mma="mma.sync",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
                 portable=True,
@@ -146,6 +147,7 @@ def _family(name: str, doc: str) -> Family:
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",
+                mma="wgmma",
                 archs=("sm_90a",),
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma") for t in Q_DTYPES),
             ),
@@ -155,6 +157,7 @@ def _family(name: str, doc: str) -> Family:
             Template(
                 "warp_mma_token",
                 "generator.kernels.portable.msa_token_attention",
+                mma="mma.sync",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="token") for t in Q_DTYPES),
                 portable=True,

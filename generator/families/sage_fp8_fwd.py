@@ -71,6 +71,7 @@ FAMILIES = (
             Template(
                 "sm90_sage_fp8",
                 "generator.kernels.sm90.sage_fp8_fwd",
+                mma="wgmma",
                 archs=("sm_90a",),
                 configs=tuple(
                     dict(dtype=t, head_dim=d, warpgroups=w)
@@ -88,6 +89,7 @@ FAMILIES = (
             Template(
                 "warp_mma_fp8",
                 "generator.kernels.portable.sage_fp8_fwd",
+                mma="mma.sync",
                 archs=ALL_ARCHS,
                 configs=tuple(dict(dtype=t, head_dim=d) for t in DTYPES for d in HEAD_DIMS),
                 portable=True,

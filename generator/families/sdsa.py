@@ -178,6 +178,10 @@ def topk_abi(head_dim=None):
     )
 
 
+# The SDSA kernels that multiply on tensor cores (mma.sync); the others use CUDA cores.
+MMA_FAMILIES = ("sdsa_scores", "sdsa_select", "sdsa_repair")
+
+
 def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None):
     """One SDSA family: a portable template of the same name (module sdsa_<op>) on every
     arch, one variant per dtype (none: a single variant)."""
@@ -195,6 +199,7 @@ def _family(name, doc, abi, dtypes=KEY_DTYPES, constants=None):
                 archs=ALL_ARCHS,
                 configs=configs,
                 portable=True,
+                mma="mma.sync" if name in MMA_FAMILIES else None,
             ),
         ),
     )
