@@ -127,6 +127,18 @@ def test_compile_matrix_script_passes():
     assert compile_matrix.main([str(_library.PACKAGE_DIR / _library.LIBRARY_NAME)]) == 0
 
 
+def test_compile_matrix_finds_a_template_without_its_mma_instructions():
+    """A CUDA-core template declared as a tensor-core one is caught on every arch."""
+    tool = compile_matrix.nvdisasm()
+    if tool is None:
+        pytest.skip("no nvdisasm here")
+    m = json.loads(json.dumps(_library.manifest()))
+    m["families"]["tile_compact"]["mma"] = {"tile_compact": "mma.sync"}
+    library = _library.PACKAGE_DIR / _library.LIBRARY_NAME
+    _, missing = compile_matrix.sass_findings(library, m, tool)
+    assert sorted(missing) == [f"tile_compact on sm_{ARCH_SM[a]}" for a in EXPECTED_ARCHS]
+
+
 def test_library_exports_only_the_c_api():
     import subprocess
 
