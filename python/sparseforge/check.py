@@ -16,8 +16,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - nvfp4_kv_write: every scale range, E2M1 midpoints, zero and NaN groups, shuffled and
   negative slots; the pages byte for byte equal to reference.nvfp4_write_slots';
 - msa_sparse_attention (16-bit, FP8 and NVFP4 K/V): ragged paged sequences, -1 and
-  repeated ids, an empty selection, GQA 4; output and LSE against the fp64 reference on the
-  dequantized K/V;
+  repeated ids, an empty selection, GQA 4 (GQA 16 for the wgmma union tile); output and LSE
+  against the fp64 reference on the dequantized K/V;
 - sdsa_quantize: keys and queries over the scale range, zero, NaN and midpoint groups,
   shuffled and negative slots and rows, cache and scales as views of one allocation; every
   output byte equal to reference.quantize_write_index_qk_nvfp4's; sdsa_scores,
@@ -30,7 +30,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   out-of-range positions, every output buffer (poisoned) equal to the reference's.
 
 One line per case; exit status 1 if any fails. `--small` shrinks the problems (for
-compute-sanitizer). With SPARSEFORGE_LIBRARY_DIR it checks a development build of a few
+compute-sanitizer, and for the first-use self-checks of selftest.py, which run a variant's
+case through check_variant). With SPARSEFORGE_LIBRARY_DIR it checks a development build of a few
 variants (generator/dev.py) without the full build.
 """
 
