@@ -136,3 +136,11 @@ def test_the_check_runs_the_variant_case_and_restores_the_environment(monkeypatc
     assert "SPARSEFORGE_VARIANT" not in selftest.os.environ
     combine = families._library.kernels("msa_attention_combine", "sm_120a")[0]
     assert selftest._run_check(combine) is None  # checked inside the MSA attention checks
+
+
+def test_every_family_is_checked_or_named_as_not():
+    """A new family needs a check (check.check_variant) or a line saying where it runs."""
+    from sparseforge import _library
+
+    without = set(_library.manifest()["families"]) - set(check.CHECKED_FAMILIES)
+    assert without == {"tile_compact", "msa_attention_combine", "sage_quantize_kv", "rope_llama"}

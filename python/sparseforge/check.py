@@ -2,9 +2,10 @@
 library for this GPU (or one) on fresh random inputs against the PyTorch reference.
 
 - attention variants: a ragged problem each fits (its dtype and head_dim, GQA groups of its
-  units per CTA, 64- and 128-token blocks, an empty and a full row), outputs poisoned with
-  NaN; relative L2 error and LSE against the fp32 reference (Sage FP8 on the dequantized
-  e4m3 inputs, quantized by the reference quantizer);
+  units per CTA, 64- and 128-token blocks, an empty and a full row; the logits variants
+  with causal, and the soft cap for the "scores" kind), outputs poisoned with NaN;
+  relative L2 error and LSE against the fp32 reference (Sage FP8 on the dequantized e4m3
+  inputs, quantized by the reference quantizer);
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
 - tile_compact: run by every attention plan;
@@ -50,7 +51,9 @@ from sparseforge.dtypes import BY_NAME
 from sparseforge.families import sdsa as sdsa_family
 from sparseforge.sparse import VariableBlockSparseAttentionWrapper
 
-ATTENTION_FAMILIES = ("block_sparse_fwd", "sage_fp8_fwd")
+ATTENTION_FAMILIES = ("block_sparse_fwd", "block_sparse_fwd_logits", "sage_fp8_fwd")
+# The logits variants' plan options: "scores" runs with a score option, "masks" without.
+LOGIT_OPTIONS = {"masks": dict(causal=True), "scores": dict(causal=True, logits_soft_cap=8.0)}
 QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILIES = ("msa_proxy_score", "msa_proxy_score_nvfp4")
@@ -65,7 +68,7 @@ MSA_ATTENTION_FAMILIES = (
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
-TOLERANCE = {"block_sparse_fwd": 5e-3, "sage_fp8_fwd": 3e-2}
+TOLERANCE = {"block_sparse_fwd": 5e-3, "block_sparse_fwd_logits": 5e-3, "sage_fp8_fwd": 3e-2}
 
 
 def ragged_mask(hkv: int, mb: int, nb: int, seed: int) -> torch.Tensor:
@@ -155,7 +158,10 @@ def topk_scores(heads, blocks, tokens, seed=0, per_token=True):
 
 
 def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[str, bool]:
+    """A ragged problem the variant fits (logits variants: causal, and the soft cap for the
+    "scores" kind), planned and run with the variant forced, against the fp32 reference."""
     p = v["params"]
+    options = LOGIT_OPTIONS[p["logits"]] if p.get("logits") else {}
     group = v["constraints"]["units_per_cta"]
     hkv, hq, d = 2, 2 * group, p["head_dim"]
     sq, sk = (300, 200) if small else (1000, 777)
@@ -180,8 +186,9 @@ def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[st
     os.environ["SPARSEFORGE_VARIANT"] = v["name"]
     try:
         wrapper.plan(
-            mask.cuda(), rows.cuda(), cols.cuda(), hq, hkv, d, q_data_type=q.dtype, **scales
-        )
+            mask.cuda(), rows.cuda(), cols.cuda(), hq, hkv, d, q_data_type=q.dtype, **scales,
+            **options,
+        )  # fmt: skip
         wrapper.check_plan()
         out = torch.full((hq, sq, d), float("nan"), device="cuda", dtype=out_dtype)
         lse = torch.full((hq, sq), float("nan"), device="cuda")
@@ -190,7 +197,13 @@ def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[st
     finally:
         os.environ.pop("SPARSEFORGE_VARIANT")
     tokens = reference.block_mask_to_token_mask(mask, rows, cols).cuda()
-    ref_out, ref_lse = reference.attention(*ref_inputs, tokens, compute_dtype=torch.float32)
+    if options.get("causal"):  # aligned at the bottom right, as plan()'s causal is
+        i, j = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None]
+        tokens = tokens & (j <= i + sk - sq)
+    ref_out, ref_lse = reference.attention(
+        *ref_inputs, tokens, compute_dtype=torch.float32,
+        logits_soft_cap=options.get("logits_soft_cap"),
+    )  # fmt: skip
     err = float((out.float() - ref_out).norm() / ref_out.norm())
     empty = torch.isinf(ref_lse)
     ok = (
@@ -200,7 +213,8 @@ def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[st
         and bool((out[empty] == 0).all())
         and torch.allclose(lse[~empty], ref_lse[~empty], atol=5e-3, rtol=2e-3)
     )
-    return f"blocks {block}: rel. L2 {err:.2e}", ok
+    what = "".join(f", {name} {value}" for name, value in options.items())
+    return f"blocks {block}{what}: rel. L2 {err:.2e}", ok
 
 
 def check_quantizer(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
@@ -795,8 +809,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-# The families with checks of their own; the others (tile_compact, msa_attention_combine,
-# rope_llama) run inside the checks of the kernels that use them.
+# The families with checks of their own. The others: tile_compact runs in every attention
+# plan, msa_attention_combine in the decode checks (their small batches split), the
+# sage_quantize_stats check launches sage_quantize_kv too; rope_llama has none yet.
 CHECKED_FAMILIES = (
     *ATTENTION_FAMILIES,
     QUANTIZER_FAMILY,
