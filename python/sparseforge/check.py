@@ -9,6 +9,8 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - quantizer launches: sage_fp8_quantize without the scale search, codes and scales equal to
   the reference's bit for bit (given the kernel's k mean);
 - tile_compact: run by every attention plan;
+- rope_llama: q and k rotated by a ROPE_LLAMA plan, the attention against the reference's
+  rotation rounded to the dtype (1e-2);
 - msa_proxy_score (and msa_proxy_score_fp4, against the reference on the dequantized
   values): ragged sequences (keys past the last full block, a sequence without
   keys, more than 64 queries), GQA, causal with default and explicit query offsets and not,
@@ -58,6 +60,7 @@ QUANTIZER_FAMILY = "sage_quantize_stats"  # its variants stand for both launches
 TOPK_FAMILY = "msa_topk_select"
 PROXY_FAMILIES = ("msa_proxy_score", "msa_proxy_score_nvfp4")
 NVFP4_WRITE_FAMILY = "nvfp4_kv_write"
+ROPE_FAMILY = "rope_llama"
 SDSA_QUANTIZE_FAMILY = "sdsa_quantize"
 SDSA_FAMILIES = tuple(f for f in sdsa_family.FAMILIES if f != SDSA_QUANTIZE_FAMILY)
 MSA_ATTENTION_FAMILIES = (
@@ -215,6 +218,44 @@ def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[st
     )
     what = "".join(f", {name} {value}" for name, value in options.items())
     return f"blocks {block}{what}: rel. L2 {err:.2e}", ok
+
+
+def check_rope(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    """rope_llama through the variable wrapper's pos_encoding_mode="ROPE_LLAMA" (forced; the
+    attention kernel is this GPU's default): against the fp32 reference attention of the
+    reference's rotation (q at positions i + Sk - Sq, k at j) rounded to the dtype."""
+    p = v["params"]
+    hq, hkv, d, block = 4, 2, p["head_dim"], 64
+    sq, sk = (200, 320) if small else (1000, 777)
+    dtype = BY_NAME[p["dtype"]]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v_ = (
+        torch.randn(h, s, d, device="cuda", generator=gen).to(dtype)
+        for h, s in ((hq, sq), (hkv, sk), (hkv, sk))
+    )
+    mask = ragged_mask(hkv, -(-sq // block), -(-sk // block), seed)
+    rows = reference.uniform_sizes(sq, block).expand(hkv, -1).to(torch.int32)
+    cols = reference.uniform_sizes(sk, block).expand(hkv, -1).to(torch.int32)
+    scale, theta = 2.0, 5e5
+    wrapper = VariableBlockSparseAttentionWrapper(
+        torch.empty(1, device="cuda"), backend="sparseforge"
+    )
+    os.environ["SPARSEFORGE_VARIANT"] = v["name"]
+    try:
+        wrapper.plan(
+            mask.cuda(), rows.cuda(), cols.cuda(), hq, hkv, d, q_data_type=dtype,
+            pos_encoding_mode="ROPE_LLAMA", rope_scale=scale, rope_theta=theta,
+        )  # fmt: skip
+        out = wrapper.run(q, k, v_)
+        torch.cuda.synchronize()
+    finally:
+        os.environ.pop("SPARSEFORGE_VARIANT")
+    rq = reference.rope_llama(q, torch.arange(sq) + sk - sq, scale, theta).to(dtype)
+    rk = reference.rope_llama(k, torch.arange(sk), scale, theta).to(dtype)
+    tokens = reference.block_mask_to_token_mask(mask, rows, cols).cuda()
+    want, _ = reference.attention(rq, rk, v_, tokens, compute_dtype=torch.float32)
+    err = float((out.float() - want).norm() / want.norm())
+    return f"rotated q and k, rel. L2 {err:.2e}", err <= 1e-2 and not torch.isnan(out).any()
 
 
 def check_quantizer(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
@@ -811,7 +852,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # The families with checks of their own. The others: tile_compact runs in every attention
 # plan, msa_attention_combine in the decode checks (their small batches split), the
-# sage_quantize_stats check launches sage_quantize_kv too; rope_llama has none yet.
+# sage_quantize_stats check launches sage_quantize_kv too.
 CHECKED_FAMILIES = (
     *ATTENTION_FAMILIES,
     QUANTIZER_FAMILY,
@@ -822,6 +863,7 @@ CHECKED_FAMILIES = (
     *SDSA_FAMILIES,
     *MSA_ATTENTION_FAMILIES,
     *TOKEN_SPARSE_FAMILIES,
+    ROPE_FAMILY,
 )
 
 
@@ -844,6 +886,8 @@ def check_variant(v: dict, small: bool) -> list[tuple[str, bool]]:
         return [check_msa_attention(v, small)]
     if family in TOKEN_SPARSE_FAMILIES:
         return [check_token_sparse(v, small)]
+    if family == ROPE_FAMILY:
+        return [check_rope(v, small)]
     return [check_attention(v, block, small) for block in (64, 128)]
 
 

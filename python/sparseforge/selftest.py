@@ -8,7 +8,7 @@ the current GPU, once, when that GPU is of the variant's arch. A variant that fa
 chosen again in the process: choose takes the next variant that fits (a native kernel gives
 way to the portable one) with a warning, and raises errors.VariantSelfCheckError when none
 is left. Families without checks of their own run inside the checks of the kernels that
-use them (check.CHECKED_FAMILIES says which), except rope_llama, which is not checked.
+use them (check.CHECKED_FAMILIES says where).
 
 Not checked: inside CUDA-graph capture or torch.compile tracing (a check launches and
 synchronises: run once eagerly first, as a warm-up does) and with SPARSEFORGE_SELFTEST=0.
