@@ -897,6 +897,8 @@ def main(argv=None) -> int:
     parser.add_argument("--family", help="only variants of families whose name starts so")
     parser.add_argument("--small", action="store_true", help="small problems (for sanitizers)")
     args = parser.parse_args(argv)
+    # Every variant is checked here, each on its own: no first-use self-checks besides.
+    os.environ["SPARSEFORGE_SELFTEST"] = "0"
     arch = arch_for_device(torch.cuda.current_device())
     chosen = [
         v
