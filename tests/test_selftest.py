@@ -144,3 +144,15 @@ def test_every_family_is_checked_or_named_as_not():
 
     without = set(_library.manifest()["families"]) - set(check.CHECKED_FAMILIES)
     assert without == {"tile_compact", "msa_attention_combine", "sage_quantize_kv"}
+
+
+@pytest.mark.parametrize("arch_name, told", [("sm_100a", True), ("sm_90a", False)])
+def test_info_says_when_variants_check_themselves(monkeypatch, arch_name, told):
+    from sparseforge import arch, info
+
+    monkeypatch.setattr(arch, "device_capability", lambda index: (10, 0))
+    monkeypatch.setattr(arch, "arch_for_device", lambda index: arch_name)
+    monkeypatch.setattr(info, "device_name", lambda index: "stand-in")
+    line = info.gpu_summary()
+    assert line.startswith(f"GPU 0: stand-in, compute capability 10.0 -> runs {arch_name}")
+    assert ("each variant checks itself before its first use" in line) == told

@@ -7,7 +7,7 @@ import sys
 from collections import defaultdict
 
 import sparseforge
-from sparseforge import _library, arch
+from sparseforge import _library, arch, selftest
 from sparseforge.errors import SparseforgeError
 
 
@@ -44,7 +44,13 @@ def gpu_summary() -> str:
         return f"GPU: none ({exc})"
     try:
         chosen = arch.arch_for_device(0)
-        return f"GPU 0: {device_name(0)}, compute capability {major}.{minor} -> runs {chosen}"
+        line = f"GPU 0: {device_name(0)}, compute capability {major}.{minor} -> runs {chosen}"
+        if chosen not in selftest.RUN_ON:
+            line += (
+                " (an arch our GPU suite has not run: each variant checks itself before its "
+                "first use; SPARSEFORGE_SELFTEST=0 skips that)"
+            )
+        return line
     except SparseforgeError as exc:
         return f"GPU 0: {device_name(0)}, compute capability {major}.{minor}: {exc}"
 
