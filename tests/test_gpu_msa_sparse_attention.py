@@ -270,6 +270,29 @@ def test_small_batches_split_and_large_ones_do_not():
     assert msa_ops._splits(device, 4, 2) == 2  # at most topk
 
 
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
+def test_prefill_chooses_the_wgmma_tile_where_its_grid_fills_the_gpu(kv_format, monkeypatch):
+    """16-bit K/V at G = 16 with enough tokens: prefill's own choice (no variant forced) is
+    the wgmma union tile where the build has it, and it matches the reference."""
+    from sparseforge.families import msa_sparse_attention as family
+
+    monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
+    if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
+        pytest.skip("no wgmma union tile for this GPU's arch")
+    tiles = []
+    launch = family.launch
+    monkeypatch.setattr(family, "launch", lambda *a: tiles.append(a[-1]) or launch(*a))
+    kernel, ref = msa_attention_inputs(kv_format, True, [400, 250], [2000, 700], 64, 4, 16, 3)
+    out = poisoned_out(kernel["q"])
+    got = msa_ops.msa_sparse_attention(
+        **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
+        causal=True, out=out, **kernel,
+    )  # fmt: skip
+    assert tiles == ["wgmma"]
+    want, _, _ = run_reference(ref, True)
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+
+
 @pytest.mark.parametrize("kv_format", ["bf16", "nvfp4"])
 def test_blocks_whose_page_id_leaves_the_cache_are_skipped(kv_format):
     """A page id past the cache or negative: its block is skipped like a -1 (never read)."""

@@ -229,20 +229,30 @@ def test_prepared_decode_arguments():
         msa_ops.prepare_msa_nvfp4_sparse_decode(**args, seqlen_q=5)
 
 
-def test_prefill_picks_the_one_token_kernel_for_quantized_kv_at_group_16():
-    """FP8 / NVFP4 K/V at G = 16 run on the one-token kernel (faster on MP1 with per-token
-    and with chunk-shared selections, bench/results); bf16 / fp16 and other G keep the union
-    tile."""
-    assert msa_ops._prefill_tile("e4m3", 16) == "token"
-    assert msa_ops._prefill_tile("nvfp4", 16) == "token"
-    for kv_format, group in (("16bit", 16), ("e4m3", 8), ("nvfp4", 4), ("16bit", 1)):
-        assert msa_ops._prefill_tile(kv_format, group) is None
+@pytest.mark.parametrize("wgmma_built", [True, False])
+def test_prefill_picks_its_kernel_by_format_group_and_grid(monkeypatch, wgmma_built):
+    """At G = 16: 16-bit K/V on the wgmma union tile where it is built and its grid (4 tokens
+    a CTA) fills the GPU, FP8 / NVFP4 K/V on the one-token kernel (faster on MP1 with
+    per-token selections, bench/results); smaller launches, other builds and other G keep
+    the union tile (it splits)."""
+    monkeypatch.setattr(msa_ops, "_wgmma_built", lambda index: wgmma_built)
+    monkeypatch.setattr(msa_ops, "_multiprocessors", lambda device: 132)
+    device = torch.device("cuda", 0)
+    fills = 132  # tokens: 132 / 4 CTAs a kv head, times Hkv = 4, is 132 CTAs
+    assert msa_ops._prefill_tile("16bit", 16, device, fills, 4) == (
+        "wgmma" if wgmma_built else None
+    )
+    assert msa_ops._prefill_tile("16bit", 16, device, fills - 4, 4) is None
+    for kv_format in ("e4m3", "nvfp4"):
+        for tokens in (1, fills, 10 * fills):
+            assert msa_ops._prefill_tile(kv_format, 16, device, tokens, 4) == "token"
+    for kv_format, group in (("16bit", 8), ("e4m3", 8), ("nvfp4", 4), ("16bit", 1)):
+        assert msa_ops._prefill_tile(kv_format, group, device, 10 * fills, 4) is None
 
 
 def test_a_forced_variant_picks_its_tile(monkeypatch):
     """SPARSEFORGE_VARIANT=<an MSA attention variant> makes prefill run that variant's tile
-    (the wgmma union tile is reached only so until it has run on a GPU); a variant of
-    another family leaves prefill's choice alone."""
+    (tuning, benchmarks); a variant of another family leaves prefill's choice alone."""
     from sparseforge.families import msa_sparse_attention as family
 
     monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)

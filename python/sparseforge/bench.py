@@ -631,8 +631,8 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted).
-    MP1 also runs the sm_90a wgmma union tile where it is built (forced by
-    SPARSEFORGE_VARIANT: prefill does not choose it yet), beside the default."""
+    MP1 runs prefill's choice of kernel and, forced by SPARSEFORGE_VARIANT, the K/V
+    format's other kernels of this arch beside it."""
     from sparseforge import _library, msa_ops
     from sparseforge.arch import arch_for_device
 
@@ -662,29 +662,33 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     cu = torch.tensor([0, seq], **i32)
     table = torch.arange(blocks, **i32)[None]
     used = torch.tensor([seq], **i32)
-    # Also on the kernels prefill does not choose yet (forced), beside the default.
-    arch = arch_for_device(device.index)
+    # Prefill's choice beside the format's other kernels (forced by SPARSEFORGE_VARIANT).
+    arch = arch_for_device(torch.cuda.current_device())
     families = {
         "bf16": "msa_sparse_attention",
         "e4m3": "msa_sparse_attention_fp8kv",
         "nvfp4": "msa_sparse_attention_nvfp4",
     }
-    unchosen = {
-        fmt: {
-            v["name"]: f"{v['params']['tile']} tile, forced"
+    tile_names = {None: "union", "wgmma": "wgmma union", "token": "one-token"}
+    chosen, others = {}, {}
+    for fmt, family in families.items():
+        kv_format = "16bit" if fmt == "bf16" else fmt
+        tile = msa_ops._prefill_tile(kv_format, hq // hkv, device, seq, hkv)
+        chosen[fmt] = f"{tile_names[tile]} tile"
+        others[fmt] = {
+            v["name"]: f"{tile_names[v['params'].get('tile')]} tile, forced"
             for v in _library.manifest()["variants"]
             if v["family"] == family
             and v["arch"] == arch
             and v["params"]["dtype"] == "bf16"
-            and v["params"].get("tile") == "wgmma"
+            and v["params"].get("tile") != tile
         }
-        for fmt, family in families.items()
-    }
     for mode in ("random", "chunked"):
         ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
+        times = {}
         for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
-            for variant, label in ({"": ""} | unchosen.get(fmt, {})).items():
+            for variant, label in ({"": chosen[fmt]} | others[fmt]).items():
                 os.environ["SPARSEFORGE_VARIANT"] = variant
                 ms = cuda_time_ms(
                     lambda kv=kv, ids=ids: msa_ops.msa_sparse_attention(
@@ -695,14 +699,46 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
                 )  # fmt: skip
                 os.environ.pop("SPARSEFORGE_VARIANT")
                 tflops = useful / ms / 1e9
-                kernel = f" ({label})" if label else ""
                 lines.append(
-                    f"MP1 {mode} selections, {fmt} K/V{kernel}: {ms:.2f} ms, {tflops:.0f} "
+                    f"MP1 {mode} selections, {fmt} K/V ({label}): {ms:.2f} ms, {tflops:.0f} "
                     f"useful TFLOPS ({tflops / dense_tflops:.2f}x cuDNN dense)"
                 )
+                if fmt == "bf16":
+                    times[label.split(" tile")[0]] = ms
         del kv
+        lines.append(mp1_streamed_bytes(ids, mode, times))
 
     return lines + msa_prefill_end_to_end(iters) + msa_decode_times(iters, formats)
+
+
+def mp1_streamed_bytes(ids, mode: str, times: dict) -> str:
+    """What bounds MP1 with bf16 K/V: the K/V bytes each kernel streams from L2 (a block:
+    128 keys of K and V, 64 KiB) and the rate that makes at the measured times (`times`: ms
+    by kernel name). A 4-token CTA of the union tiles streams the union of its tokens'
+    blocks; the one-token kernel streams each token's own blocks."""
+    hkv, seq, topk = ids.shape
+    per_token = float((ids >= 0).sum()) / (hkv * seq)
+    groups = ids.view(hkv, seq // 4, 4 * topk).sort(-1).values
+    distinct = (groups >= 0) & torch.cat(
+        [torch.ones_like(groups[..., :1], dtype=torch.bool), groups[..., 1:] != groups[..., :-1]],
+        -1,
+    )
+    union = float(distinct.sum()) / (hkv * seq // 4)
+    block_bytes = 2 * 128 * 128 * 2
+    streamed = {
+        "union": union * block_bytes * hkv * seq / 4,
+        "wgmma union": union * block_bytes * hkv * seq / 4,
+        "one-token": per_token * block_bytes * hkv * seq,
+    }
+    rates = ", ".join(
+        f"{name} {streamed[name] / 1e9:.0f} GB in {ms:.2f} ms "
+        f"= {streamed[name] / ms / 1e9:.1f} TB/s"
+        for name, ms in times.items()
+    )
+    return (
+        f"MP1 {mode} selections, bf16 K/V streamed: a 4-token CTA's union is {union:.1f} blocks "
+        f"for {per_token:.1f} a token ({union / per_token:.2f}x); {rates}"
+    )
 
 
 def mp1_selections(seq: int, hq: int, hkv: int, topk: int, mode: str, gen):

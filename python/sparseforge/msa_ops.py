@@ -670,18 +670,31 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
     return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
-def _prefill_tile(kv_format: str, group: int):
-    """msa_sparse_attention's kernel: the one-token kernel ("token") for FP8 and NVFP4 K/V at
-    G = 16, else the union tile (None). MP1 on the H200 (bench/results/
-    2026-12-03_932c88c_h200_msa_token_decode.md): with per-token (random) selections the
-    one-token kernel takes 12.5 / 13.8 ms against the union's 32.4 / 45.3 (FP8 / NVFP4),
-    with chunk-shared ones 12.5 / 13.8 ms against 11.6 / 15.8; with bf16 K/V 15.1 ms against
-    28.6 (random) but 14.4 against 10.2 (chunk-shared), so bf16 / fp16 keep the union. The
-    union tile's wgmma form (tile "wgmma", sm_90a, G = 16) is not chosen here: it has not
-    run on a GPU yet (SPARSEFORGE_VARIANT runs it)."""
-    if kv_format in ("e4m3", "nvfp4") and group == 16:
+def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
+    """msa_sparse_attention's kernel at G = 16: the union tile on wgmma ("wgmma", sm_90a) for
+    16-bit K/V when its grid (4 tokens a CTA, never split) fills the GPU, the one-token
+    kernel ("token") for FP8 and NVFP4 K/V; else, and at other G, the union tile (None).
+    MP1 on the H200, interleaved rounds (bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md),
+    ms: bf16 K/V chunk-shared selections wgmma 4.1-4.3 against the union's 10.3-10.6 and
+    the one-token kernel's 14.5-14.7; per-token (random) 14.5-14.9 against 28.4-28.9 and
+    14.7-15.0. FP8 / NVFP4: wgmma 6.1-6.4 / 10.1-10.4 chunk-shared but 21.3-21.5 / 33.2-33.5
+    per-token, the one-token kernel 12.0-12.4 / 13.9-14.3 on both (it converts each block
+    once a token; the wgmma tile converts every union block on its CTA's critical path), so
+    they keep the one-token kernel. Launches too small to fill the GPU keep the union tile,
+    which splits."""
+    if group != attention_family.constant("wgmma_group"):
+        return None
+    if kv_format != "16bit":
         return "token"
+    ctas = tokens * group // attention_family.constant("tile_rows") * kv_heads
+    if _wgmma_built(device.index) and ctas >= _multiprocessors(device):
+        return "wgmma"
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _wgmma_built(device_index: int) -> bool:
+    return attention_family.built_for(device_index, "16bit", "wgmma")
 
 
 def _splits(device, ctas: int, topk: int) -> int:
@@ -893,8 +906,6 @@ def _attention(
     check_writable("out", out, inputs)
     if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
         tile = attention_family.forced_tile(kv_format)
-    if tile == "auto":
-        tile = _prefill_tile(kv_format, heads // kv_heads)
     wgmma_group = attention_family.constant("wgmma_group")
     if tile == "wgmma" and heads // kv_heads != wgmma_group:
         raise ValueError(
@@ -903,6 +914,8 @@ def _attention(
         )
     if device.type != "cuda":
         raise ValueError(f"q is on {device}; msa_sparse_attention needs a CUDA device")
+    if tile == "auto":
+        tile = _prefill_tile(kv_format, heads // kv_heads, device, total_q, kv_heads)
 
     if total_q:
         unused = _constant_count(device, 0)

@@ -28,14 +28,15 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-def built_for(device_index: int, kv_format: str) -> bool:
-    """Whether this build has the K/V format's kernels for the device's arch."""
+def built_for(device_index: int, kv_format: str, tile: str | None = None) -> bool:
+    """Whether this build has the K/V format's kernels (of this tile) for the device's arch."""
     try:
         families.choose(
             FAMILY_OF_FORMAT[kv_format],
             arch_for_device(device_index),
             dtype="bf16",
             head_dim=constant("head_dim"),
+            tile=tile,
         )
     except VariantNotBuiltError:
         return False
