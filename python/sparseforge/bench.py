@@ -673,7 +673,7 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     chosen, others = {}, {}
     for fmt, family in families.items():
         kv_format = "16bit" if fmt == "bf16" else fmt
-        tile = msa_ops._prefill_tile(kv_format, hq // hkv, device, seq, hkv)
+        tile = msa_ops._prefill_tile(kv_format, hq // hkv, q.device, seq, hkv)
         chosen[fmt] = f"{tile_names[tile]} tile"
         others[fmt] = {
             v["name"]: f"{tile_names[v['params'].get('tile')]} tile, forced"
