@@ -71,12 +71,16 @@ def random_selection(heads_kv: int, row_blocks: int, col_blocks: int, topk: int,
     return mask
 
 
-def cuda_time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median time of fn() over `iters` runs, each bracketed by CUDA events."""
+def cuda_time_ms(fn, warmup: int = 5, iters: int = 30, before=None) -> float:
+    """Median time of fn() over `iters` runs, each bracketed by CUDA events; before(), when
+    given, runs ahead of each run outside its events (a cold L2: overwriting a buffer larger
+    than L2)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -809,8 +813,8 @@ MSA_DECODE = (("MD1", 256, 1), ("MD4", 64, 4), ("MD1 batch 8", 8, 1), ("MD1 batc
 def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=MSA_DECODE):
     """msa_sparse_decode_attention at 64k context, Hq 64, Hkv 4, 16 random blocks per
     (request, kv head[, token]) with the last included, cold L2 (256 MB overwritten before
-    each call, that write's time subtracted: the small batches' times carry its noise);
-    bandwidth on the distinct selected K/V bytes (with scales) against HBM."""
+    each call, outside its timing); bandwidth on the distinct selected K/V bytes (with
+    scales) against HBM."""
     from sparseforge import msa_ops
 
     device = torch.device("cuda")
@@ -819,7 +823,6 @@ def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=
     hq, hkv = 64, 4
     lines = []
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    flush_ms = cuda_time_ms(flush.zero_, iters=iters)
     for name, batch, seqlen_q in shapes:
         ctx, pages = 65536, 512
         qd = torch.randn(batch * seqlen_q, hq, 128, device=device, generator=gen).to(torch.bfloat16)
@@ -837,12 +840,11 @@ def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=
             kv, block_bytes = msa_kv(fmt, batch * pages, hkv, gen)
 
             def decode(kv=kv, qd=qd, ids=ids, table=table, used=used, seqlen_q=seqlen_q):
-                flush.zero_()
                 msa_ops.msa_sparse_decode_attention(
                     qd, q2k_indices=ids, page_table=table, seqused_k=used, seqlen_q=seqlen_q, **kv
                 )
 
-            us = (cuda_time_ms(decode, warmup=2, iters=iters) - flush_ms) * 1e3
+            us = cuda_time_ms(decode, warmup=2, iters=iters, before=flush.zero_) * 1e3
             moved = distinct * block_bytes
             lines.append(
                 f"{name} {fmt} K/V ({batch} x {ctx // 1024}k, seqlen_q {seqlen_q}): {us:.1f} us "
@@ -855,8 +857,8 @@ def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=
 
 def sdsa_times(iters: int = 20) -> list[str]:
     """SD1 and SD2 (BENCHMARKS.md) over 128 requests x 65,536 keys each (64-key pages in
-    shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten before each call, that
-    write's time subtracted); bandwidth on the key bytes (+ scales) read once per request.
+    shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten before each call,
+    outside its timing); bandwidth on the key bytes (+ scales) read once per request.
     SD1: indexer_scores of 1 and 4 rows a request. SD2: threshold select (repair mode) and
     top_k_from_candidates, top_k 2048, thresholds from a scored 4096-key sample."""
     device = torch.device("cuda")
@@ -867,7 +869,6 @@ def sdsa_times(iters: int = 20) -> list[str]:
         torch.randperm(requests * pages, device=device, generator=gen).int().view(requests, pages)
     )
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    flush_ms = cuda_time_ms(flush.zero_, iters=iters)
     lines = []
     for fmt in ("bf16", "nvfp4"):
         values = torch.randn(requests * pages, 64, 128, device=device, generator=gen)
@@ -885,8 +886,8 @@ def sdsa_times(iters: int = 20) -> list[str]:
         moved = requests * context * key_bytes
         for rows in (1, 4):
             q = torch.randn(requests * rows, 128, device=device, generator=gen)
-            sd1_us = sdsa_scores_us(keys, q, fmt, flush, flush_ms, iters)
-            sd2, repaired = sdsa_select_top_k_us(keys, q, fmt, flush, flush_ms)
+            sd1_us = sdsa_scores_us(keys, q, fmt, flush, iters)
+            sd2, repaired = sdsa_select_top_k_us(keys, q, fmt, flush)
             for name, what, us in (
                 ("SD1", "indexer_scores", sd1_us),
                 (
@@ -912,7 +913,7 @@ def sdsa_query(q: torch.Tensor, fmt: str):
     return data, scales.view(torch.uint8)
 
 
-def sdsa_scores_us(keys, q, fmt: str, flush, flush_ms: float, iters: int) -> float:
+def sdsa_scores_us(keys, q, fmt: str, flush, iters: int) -> float:
     """Microseconds of indexer_scores of q's rows (rows / requests a request) over every
     key of each request, cold L2."""
     from sparseforge import sdsa
@@ -928,14 +929,10 @@ def sdsa_scores_us(keys, q, fmt: str, flush, flush_ms: float, iters: int) -> flo
         query_scales=query_scales, key_scales=key_scales,
     )  # fmt: skip
 
-    def score():
-        flush.zero_()
-        call()
-
-    return (cuda_time_ms(score, warmup=2, iters=iters) - flush_ms) * 1e3
+    return cuda_time_ms(call, warmup=2, iters=iters, before=flush.zero_) * 1e3
 
 
-def sdsa_select_top_k_us(keys, q, fmt: str, flush, flush_ms: float, iters: int = 10):
+def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
     """({what: microseconds} of threshold select with repair + top_k_from_candidates, of
     the select alone in repair mode, of it when every row fits (thresholds from a first
     repair: the repair launch's fixed cost), of the select without repair mode (its first
@@ -1006,23 +1003,19 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, flush_ms: float, iters: int =
         )
 
     def select_top_k():
-        flush.zero_()
         select()
         sdsa.top_k_from_candidates(args["candidates"], args["ranges"], top_keys=top_keys)
 
-    def timed(**mode):
-        def call():
-            flush.zero_()
-            select(**mode)
+    def timed(fn):
+        return cuda_time_ms(fn, warmup=2, iters=iters, before=flush.zero_) * 1e3
 
-        return (cuda_time_ms(call, warmup=2, iters=iters) - flush_ms) * 1e3
-
-    times = {"select + top-K": (cuda_time_ms(select_top_k, warmup=2, iters=iters) - flush_ms) * 1e3}
-    times["select, repair mode"] = timed()
+    times = {"select + top-K": timed(select_top_k)}
+    times["select, repair mode"] = timed(select)
     repaired = int((args["thresholds"] != from_sample).sum())
     # The repaired rows' exact thresholds make every row fit: the repair launch's fixed cost.
-    times["select, repair mode, every row fits"] = timed(thresholds=args["thresholds"].clone())
-    times["select without repair mode"] = timed(arrivals=None, ranges=None)
+    fitting = args["thresholds"].clone()
+    times["select, repair mode, every row fits"] = timed(lambda: select(thresholds=fitting))
+    times["select without repair mode"] = timed(lambda: select(arrivals=None, ranges=None))
     return times, repaired
 
 
