@@ -97,6 +97,29 @@ def row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos):
 
 
 @cute.jit
+def tokens_of_rows(first_row, rows: int, group, tokens):
+    """The tokens of rows first_row .. first_row + rows - 1 (row r is token r // group),
+    those below `tokens`, as the two words of a block's token mask in sMask."""
+    first = first_row // group
+    last = cutlass.min((first_row + rows - 1) // group, tokens - 1)
+    words = []
+    for w in cutlass.range_constexpr(2):
+        lo = cutlass.max(first, 32 * w)
+        hi = cutlass.min(last, 32 * w + 31)
+        word = cutlass.Int32(0)
+        if lo <= hi:
+            # hi - lo + 1 low bits (all 32: 2 << 31 wraps to 0, minus 1 is every bit).
+            word = ((cutlass.Int32(2) << (hi - lo)) - 1) << (lo - 32 * w)
+        words.append(word)
+    return words[0], words[1]
+
+
+def selects_block(sMask, j, token_words):
+    """Whether any token of token_words (tokens_of_rows) selected union block j."""
+    return ((sMask[2 * j] & token_words[0]) | (sMask[2 * j + 1] & token_words[1])) != 0
+
+
+@cute.jit
 def mask_to_own_blocks(
     acc_S_mn, tScS_mn, sMask, j, first_key, row_token, key_end, full: cutlass.Constexpr = 0
 ):

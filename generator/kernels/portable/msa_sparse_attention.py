@@ -14,8 +14,9 @@ total_q / T + B: no host synchronisation).
 3. per 64-key half of each union block (with `splits` > 1, grid z: only this CTA's
    contiguous share of them): S = Q K^T; a row keeps the keys of blocks its token
    selected, inside the sequence and, with causal, at positions <= its own; online softmax
-   (and the temperature lse's running sum when asked); O += P V. A warp whose 16 rows hold
-   no token skips the MMAs and softmax (decode: one token's G heads fill 16 rows). Loads
+   (and the temperature lse's running sum when asked); O += P V. A warp skips the MMAs and
+   softmax of a block that none of its rows' tokens selected (at G = 16 a warp is one
+   token; decode: one token's G heads fill 16 rows, the other warps skip all). Loads
    run one tile ahead, by cp.async, into two buffers:
        K/V in q's dtype: straight into the two K/V tile buffers;
        FP8 / NVFP4: the raw tiles (codes, and NVFP4's scale rows) into two small raw
@@ -56,7 +57,9 @@ from generator.kernels.common.msa_union import (
     first_key_of,
     mask_to_own_blocks,
     row_limits,
+    selects_block,
     token_tile_of_cta,
+    tokens_of_rows,
 )
 from generator.kernels.common.nvfp4 import decode_chunks
 from generator.kernels.common.softmax import (
@@ -227,9 +230,12 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
         first_tile = cutlass.min(split * share, all_tiles)
         tiles = cutlass.min(all_tiles - first_tile, share)
         masks = (sIds, sMask, row_token, key_end, tScS_mn)
-        # A warp whose 16 rows are all past the tile's tokens (decode: G heads of one token
-        # fill 16 of the 64 rows) skips the MMAs and softmax; it still loads and decodes.
-        warp_has_rows = (tidx // 32) * (TILE_M // 4) // group < tokens
+        # A warp skips the MMAs and softmax of a block none of its rows' tokens selected
+        # (their scores would all be masked): with G = 16 a warp is one token, so per-token
+        # selections cost it its own blocks, not the union's; a warp whose rows are all past
+        # the tile's tokens (decode: G heads of one token fill 16 of the 64 rows) skips
+        # every block. Loads and decodes are shared, so every warp still does those.
+        warp_tokens = tokens_of_rows((tidx // 32) * (TILE_M // 4), TILE_M // 4, group, tokens)
         fetch_args = (seq, kv_head, sIds, seqlen_k, key_start)
         if cutlass.const_expr(self.stages == 2):
             # Two buffers: tile u + 1's cp.async copies run under tile u's MMAs and softmax.
@@ -261,7 +267,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                     else:
                         self.copy_tile_async(args, async_copy, kv_dst[0], tXcX, fetch_args, u + 1)
                 cute.arch.cp_async_commit_group()
-                if warp_has_rows:
+                if selects_block(sMask, u // HALVES, warp_tokens):
                     acc_S = cute.make_rmem_tensor(
                         thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                     )
@@ -317,7 +323,7 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
                     self.dequantize(raw, scales, rKV)
                     cute.copy(rows_copy, rKV, tKsK if x == 0 else tVsV)
                 self.barrier.arrive_and_wait()
-                if warp_has_rows:
+                if selects_block(sMask, u // HALVES, warp_tokens):
                     acc_S = cute.make_rmem_tensor(
                         thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32
                     )
