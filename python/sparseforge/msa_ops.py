@@ -595,10 +595,17 @@ def msa_sparse_attention(
     Returns out (total_q, Hq, 128) in q's dtype (into `out` if given), with
     return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
-    Kernels: with FP8 or NVFP4 K/V and G = 16 the one-token kernel of
-    msa_sparse_decode_attention (each token reads only its own blocks); otherwise the union
-    tile (a CTA of 64 // G tokens walks the union of their blocks once, each row masked to
-    its own: fastest when neighbouring tokens share their blocks, with bf16 / fp16 K/V).
+    Kernels (_prefill_tile): at G = 16 with bf16 / fp16 K/V the union tile on wgmma where
+    built (sm_90a) and its grid of 4-token CTAs fills the GPU, with FP8 or NVFP4 K/V the
+    one-token kernel of msa_sparse_decode_attention (each token reads only its own
+    blocks); otherwise the mma.sync union tile. A union tile's CTA of 64 // G tokens walks
+    the union of their blocks once, each row masked to its own: fastest when neighbouring
+    tokens share their blocks. Non-finite values: a NaN or inf in K reaches only the rows
+    that attend to its key; one in V also reaches, as 0 x inf, rows that multiply its
+    64-key tile without attending to that key, as in dense attention kernels: a row whose
+    causal limit falls inside the tile, and rows of other tokens sharing the tile's MMA (in
+    the wgmma tile the CTA's 4 tokens, in the mma.sync union tile the tokens of one warp's
+    16 rows: none other at G = 16). Values past each sequence never reach the output.
     One launch (two when a small batch's keys are split across CTAs: a second merges the
     fp32 partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
     MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
