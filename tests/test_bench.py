@@ -1,0 +1,34 @@
+"""The benchmark's helpers that need no GPU: its charts (from rows made up here) and the
+K/V bytes MP1's kernels stream (from selections made up here)."""
+
+import pytest
+import torch
+from sparseforge.bench import mp1_streamed_bytes, plot
+
+
+def test_plot_writes_two_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    sweep = [
+        dict(workload=f"{kind}@{topk}", density=topk / 512, tflops=300 + topk, dense_tflops=600)
+        for kind in "WF"
+        for topk in (4, 16, 64)
+    ]
+    rows = [dict(workload=w, ms=1.0 + i, dense_ms=8.0) for i, w in enumerate(["W1", "W3", "F1"])]
+    paths = plot(rows, sweep, str(tmp_path), "test")
+    assert len(paths) == 2
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mp1_streamed_bytes_counts_each_4_token_union_once():
+    """Tokens 0-3 select blocks {0, 1}, {0, 1}, {0, 2} and nothing (union {0, 1, 2}: 3
+    blocks), tokens 4-7 block 3 each (union {3}): 2 union blocks a CTA on average, 10 / 8
+    selected blocks a token; a block is 64 KiB of bf16 K and V."""
+    ids = torch.tensor([[0, 1], [0, 1], [0, 2], [-1, -1], [3, -1], [3, -1], [3, -1], [3, -1]])
+    ids = ids[None].int()  # (Hkv 1, 8 tokens, topk 2)
+    line = mp1_streamed_bytes(ids, "random", {"wgmma union": 1e-6, "one-token": 1e-6})
+    assert "union is 2.0 blocks for 1.2 a token (1.60x)" in line
+    # Bytes in 1e-6 ms, in TB/s: union 2 blocks x 2 CTAs, one-token 10 blocks.
+    assert f"wgmma union 0 GB in 0.00 ms = {4 * 65536 / 1e3:.1f} TB/s" in line
+    assert f"one-token 0 GB in 0.00 ms = {10 * 65536 / 1e3:.1f} TB/s" in line
