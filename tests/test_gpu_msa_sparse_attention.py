@@ -55,7 +55,8 @@ FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 def use_tile(monkeypatch, tile):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
-    its sm_90a form (G = 16), or "token", the one-token kernel (decode's)."""
+    its sm_90a form (G = 16), "token", the one-token kernel (decode's), or "hybrid", the
+    wgmma tile handing tiles of little shared selection to the one-token kernel."""
     attention = msa_ops._attention
     monkeypatch.setattr(
         msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": tile})
@@ -71,7 +72,10 @@ CASES = [
     for tile in (None, "token")
 ]
 CASES += [
-    (fmt, paged, hq, hkv, "wgmma") for fmt, paged in FORMATS for hq, hkv in [(16, 1), (32, 2)]
+    (fmt, paged, hq, hkv, tile)
+    for fmt, paged in FORMATS
+    for hq, hkv in [(16, 1), (32, 2)]
+    for tile in ("wgmma", "hybrid")
 ]
 
 
@@ -268,6 +272,34 @@ def test_small_batches_split_and_large_ones_do_not():
     assert msa_ops._splits(device, 40, 16) == min(16, -(-2 * sms // 40))
     assert msa_ops._splits(device, 1024, 16) == 1
     assert msa_ops._splits(device, 4, 2) == 2  # at most topk
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("hand_off", [100.0, 1.5, 1e-3])
+def test_hybrid_runs_every_token_once(kv_format, hand_off, monkeypatch):
+    """The wgmma union tile with hand-off, then the one-token kernel: tiles kept (hand_off
+    large), all handed off (tiny), and mixed (chunk-shared selections in one sequence,
+    per-token ones in the other); every row written once (poisoned output), each matching
+    the reference."""
+    from sparseforge.families import msa_sparse_attention as family
+
+    if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
+        pytest.skip("no wgmma union tile for this GPU's arch")
+    use_tile(monkeypatch, "hybrid")
+    monkeypatch.setitem(msa_ops.HAND_OFF, "16bit" if kv_format == "bf16" else kv_format, hand_off)
+    kernel, ref = msa_attention_inputs(kv_format, True, [96, 61], [3000, 6000], 32, 2, 16, 5)
+    q2k = kernel["q2k_indices"]
+    q2k[:, :96] = q2k[:, :96:8].repeat_interleave(8, 1)  # tokens of 8 share their blocks
+    ref["q2k_indices"] = q2k.clone()
+    out = poisoned_out(kernel["q"])
+    got, lse = msa_ops.msa_sparse_attention(
+        **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
+        causal=True, out=out, return_softmax_lse=True, **kernel,
+    )  # fmt: skip
+    want, want_lse, _ = run_reference(ref, True)
+    assert not got.isnan().any()
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+    check_lse(lse, want_lse)
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp16"])

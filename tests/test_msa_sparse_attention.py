@@ -273,3 +273,16 @@ def test_the_forced_wgmma_tile_refuses_other_groups(monkeypatch):
     monkeypatch.setenv("SPARSEFORGE_VARIANT", "msa_sparse_attention__wgmma__bf16_d128__sm_90a")
     with pytest.raises(ValueError, match="takes 16 query heads per kv head; Hq = 16, Hkv = 4"):
         msa_ops.msa_sparse_attention(**api_args(), causal=True)
+
+
+def test_the_hybrid_route_refuses_other_groups(monkeypatch):
+    """tile="hybrid" (the wgmma union tile handing tiles to the one-token kernel) needs
+    G = 16 as the wgmma tile does: at G = 4 it raises before the launch; every K/V format
+    has a hand-off threshold."""
+    attention = msa_ops._attention
+    monkeypatch.setattr(
+        msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": "hybrid"})
+    )
+    with pytest.raises(ValueError, match="takes 16 query heads per kv head; Hq = 16, Hkv = 4"):
+        msa_ops.msa_sparse_attention(**api_args(), causal=True)
+    assert set(msa_ops.HAND_OFF) == {"16bit", "e4m3", "nvfp4"}

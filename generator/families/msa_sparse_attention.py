@@ -67,11 +67,18 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
                 (times out_scale) over its share of the tile's keys
     mLSESplit   (S, 2, total_q, Hq) f32 out, with splits > 1: each split's lse and
                 temperature lse (msa_attention_combine merges the splits)
+    mHandOff    (total_q, Hkv) i32, with hand_off > 0: per (token, kv head) 1 where the
+                wgmma union tile handed the row to the one-token kernel, else 0 (written
+                by the former, read by the latter; any (1, 1) tensor otherwise)
     scale_log2  softmax scale (times the K dequantization scale) times log2(e)
     out_scale   the V dequantization scale times v_global_scale
     temperature the temperature lse's factor on the scale
     group, paged, causal, has_q_offset, want_lse   ints (flags 0 or 1)
-    splits      CTAs per tile (grid z), each over a contiguous share of its 64-key tiles"""
+    splits      CTAs per tile (grid z), each over a contiguous share of its 64-key tiles
+    hand_off    0, or the union size (in top-k lists) past which a wgmma union tile hands
+                its tokens to the one-token kernel launched after it: the wgmma tile keeps
+                a tile whose union has at most hand_off x topk blocks, the one-token kernel
+                runs only the tokens handed to it (the union tile ignores it)"""
     x = head_dim // 2 if kv_dtype == "u8" else head_dim
     rows = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
     vector = dict(shape=(None,), stride=(1,))
@@ -101,6 +108,7 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
         TensorArg("mLSET", "f32", **stats),
         TensorArg("mOSplit", "f32", **partial_rows),
         TensorArg("mLSESplit", "f32", **partial_stats),
+        TensorArg("mHandOff", "i32", shape=(None, None), stride=(None, 1), output=True),
         ScalarArg("scale_log2", "f32"),
         ScalarArg("out_scale", "f32"),
         ScalarArg("temperature", "f32"),
@@ -110,6 +118,7 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
         ScalarArg("has_q_offset", "i32"),
         ScalarArg("want_lse", "i32"),
         ScalarArg("splits", "i32"),
+        ScalarArg("hand_off", "f32"),
     )
 
 

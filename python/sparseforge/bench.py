@@ -636,7 +636,8 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted).
     MP1 runs prefill's choice of kernel and, forced by SPARSEFORGE_VARIANT, the K/V
-    format's other kernels of this arch beside it."""
+    format's other kernels of this arch beside it, and the hand-off route (tile "hybrid")
+    where the wgmma union tile is built."""
     from sparseforge import _library, msa_ops
     from sparseforge.arch import arch_for_device
 
@@ -687,13 +688,21 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
             and v["params"]["dtype"] == "bf16"
             and v["params"].get("tile") != tile
         }
+    # The hand-off route (wgmma union tile, then the one-token kernel) where both are built.
+    prefill_tile = msa_ops._prefill_tile
+    hybrid = msa_ops._wgmma_built(q.device.index)
     for mode in ("random", "chunked"):
         ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
         times = {}
         for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
-            for variant, label in ({"": chosen[fmt]} | others[fmt]).items():
-                os.environ["SPARSEFORGE_VARIANT"] = variant
+            kernels = {"": chosen[fmt]} | others[fmt]
+            if hybrid:
+                kernels["hybrid"] = "hand-off route: wgmma union tile, then one-token, forced"
+            for variant, label in kernels.items():
+                os.environ["SPARSEFORGE_VARIANT"] = "" if variant == "hybrid" else variant
+                if variant == "hybrid":  # a route, not a variant: prefill's choice replaced
+                    msa_ops._prefill_tile = lambda *args: "hybrid"
                 ms = cuda_time_ms(
                     lambda kv=kv, ids=ids: msa_ops.msa_sparse_attention(
                         q, q2k_indices=ids, cu_seqlens_q=cu, causal=True, page_table=table,
@@ -702,12 +711,13 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
                     warmup=2, iters=iters,
                 )  # fmt: skip
                 os.environ.pop("SPARSEFORGE_VARIANT")
+                msa_ops._prefill_tile = prefill_tile
                 tflops = useful / ms / 1e9
                 lines.append(
                     f"MP1 {mode} selections, {fmt} K/V ({label}): {ms:.2f} ms, {tflops:.0f} "
                     f"useful TFLOPS ({tflops / dense_tflops:.2f}x cuDNN dense)"
                 )
-                if fmt == "bf16":
+                if fmt == "bf16" and variant != "hybrid":
                     times[label.split(" tile")[0]] = ms
         del kv
         lines.append(mp1_streamed_bytes(ids, mode, times))

@@ -677,6 +677,16 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
     return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
+# tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format] x topk
+# blocks hands its tokens to the one-token kernel. Starting points from MP1 on the H200
+# (bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md), where the wgmma tile's time
+# grew about in proportion to its union and the one-token kernel's did not: the two cross
+# at a union of ~1.76 (e4m3) and ~1.32 (NVFP4) times a token's 14.3 selected blocks, ~1.6
+# and ~1.2 times topk 16; 16-bit K/V tie at 2.94 (~2.6 x topk). Not yet run: prefill does
+# not choose "hybrid".
+HAND_OFF = {"16bit": 3.0, "e4m3": 1.6, "nvfp4": 1.2}
+
+
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
     """msa_sparse_attention's kernel at G = 16: the union tile on wgmma ("wgmma", sm_90a) for
     16-bit K/V when its grid (4 tokens a CTA, never split) fills the GPU, the one-token
@@ -780,7 +790,9 @@ def _attention(
     """msa_sparse_attention's checks and launch (msa_sparse_decode_attention's too); `lse`:
     the caller's buffer for the lse (implies return_softmax_lse); `tile`: None for the union
     tile kernel, "wgmma" for its sm_90a form (G = 16, never split),
-    "token" for the one-token kernel, "auto" for prefill's choice (_prefill_tile)."""
+    "token" for the one-token kernel, "hybrid" for the wgmma tile handing tiles of little
+    shared selection to the one-token kernel (HAND_OFF), "auto" for prefill's choice
+    (_prefill_tile)."""
     head_dim = attention_family.constant("head_dim")
     block = attention_family.constant("block_keys")
     for name, x in (("q", q), ("k", k), ("v", v), ("q2k_indices", q2k_indices)):
@@ -914,9 +926,9 @@ def _attention(
     if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
         tile = attention_family.forced_tile(kv_format)
     wgmma_group = attention_family.constant("wgmma_group")
-    if tile == "wgmma" and heads // kv_heads != wgmma_group:
+    if tile in ("wgmma", "hybrid") and heads // kv_heads != wgmma_group:
         raise ValueError(
-            f"the wgmma union tile (SPARSEFORGE_VARIANT) takes {wgmma_group} query heads per "
+            f"the wgmma union tile takes {wgmma_group} query heads per "
             f"kv head; Hq = {heads}, Hkv = {kv_heads}"
         )
     if device.type != "cuda":
@@ -932,27 +944,39 @@ def _attention(
             tokens_per_cta = attention_family.constant("tile_rows") // (heads // kv_heads)
             ctas = (total_q // tokens_per_cta + cu_seqlens_q.shape[0] - 1) * kv_heads
         splits = _splits(device, ctas, q2k_indices.shape[2])
-        if tile == "wgmma":  # one CTA a tile
+        if tile in ("wgmma", "hybrid"):  # one CTA a tile (and the one-token kernel unsplit)
             splits = 1
         partial_o, partial_lse = _no_partials(device)
         if splits > 1:
             partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)
             partial_lse = torch.empty((splits, 2, total_q, heads), device=device)
-        launch = attention_family.launch(
-            device.index,
-            kv_format,
-            NAME_OF[q.dtype],
-            scale * key_scale * math.log2(math.e),
-            out_scale,
-            temperature,
-            heads // kv_heads,
-            paged,
-            bool(causal),
-            q_offset is not None,
-            want_lse,
-            splits,
-            tile,
-        )
+        # "hybrid": the wgmma union tile, then the one-token kernel for the tokens of the
+        # tiles it hands off (a union of more than HAND_OFF x topk blocks).
+        hand_off, handed = 0.0, unused.view(1, 1)
+        kernels = (tile,)
+        if tile == "hybrid":
+            hand_off = HAND_OFF[kv_format]
+            handed = torch.empty((total_q, kv_heads), dtype=torch.int32, device=device)
+            kernels = ("wgmma", "token")
+        launches = [
+            attention_family.launch(
+                device.index,
+                kv_format,
+                NAME_OF[q.dtype],
+                scale * key_scale * math.log2(math.e),
+                out_scale,
+                temperature,
+                heads // kv_heads,
+                paged,
+                bool(causal),
+                q_offset is not None,
+                want_lse,
+                splits,
+                kernel,
+                hand_off,
+            )
+            for kernel in kernels
+        ]
         tensors = (
             q,
             kernel_k,
@@ -970,9 +994,11 @@ def _attention(
             lse_t,
             partial_o,
             partial_lse,
+            handed,
         )
         with torch.cuda.device(device):
-            ops.launch(launch, tensors)
+            for launch in launches:
+                ops.launch(launch, tensors)
             if splits > 1:
                 combine = combine_family.launch(device.index, NAME_OF[q.dtype], want_lse)
                 ops.launch(combine, (partial_o, partial_lse, out, lse, lse_t))

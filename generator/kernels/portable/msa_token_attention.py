@@ -127,6 +127,19 @@ class MsaTokenAttention:
     def kernel(self, args, atom, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         token, kv_head, split = cute.arch.block_idx()
+        # With hand_off, the wgmma union tile launched before this kernel ran the row unless
+        # it handed it here.
+        runs = cutlass.Boolean(True)
+        if args.hand_off > 0.0:
+            runs = args.mHandOff[token, kv_head] != 0
+        if runs:
+            self.attend_token(args, atom, SharedStorage, tidx, token, kv_head, split)
+
+    @cute.jit
+    def attend_token(
+        self, args, atom, SharedStorage: cutlass.Constexpr, tidx, token, kv_head, split
+    ):  # fmt: skip
+        """One token's G heads of one kv head (this split's share of its steps)."""
         warp_idx = tidx // 32
         lane = tidx % 32
         g = lane // 4

@@ -245,46 +245,64 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             storage.sWarpSums.get_tensor(cute.make_layout(4)), sIds, sMask, tidx, seq, kv_head,
             first_token, tokens, blocks, CONSUMER_THREADS,
         )  # fmt: skip
-        # Where each union block lies, for the loads: its page (flat: the one "page").
-        for i in cutlass.range(tidx, num_union, CONSUMER_THREADS, unroll=1):
-            sPages[i] = 0
-            if args.paged != 0:
-                sPages[i] = args.mPageTable[seq, sIds[i]]
-        cute.arch.sync_threads()
+        keep = self.keeps_tile(args, num_union, first_token, tokens, kv_head, tidx)
+        if keep:
+            # Where each union block lies, for the loads: its page (flat: the one "page").
+            for i in cutlass.range(tidx, num_union, CONSUMER_THREADS, unroll=1):
+                sPages[i] = 0
+                if args.paged != 0:
+                    sPages[i] = args.mPageTable[seq, sIds[i]]
+            cute.arch.sync_threads()
 
-        tiles = num_union * HALVES
-        place = (sIds, sPages, key_start, kv_head)
-        tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
-            qk_mma, pv_mma, sQ, sK, sV, tidx
-        )
-        row_token, key_end = row_limits(args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos)
-        t_max, t_sum = new_softmax_state(cute.size(row_max))  # the temperature lse's
-        with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
-        state = (row_max, row_sum, t_max, t_sum, with_temperature)
-        masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
-        operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
-        q_rows = (sQ[None, None, 0], kv_head, first_token, tokens)
-        if cutlass.const_expr(self.converted):
-            sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
-            sScale = storage.sRawScale.get_tensor(scale_layout)
-            self.stream_converted(
-                args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
-                ring_producer, ring_consumer, tidx, loader, bar,
-            )  # fmt: skip
-        else:
-            self.stream_16bit(
-                args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
-                ring_producer, ring_consumer, tidx, loader, bar,
+            tiles = num_union * HALVES
+            place = (sIds, sPages, key_start, kv_head)
+            tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
+                qk_mma, pv_mma, sQ, sK, sV, tidx
+            )
+            row_token, key_end = row_limits(args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos)
+            t_max, t_sum = new_softmax_state(cute.size(row_max))  # the temperature lse's
+            with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
+            state = (row_max, row_sum, t_max, t_sum, with_temperature)
+            masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
+            operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
+            q_rows = (sQ[None, None, 0], kv_head, first_token, tokens)
+            if cutlass.const_expr(self.converted):
+                sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
+                sScale = storage.sRawScale.get_tensor(scale_layout)
+                self.stream_converted(
+                    args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
+                    ring_producer, ring_consumer, tidx, loader, bar,
+                )  # fmt: skip
+            else:
+                self.stream_16bit(
+                    args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
+                    ring_producer, ring_consumer, tidx, loader, bar,
+                )  # fmt: skip
+
+            rows = cute.size(row_max)
+            row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
+            row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
+            finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
+            self.store_rows(
+                args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
+                first_token, tokens,
             )  # fmt: skip
 
-        rows = cute.size(row_max)
-        row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
-        self.store_rows(
-            args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
-            first_token, tokens,
-        )  # fmt: skip
+    @cute.jit
+    def keeps_tile(self, args, num_union, first_token, tokens, kv_head, tidx):
+        """Whether this CTA runs its tile: always without hand_off; with it, only when the
+        union has at most hand_off x topk blocks (else the one-token kernel launched next
+        runs its tokens, each over its own blocks). Marks its tokens in mHandOff."""
+        keep = cutlass.Boolean(True)
+        if args.hand_off > 0.0:
+            topk = args.mIdx.shape[2]
+            keep = cutlass.Float32(num_union) <= args.hand_off * cutlass.Float32(topk)
+            handed = cutlass.Int32(1)
+            if keep:
+                handed = cutlass.Int32(0)
+            for t in cutlass.range(tidx, tokens, CONSUMER_THREADS, unroll=1):
+                args.mHandOff[first_token + t, kv_head] = handed
+        return keep
 
     @cute.jit
     def stream_16bit(

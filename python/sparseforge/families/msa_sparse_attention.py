@@ -67,9 +67,11 @@ def launch(
     want_lse: bool,
     splits: int,
     tile: str | None = None,
+    hand_off: float = 0.0,
 ):
     """The bound launch; `tile`: None for the union tile kernel (64 // G tokens a CTA),
-    "wgmma" for its sm_90a form (G = 16), "token" for the one-token kernel."""
+    "wgmma" for its sm_90a form (G = 16), "token" for the one-token kernel; `hand_off`:
+    the ABI's (0: off)."""
     kernel = families.choose(
         FAMILY_OF_FORMAT[kv_format],
         arch_for_device(device_index),
@@ -88,4 +90,5 @@ def launch(
         int(has_q_offset),
         int(want_lse),
         splits,
+        hand_off,
     )
