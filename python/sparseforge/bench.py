@@ -634,7 +634,7 @@ def msa_kv(fmt: str, pages: int, hkv: int, gen):
 def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> list[str]:
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
-    (decode, cold L2: 256 MB overwritten before each call, that write's time subtracted).
+    (decode, cold L2: 256 MB overwritten before each call, outside its timing).
     MP1 runs prefill's choice of kernel and, forced by SPARSEFORGE_VARIANT, the K/V
     format's other kernels of this arch beside it, and the hand-off route (tile "hybrid")
     where the wgmma union tile is built."""
@@ -739,9 +739,10 @@ def mp1_streamed_bytes(ids, mode: str, times: dict) -> str:
     )
     union = float(distinct.sum()) / (hkv * seq // 4)
     block_bytes = 2 * 128 * 128 * 2
+    union_bytes = union * block_bytes * hkv * seq / 4  # either union tile
     streamed = {
-        "union": union * block_bytes * hkv * seq / 4,
-        "wgmma union": union * block_bytes * hkv * seq / 4,
+        "union": union_bytes,
+        "wgmma union": union_bytes,
         "one-token": per_token * block_bytes * hkv * seq,
     }
     rates = ", ".join(
