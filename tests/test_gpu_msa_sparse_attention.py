@@ -302,25 +302,27 @@ def test_hybrid_runs_every_token_once(kv_format, hand_off, monkeypatch):
     check_lse(lse, want_lse)
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "e4m3", "nvfp4"])
 def test_prefill_chooses_the_wgmma_tile_where_its_grid_fills_the_gpu(kv_format, monkeypatch):
-    """16-bit K/V at G = 16 with enough tokens: prefill's own choice (no variant forced) is
-    the wgmma union tile where the build has it, and it matches the reference."""
+    """G = 16 with enough tokens: prefill's own choice (no variant forced) is the wgmma union
+    tile where the build has it (for FP8 / NVFP4 K/V followed by the one-token kernel for
+    the tiles it hands off), and it matches the reference."""
     from sparseforge.families import msa_sparse_attention as family
 
     monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
-    if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
+    fmt = "16bit" if kv_format in ("bf16", "fp16") else kv_format
+    if not family.built_for(torch.cuda.current_device(), fmt, "wgmma"):
         pytest.skip("no wgmma union tile for this GPU's arch")
     tiles = []
     launch = family.launch
-    monkeypatch.setattr(family, "launch", lambda *a: tiles.append(a[-1]) or launch(*a))
+    monkeypatch.setattr(family, "launch", lambda *a: tiles.append(a[12]) or launch(*a))
     kernel, ref = msa_attention_inputs(kv_format, True, [400, 250], [2000, 700], 64, 4, 16, 3)
     out = poisoned_out(kernel["q"])
     got = msa_ops.msa_sparse_attention(
         **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
         causal=True, out=out, **kernel,
     )  # fmt: skip
-    assert tiles == ["wgmma"]
+    assert tiles == (["wgmma"] if fmt == "16bit" else ["wgmma", "token"])
     want, _, _ = run_reference(ref, True)
     assert rel_l2(got, want) < TOLERANCE[kv_format]
 

@@ -231,11 +231,12 @@ def test_prepared_decode_arguments():
 
 @pytest.mark.parametrize("wgmma_built", [True, False])
 def test_prefill_picks_its_kernel_by_format_group_and_grid(monkeypatch, wgmma_built):
-    """At G = 16: 16-bit K/V on the wgmma union tile where it is built and its grid (4 tokens
-    a CTA) fills the GPU, FP8 / NVFP4 K/V on the one-token kernel (faster on MP1 with
-    per-token selections, bench/results); smaller launches, other builds and other G keep
-    the union tile (it splits)."""
-    monkeypatch.setattr(msa_ops, "_wgmma_built", lambda index: wgmma_built)
+    """At G = 16 where the wgmma union tile is built and its grid (4 tokens a CTA) fills the
+    GPU: 16-bit K/V on that tile, FP8 / NVFP4 K/V on the hand-off route (faster on MP1 with
+    chunk-shared selections, near the one-token kernel with per-token ones, bench/results).
+    Smaller launches and other builds: FP8 / NVFP4 on the one-token kernel, 16-bit on the
+    union tile (both split); other G: the union tile."""
+    monkeypatch.setattr(msa_ops, "_wgmma_built", lambda index, kv_format: wgmma_built)
     monkeypatch.setattr(msa_ops, "_multiprocessors", lambda device: 132)
     device = torch.device("cuda", 0)
     fills = 132  # tokens: 132 / 4 CTAs a kv head, times Hkv = 4, is 132 CTAs
@@ -244,8 +245,12 @@ def test_prefill_picks_its_kernel_by_format_group_and_grid(monkeypatch, wgmma_bu
     )
     assert msa_ops._prefill_tile("16bit", 16, device, fills - 4, 4) is None
     for kv_format in ("e4m3", "nvfp4"):
-        for tokens in (1, fills, 10 * fills):
-            assert msa_ops._prefill_tile(kv_format, 16, device, tokens, 4) == "token"
+        assert msa_ops._prefill_tile(kv_format, 16, device, 1, 4) == "token"
+        assert msa_ops._prefill_tile(kv_format, 16, device, fills - 4, 4) == "token"
+        for tokens in (fills, 10 * fills):
+            assert msa_ops._prefill_tile(kv_format, 16, device, tokens, 4) == (
+                "hybrid" if wgmma_built else "token"
+            )
     for kv_format, group in (("16bit", 8), ("e4m3", 8), ("nvfp4", 4), ("16bit", 1)):
         assert msa_ops._prefill_tile(kv_format, group, device, 10 * fills, 4) is None
 

@@ -71,16 +71,24 @@ def random_selection(heads_kv: int, row_blocks: int, col_blocks: int, topk: int,
     return mask
 
 
+# GPU cycles the stream spins ahead of each timed run (~1 ms at the H200's clocks): the
+# host's work for the run (argument checks, launches) is queued by the time the GPU reaches
+# the start event, so the time is the GPU's alone. Without it a run whose host work takes
+# longer than what the GPU had queued (an L2 flush, or nothing) times that host work too.
+HOST_LEAD_CYCLES = 2_000_000
+
+
 def cuda_time_ms(fn, warmup: int = 5, iters: int = 30, before=None) -> float:
-    """Median time of fn() over `iters` runs, each bracketed by CUDA events; before(), when
-    given, runs ahead of each run outside its events (a cold L2: overwriting a buffer larger
-    than L2)."""
+    """Median time of fn() over `iters` runs, each bracketed by CUDA events (the GPU's time:
+    HOST_LEAD_CYCLES); before(), when given, runs ahead of each run outside its events (a
+    cold L2: overwriting a buffer larger than L2)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if before is not None:
             before()
+        torch.cuda._sleep(HOST_LEAD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -674,31 +682,36 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
         "e4m3": "msa_sparse_attention_fp8kv",
         "nvfp4": "msa_sparse_attention_nvfp4",
     }
-    tile_names = {None: "union", "wgmma": "wgmma union", "token": "one-token"}
+    tile_names = {
+        None: "union tile",
+        "wgmma": "wgmma union tile",
+        "token": "one-token tile",
+        "hybrid": "hand-off route: wgmma union tile, then one-token",
+    }
     chosen, others = {}, {}
     for fmt, family in families.items():
         kv_format = "16bit" if fmt == "bf16" else fmt
         tile = msa_ops._prefill_tile(kv_format, hq // hkv, q.device, seq, hkv)
-        chosen[fmt] = f"{tile_names[tile]} tile"
+        chosen[fmt] = tile_names[tile]
         others[fmt] = {
-            v["name"]: f"{tile_names[v['params'].get('tile')]} tile, forced"
+            v["name"]: f"{tile_names[v['params'].get('tile')]}, forced"
             for v in _library.manifest()["variants"]
             if v["family"] == family
             and v["arch"] == arch
             and v["params"]["dtype"] == "bf16"
             and v["params"].get("tile") != tile
         }
-    # The hand-off route (wgmma union tile, then the one-token kernel) where both are built.
+        # The hand-off route (wgmma union tile, then the one-token kernel) where both are
+        # built and prefill does not take it.
+        if tile != "hybrid" and msa_ops._wgmma_built(q.device.index, kv_format):
+            others[fmt]["hybrid"] = f"{tile_names['hybrid']}, forced"
     prefill_tile = msa_ops._prefill_tile
-    hybrid = msa_ops._wgmma_built(q.device.index)
     for mode in ("random", "chunked"):
         ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
         times = {}
         for fmt in formats:
             kv, _ = msa_kv(fmt, blocks, hkv, gen)
             kernels = {"": chosen[fmt]} | others[fmt]
-            if hybrid:
-                kernels["hybrid"] = "hand-off route: wgmma union tile, then one-token, forced"
             for variant, label in kernels.items():
                 os.environ["SPARSEFORGE_VARIANT"] = "" if variant == "hybrid" else variant
                 if variant == "hybrid":  # a route, not a variant: prefill's choice replaced
@@ -717,7 +730,7 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
                     f"MP1 {mode} selections, {fmt} K/V ({label}): {ms:.2f} ms, {tflops:.0f} "
                     f"useful TFLOPS ({tflops / dense_tflops:.2f}x cuDNN dense)"
                 )
-                if fmt == "bf16" and variant != "hybrid":
+                if fmt == "bf16" and "hand-off" not in label:
                     times[label.split(" tile")[0]] = ms
         del kv
         lines.append(mp1_streamed_bytes(ids, mode, times))

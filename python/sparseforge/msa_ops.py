@@ -595,23 +595,25 @@ def msa_sparse_attention(
     Returns out (total_q, Hq, 128) in q's dtype (into `out` if given), with
     return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
-    Kernels (_prefill_tile): at G = 16 with bf16 / fp16 K/V the union tile on wgmma where
-    built (sm_90a) and its grid of 4-token CTAs fills the GPU, with FP8 or NVFP4 K/V the
-    one-token kernel of msa_sparse_decode_attention (each token reads only its own
-    blocks); otherwise the mma.sync union tile. A union tile's CTA of 64 // G tokens walks
-    the union of their blocks once, each row masked to its own: fastest when neighbouring
-    tokens share their blocks. Non-finite values: a NaN or inf in K reaches only the rows
-    that attend to its key; one in V also reaches, as 0 x inf, rows that multiply its
-    64-key tile without attending to that key, as in dense attention kernels: a row whose
-    causal limit falls inside the tile, and rows of other tokens sharing the tile's MMA (in
-    the wgmma tile the CTA's 4 tokens, in the mma.sync union tile the tokens of one warp's
-    16 rows: none other at G = 16). Values past each sequence never reach the output.
-    One launch (two when a small batch's keys are split across CTAs: a second merges the
-    fp32 partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
-    MSASparseAttentionWorkspace, is accepted and not needed). The index values are not
-    checked on the host (that would need a host synchronisation): ids outside [0, blocks
-    of the sequence) and blocks whose page id lies outside the cache are skipped like -1;
-    offsets (cu_seqlens_q / _k, seqused_k) past the tensors read out of bounds."""
+    Kernels (_prefill_tile): at G = 16 where the union tile on wgmma is built (sm_90a) and its
+    grid of 4-token CTAs fills the GPU, that tile with bf16 / fp16 K/V; with FP8 or NVFP4 K/V
+    that tile for groups of 4 tokens whose blocks overlap enough (a union of at most HAND_OFF x
+    topk blocks) and the one-token kernel of msa_sparse_decode_attention (each token reads only
+    its own blocks) for the others, launched next. Smaller launches with FP8 or NVFP4 K/V: the
+    one-token kernel; otherwise the mma.sync union tile. A union tile's CTA of 64 // G tokens
+    walks the union of their blocks once, each row masked to its own: fastest when neighbouring
+    tokens share their blocks. Non-finite values: a NaN or inf in K reaches only the rows that
+    attend to its key; one in V also reaches, as 0 x inf, rows that multiply its 64-key tile
+    without attending to that key, as in dense attention kernels: a row whose causal limit falls
+    inside the tile, and rows of other tokens sharing the tile's MMA (in the wgmma tile the
+    CTA's 4 tokens, in the mma.sync union tile the tokens of one warp's 16 rows: none other at G
+    = 16). Values past each sequence never reach the output. One launch (two for the hand-off
+    route, and when a small batch's keys are split across CTAs: a second merges the fp32
+    partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
+    MSASparseAttentionWorkspace, is accepted and not needed). The index values are not checked
+    on the host (that would need a host synchronisation): ids outside [0, blocks of the
+    sequence) and blocks whose page id lies outside the cache are skipped like -1; offsets
+    (cu_seqlens_q / _k, seqused_k) past the tensors read out of bounds."""
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
@@ -678,40 +680,45 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
 
 
 # tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format] x topk
-# blocks hands its tokens to the one-token kernel. Starting points from MP1 on the H200
-# (bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md), where the wgmma tile's time
-# grew about in proportion to its union and the one-token kernel's did not: the two cross
-# at a union of ~1.76 (e4m3) and ~1.32 (NVFP4) times a token's 14.3 selected blocks, ~1.6
-# and ~1.2 times topk 16; 16-bit K/V tie at 2.94 (~2.6 x topk). Not yet run: prefill does
-# not choose "hybrid".
-HAND_OFF = {"16bit": 3.0, "e4m3": 1.6, "nvfp4": 1.2}
+# blocks hands its tokens to the one-token kernel. Where the two kernels cross: MP1 on the
+# H200 (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md) with per-token selections
+# (a 4-token union of 41.9 blocks) and hand_off swept from 1.0 to 3.2: 16-bit K/V fastest
+# at 2.8 (14.24-14.25 ms against 14.38-14.39 at 2.4 and 14.49-14.62 at 3.2); FP8 and NVFP4
+# K/V fastest at the lowest values (12.41 / 14.46-14.47 ms at 1.0, 12.45-12.47 /
+# 14.71-14.73 at 1.6) and flat on chunk-shared selections, where every tile stays. The
+# values kept for FP8 and NVFP4 are where the two kernels' per-union times cross (~1.6 and
+# ~1.2 x topk, bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md): tiles of
+# partly shared selections, which neither benchmark holds, go to the faster one.
+HAND_OFF = {"16bit": 2.8, "e4m3": 1.6, "nvfp4": 1.2}
 
 
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
-    """msa_sparse_attention's kernel at G = 16: the union tile on wgmma ("wgmma", sm_90a) for
-    16-bit K/V when its grid (4 tokens a CTA, never split) fills the GPU, the one-token
-    kernel ("token") for FP8 and NVFP4 K/V; else, and at other G, the union tile (None).
-    MP1 on the H200, interleaved rounds (bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md),
-    ms: bf16 K/V chunk-shared selections wgmma 4.1-4.3 against the union's 10.3-10.6 and
-    the one-token kernel's 14.5-14.7; per-token (random) 14.5-14.9 against 28.4-28.9 and
-    14.7-15.0. FP8 / NVFP4: wgmma 6.1-6.4 / 10.1-10.4 chunk-shared but 21.3-21.5 / 33.2-33.5
-    per-token, the one-token kernel 12.0-12.4 / 13.9-14.3 on both (it converts each block
-    once a token; the wgmma tile converts every union block on its CTA's critical path), so
-    they keep the one-token kernel. Launches too small to fill the GPU keep the union tile,
-    which splits."""
+    """msa_sparse_attention's kernel at G = 16 when the wgmma union tile (sm_90a) is built
+    for the K/V format and its grid (4 tokens a CTA, never split) fills the GPU: for 16-bit
+    K/V that tile ("wgmma"), for FP8 and NVFP4 K/V the hand-off route ("hybrid": the wgmma
+    tile keeps the tiles whose tokens share their blocks and hands the others to the
+    one-token kernel). Otherwise the one-token kernel ("token") for FP8 and NVFP4 K/V (it
+    splits small launches and converts each block once a token) and the mma.sync union
+    tile (None) for 16-bit K/V and at other G.
+    MP1 on the H200, ms (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md, each kernel
+    beside the others in one process, two rounds): chunk-shared / per-token selections,
+    16-bit K/V wgmma 4.35-4.44 / 15.21, hand-off 4.50-4.57 / 14.24-14.25 (its second
+    launch of one-token CTAs that exit costs ~3% where every tile stays), one-token
+    14.72-14.80 / 15.14-15.15; FP8 wgmma 6.27-6.30 / 21.56, hand-off 6.49-6.55 /
+    12.45-12.47, one-token 12.28 / 12.17-12.28; NVFP4 wgmma 10.38 / 33.34-33.36, hand-off
+    10.47-10.52 / 14.48-14.51, one-token 14.23 / 14.24-14.25."""
     if group != attention_family.constant("wgmma_group"):
         return None
-    if kv_format != "16bit":
-        return "token"
     ctas = tokens * group // attention_family.constant("tile_rows") * kv_heads
-    if _wgmma_built(device.index) and ctas >= _multiprocessors(device):
-        return "wgmma"
-    return None
+    fills = _wgmma_built(device.index, kv_format) and ctas >= _multiprocessors(device)
+    if kv_format != "16bit":
+        return "hybrid" if fills else "token"
+    return "wgmma" if fills else None
 
 
 @functools.lru_cache(maxsize=16)
-def _wgmma_built(device_index: int) -> bool:
-    return attention_family.built_for(device_index, "16bit", "wgmma")
+def _wgmma_built(device_index: int, kv_format: str) -> bool:
+    return attention_family.built_for(device_index, kv_format, "wgmma")
 
 
 def _splits(device, ctas: int, topk: int) -> int:
