@@ -222,3 +222,18 @@ def test_plan_tensors_have_the_kernel_abi_strides():
             == plan.work.dtype
             == torch.int32
         )
+
+
+def test_host_size_facts_follow_writes_to_the_tensor():
+    """The alignment facts are remembered per tensor, and asked again after a write to it
+    (its version counter moves) or of another tensor."""
+    sizes = torch.full((2, 4), 128, dtype=torch.int64)
+    assert planner.sizes_tile_aligned(sizes, 64) and planner.sizes_are_tiles(sizes[:, :1], 128)
+    assert not planner.sizes_are_tiles(sizes, 64)
+    sizes[1, 2] = 96  # not a multiple of 64
+    assert not planner.sizes_tile_aligned(sizes, 64)
+    assert planner.sizes_tile_aligned(sizes, 32)
+    other = torch.full((2, 4), 64, dtype=torch.int64)
+    assert planner.sizes_are_tiles(other, 64)
+    sizes[1, 2] = 128
+    assert planner.sizes_tile_aligned(sizes, 64)

@@ -124,13 +124,15 @@ class Kernel:
         return BoundLaunch(self, static_args)
 
 
-def kernels(family: str, arch: str) -> list[Kernel]:
-    """The built variants of `family` for `arch`, in manifest order."""
-    return [
+@functools.cache
+def kernels(family: str, arch: str) -> tuple[Kernel, ...]:
+    """The built variants of `family` for `arch`, in manifest order (found once, like the
+    manifest: plan() asks on every call)."""
+    return tuple(
         Kernel.from_manifest(v)
         for v in manifest()["variants"]
         if v["family"] == family and v["arch"] == arch
-    ]
+    )
 
 
 def _tensor_words(spec: dict, tensor) -> list[int]:

@@ -14,6 +14,7 @@ ordered longest list first. No Python loop over heads or rows.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,14 +66,41 @@ def tile_padded_scales(
     return buf
 
 
+# Facts about host size tensors (alignment, lengths), computed once per tensor object and
+# version: a torch op on the host costs 10-100 us, and plan() asks the same questions of the
+# same cached size tensors (VariableBlockSparseAttentionWrapper._host_sizes) on every call.
+_host_facts: dict[int, tuple[weakref.ref, int, dict]] = {}
+
+
+def host_fact(sizes: torch.Tensor, question, answer: Callable):
+    """answer() for this host tensor and `question`, remembered while the tensor lives
+    unmodified (same object, same version counter)."""
+    entry = _host_facts.get(id(sizes))
+    if entry is None or entry[0]() is not sizes or entry[1] != sizes._version:
+        if len(_host_facts) > 64:
+            _host_facts.clear()
+        entry = (weakref.ref(sizes), sizes._version, {})
+        _host_facts[id(sizes)] = entry
+    facts = entry[2]
+    if question not in facts:
+        facts[question] = answer()
+    return facts[question]
+
+
 def sizes_tile_aligned(sizes: torch.Tensor, tokens: int) -> bool:
     """True when every block but the last of each row of `sizes` is a multiple of `tokens`."""
-    return bool((sizes[..., :-1] % tokens == 0).all())
+    return host_fact(
+        sizes, ("aligned", tokens), lambda: bool((sizes[..., :-1] % tokens == 0).all())
+    )
 
 
 def sizes_are_tiles(sizes: torch.Tensor, tile: int) -> bool:
     """True when every block is `tile` tokens but each row's last, which is at most that."""
-    return bool((sizes[..., :-1] == tile).all() and (sizes[..., -1] <= tile).all())
+    return host_fact(
+        sizes,
+        ("tiles", tile),
+        lambda: bool((sizes[..., :-1] == tile).all() and (sizes[..., -1] <= tile).all()),
+    )
 
 
 def rows_fit_units(row_sizes: torch.Tensor, units: int, unit_rows: int) -> bool:
@@ -184,7 +212,8 @@ def longest_first(tile_cnt: torch.Tensor, group: int, units_per_cta: int = 1) ->
     r = tile_cnt.shape[1]
     n = units_per_cta
     if n == 1:
-        unit_cnt = tile_cnt.repeat_interleave(group, dim=0).reshape(-1)
+        unit_cnt = tile_cnt.repeat_interleave(group, dim=0) if group > 1 else tile_cnt
+        unit_cnt = unit_cnt.reshape(-1)
         return torch.argsort(unit_cnt, descending=True, stable=True).to(torch.int32)
     rank = torch.arange(n, device=tile_cnt.device)
     if group % n == 0:

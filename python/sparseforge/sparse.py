@@ -431,12 +431,12 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         check_index_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
         # The sizes fix the sequence lengths, so the host needs their values: read once per
         # GPU size tensor (one synchronisation), then reused while it is unmodified.
-        host_rows, stale_rows = self._host_sizes(block_row_sz)
-        host_cols, stale_cols = self._host_sizes(block_col_sz)
+        host_rows, row_values, stale_rows = self._host_sizes(block_row_sz)
+        host_cols, col_values, stale_cols = self._host_sizes(block_col_sz)
         selection = sparsity.from_block_mask_map(
             block_mask_map=block_mask_map,
-            block_row_sz=block_row_sz,
-            block_col_sz=block_col_sz,
+            block_row_sz=row_values,
+            block_col_sz=col_values,
             host_rows=host_rows,
             host_cols=host_cols,
             stale=[bits for bits in (stale_rows, stale_cols) if bits is not None],
@@ -460,24 +460,27 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         )
 
     def _host_sizes(self, sizes: torch.Tensor):
-        """(host values of a block-size tensor, error bits or None). A GPU tensor is read
-        once and its copy reused while it is the same tensor at the same version, which
-        keeps plan() free of host synchronisation; because a write that bypasses the
-        version counter (through .data, or by another library's kernel) would leave the copy
-        stale, each reuse also compares the tensor with the values read, on the GPU, and
-        sets ERR_STALE_SIZES (raised by check_plan() / run()) if they differ."""
+        """(host values of a block-size tensor, the same values as int64 on its device,
+        error bits or None). A GPU tensor is read once and both copies reused while it is
+        the same tensor at the same version, which keeps plan() free of host
+        synchronisation; because a write that bypasses the version counter (through .data,
+        or by another library's kernel) would leave the copies stale, each reuse also
+        compares the tensor with the values read, on the GPU, and sets ERR_STALE_SIZES
+        (raised by check_plan() / run()) if they differ."""
         if sizes.device.type == "cpu":
-            return sizes.to(torch.int64), None
+            host = sizes.to(torch.int64)
+            return host, host, None
         cached = self._size_cache.get(id(sizes))
         if cached is not None:
-            ref, version, host, device_copy = cached
+            ref, version, host, values = cached
             if ref() is sizes and version == sizes._version:
-                return host, sparsity.stale_sizes_errors(sizes, device_copy)
+                return host, values, sparsity.stale_sizes_errors(sizes, values)
         host = sizes.to("cpu", torch.int64)
+        values = sizes.to(torch.int64)
         if len(self._size_cache) > 8:
             self._size_cache.clear()
-        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host, sizes.clone())
-        return host, None
+        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host, values)
+        return host, values, None
 
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
         """q (Hq, Sq, D), k/v (Hkv, Sk, D) -> out (Hq, Sq, D)[, lse (Hq, Sq)]."""

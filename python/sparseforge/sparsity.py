@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseforge.checks import check_index_tensor
+from sparseforge.planner import host_fact
 
 # Error bits of the checks done with torch ops (on the device of the index tensors).
 ERR_INDEX_RANGE = 1
@@ -59,6 +60,13 @@ def uniform_sizes(total: int, block: int, device=None) -> torch.Tensor:
     sizes = torch.full((n,), block, device=device, dtype=torch.int64)
     sizes[-1:].fill_(total - block * (n - 1))
     return sizes
+
+
+@functools.lru_cache(maxsize=32)
+def uniform_host_sizes(total: int, block: int, heads: int) -> torch.Tensor:
+    """uniform_sizes on the host for `heads` heads (read-only): one tensor per shape, so that
+    plan()'s facts about it (planner.host_fact) are found again on the next call."""
+    return uniform_sizes(total, block).expand(heads, -1)
 
 
 def bsr_block_mask(indptr, indices, num_row_blocks: int, num_col_blocks: int):
@@ -231,13 +239,12 @@ def from_bsr_wrapper(
         errors = combine_errors(errors, kv_block_lens_errors(kv_block_lens, C))
         source += " / kv_block_lens"
         kv_block_lens = kv_block_lens.to(device, non_blocking=non_blocking)
-    host_rows, host_cols = uniform_sizes(M, R), uniform_sizes(N, C)
     return Selection(
         mask=mask.to(device, non_blocking=non_blocking),
         row_sizes=uniform_sizes(M, R, device).expand(num_kv_heads, -1),
         col_sizes=uniform_sizes(N, C, device).expand(num_kv_heads, -1),
-        host_row_sizes=host_rows.expand(num_kv_heads, -1),
-        host_col_sizes=host_cols.expand(num_kv_heads, -1),
+        host_row_sizes=uniform_host_sizes(M, R, num_kv_heads),
+        host_col_sizes=uniform_host_sizes(N, C, num_kv_heads),
         seq_q=M,
         seq_k=N,
         errors=errors,
@@ -262,13 +269,17 @@ def from_block_mask_map(
     """The VariableBlockSparseAttentionWrapper's form; host_rows / host_cols are the host
     values of the size tensors (the caller reads them once and caches them), `stale` the
     error bits of the checks that those values still hold (stale_sizes_errors)."""
-    if bool((host_rows < 1).any()) or bool((host_cols < 1).any()):
+
+    def lengths(sizes):  # (least block size, each head's total), asked once per tensor
+        return host_fact(sizes, "lengths", lambda: (int(sizes.min()), sizes.sum(-1).tolist()))
+
+    (least_row, seq_q), (least_col, seq_k) = lengths(host_rows), lengths(host_cols)
+    if least_row < 1 or least_col < 1:
         raise ValueError("block_row_sz and block_col_sz must be >= 1")
-    seq_q, seq_k = host_rows.sum(-1), host_cols.sum(-1)
-    if bool((seq_q != seq_q[0]).any()) or bool((seq_k != seq_k[0]).any()):
+    if len(set(seq_q)) > 1 or len(set(seq_k)) > 1:
         raise ValueError(
             "every kv head's block_row_sz (and block_col_sz) must sum to the same length, got "
-            f"{seq_q.tolist()} and {seq_k.tolist()}"
+            f"{seq_q} and {seq_k}"
         )
     return Selection(
         mask=block_mask_map.to(device, non_blocking=non_blocking),
@@ -276,8 +287,8 @@ def from_block_mask_map(
         col_sizes=block_col_sz.to(device, torch.int64, non_blocking=non_blocking),
         host_row_sizes=host_rows,
         host_col_sizes=host_cols,
-        seq_q=int(seq_q[0]),
-        seq_k=int(seq_k[0]),
+        seq_q=seq_q[0],
+        seq_k=seq_k[0],
         errors=functools.reduce(combine_errors, stale, None),
         source="block_mask_map / block_row_sz / block_col_sz",
     )
