@@ -714,15 +714,15 @@ def load_shared(dtype: cutlass.Constexpr, address):
 
 # Stages a warp's ring holds, by K/V format: shared memory per CTA 4 x stages x stage_bytes
 # (16-bit: 16 KB a stage; e4m3: 8 KB; NVFP4: 4.5 KB; SM120 allows 99 KB a CTA). 16-bit: one
-# stage, so that two CTAs fit an SM (their registers allow two): more warps in flight beat
-# a warp's own prefetch (MP1 forced onto this kernel 15.1 ms against 21.7 with three
-# stages and one CTA, MD1 272-300 us against 308-352 in the same rounds). e4m3: two stages
-# and registers capped for 3 CTAs an SM (168, 32 bytes of stack) against three stages and
-# 2 CTAs (220 registers): MP1 per-token 10.80-10.82 ms against 11.85, MD1 162.1-162.5 us
-# against 163.2-163.3 (bench/results/2026-12-04_241565b_h200_msa_token_stages_ab.md). NVFP4: registers
-# capped for 3 CTAs (168, no spills; else 195 and 2 CTAs): the kernel's decoding keeps the
-# issue slots busy, and a third CTA's warps fill their stalls; two stages change nothing
-# and a cap for 4 (128 registers, 112 bytes of stack) loses 8-11%.
+# stage, so that two CTAs fit an SM (their registers allow two): more warps in flight beat a
+# warp's own prefetch (MP1 forced onto this kernel 15.1 ms against 21.7 with three stages
+# and one CTA, MD1 272-300 us against 308-352 in the same rounds). e4m3: two stages and
+# registers capped for 3 CTAs an SM (168, 32 bytes of stack) against three stages and 2 CTAs
+# (220 registers): MP1 per-token 10.80-10.82 ms against 11.85, MD1 162.1-162.5 us against
+# 163.2-163.3 (bench/results/2026-12-04_241565b_h200_msa_token_stages_ab.md). NVFP4:
+# registers capped for 3 CTAs (168, no spills; else 195 and 2 CTAs): the kernel's decoding
+# keeps the issue slots busy, and a third CTA's warps fill their stalls; two stages change
+# nothing and a cap for 4 (128 registers, 112 bytes of stack) loses 8-11%.
 STAGES = {"16bit": 1, "e4m3": 2, "nvfp4": 3}
 CTAS_PER_SM = {"16bit": 1, "e4m3": 3, "nvfp4": 3}
 

@@ -76,10 +76,13 @@ MERGE_BEST = bitonic_merge_pairs(TOPK)
 
 @dsl_user_op
 def load_f32(address, *, loc=None, ip=None):
-    """The f32 at a global byte address, through the read-only data path."""
+    """The f32 at a global byte address, through the read-only data path, with the L2 asked
+    to fetch the whole 128-byte line: a warp's load reads 32 bytes of four lines, and the
+    CTAs of the next 96 tokens read the rest of them (MS2 on the H200 813-815 us against
+    825-827 without the hint; bench/results/2026-12-04_42abbb6_h200_ms2_l2_hint_ab.md)."""
     operands = [cutlass.Int64(address)]
     return inline_ptx(
-        cutlass.Float32, operands, "ld.global.nc.f32 $0, [$1];", "=f,l", loc=loc, ip=ip
+        cutlass.Float32, operands, "ld.global.nc.L2::128B.f32 $0, [$1];", "=f,l", loc=loc, ip=ip
     )
 
 
