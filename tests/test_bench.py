@@ -1,8 +1,10 @@
-"""The benchmark's helpers that need no GPU: its charts (from rows made up here) and the
-K/V bytes MP1's kernels stream (from selections made up here)."""
+"""The benchmark's helpers that need no GPU: its charts (from rows made up here), the K/V
+bytes MP1's kernels stream (from selections made up here) and the order of a timed run's
+stream operations (CUDA calls replaced by a log)."""
 
 import pytest
 import torch
+from sparseforge import bench
 from sparseforge.bench import mp1_streamed_bytes, plot
 
 
@@ -32,3 +34,33 @@ def test_mp1_streamed_bytes_counts_each_4_token_union_once():
     # Bytes in 1e-6 ms, in TB/s: union 2 blocks x 2 CTAs, one-token 10 blocks.
     assert f"wgmma union 0 GB in 0.00 ms = {4 * 65536 / 1e3:.1f} TB/s" in line
     assert f"one-token 0 GB in 0.00 ms = {10 * 65536 / 1e3:.1f} TB/s" in line
+
+
+def test_timed_runs_start_after_the_flush_and_a_gpu_spin(monkeypatch):
+    """Each timed run enqueues before() (the L2 flush), then the spin, then its start event,
+    the call and its end event: the GPU reaches the start event only after the host has had
+    the spin's time to queue the call, so host work stays out of the timing."""
+    log, made = [], []
+
+    class Event:  # made in pairs: start, end
+        def __init__(self, enable_timing):
+            self.name = ("start", "end")[len(made) % 2]
+            made.append(self)
+
+        def record(self):
+            log.append(self.name)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
+    ms = bench.cuda_time_ms(
+        lambda: log.append("call"), warmup=1, iters=2, before=lambda: log.append("flush")
+    )
+    spin = ("spin", bench.HOST_LEAD_CYCLES)
+    assert ms == 1.0
+    assert log == ["call"] + ["flush", spin, "start", "call", "end"] * 2
