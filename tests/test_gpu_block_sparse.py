@@ -404,3 +404,36 @@ def test_unbuilt_head_dim_names_the_built_ones():
     wrapper = VariableBlockSparseAttentionWrapper(workspace())
     with pytest.raises(VariantNotBuiltError, match="head_dim 96 is not built .* 64, 128, 256"):
         wrapper.plan(mask, sz, sz, 1, 1, 96, q_data_type=torch.bfloat16)
+
+
+def test_plans_and_runs_under_inference_mode():
+    """Engines run under torch.inference_mode(), where tensors have no version counter:
+    both wrappers plan there (the variable wrapper twice, the second time from its cached
+    copies of the size tensors), run, and match the reference; a size tensor rewritten in
+    place is still caught on the GPU."""
+    hkv, hq, seq, d = 2, 4, 1024, 128
+    mb = seq // 64
+    mask = ragged_mask(hkv, mb, mb, seed=3)
+    with torch.inference_mode():
+        q, k, v = random_inputs(hq, hkv, seq, seq, d, torch.bfloat16)
+        sizes = torch.full((hkv, mb), 64, dtype=torch.int32, device=DEV)
+        wrapper = VariableBlockSparseAttentionWrapper(workspace())
+        for _ in range(2):
+            wrapper.plan(mask.to(DEV), sizes, sizes, hq, hkv, d, q_data_type=torch.bfloat16)
+            out, lse = wrapper.run(q, k, v, return_lse=True)
+            check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
+        bsr = BlockSparseAttentionWrapper(workspace())
+        q2k = mask.to(torch.int8).argsort(-1, descending=True, stable=True)[..., :4]
+        q2k = q2k.repeat_interleave(hq // hkv, 0).to(DEV, torch.int32).contiguous()
+        shape = (None, None, seq, seq, 64, 64, hq, hkv, d)
+        bsr.plan(*shape, q2k_indices=q2k, q_data_type=torch.bfloat16)
+        got = bsr.run(*(x.transpose(0, 1).contiguous() for x in (q, k, v)))
+        chosen = torch.zeros(hkv, mb, mb, dtype=torch.bool)
+        chosen.scatter_(2, q2k[:: hq // hkv].long().cpu(), True)
+        want, _ = reference_for(chosen, sizes, sizes, q, k, v)
+        assert rel_l2(got.transpose(0, 1), want) <= 5e-3
+        sizes[0, 0] = 32  # written in place: no version counter moves
+        sizes[0, 1] = 96
+        wrapper.plan(mask.to(DEV), sizes, sizes, hq, hkv, d, q_data_type=torch.bfloat16)
+        with pytest.raises(ValueError, match="changed in place"):
+            wrapper.check_plan()

@@ -237,3 +237,15 @@ def test_host_size_facts_follow_writes_to_the_tensor():
     assert planner.sizes_are_tiles(other, 64)
     sizes[1, 2] = 128
     assert planner.sizes_tile_aligned(sizes, 64)
+
+
+def test_host_size_facts_of_inference_tensors():
+    """Tensors made under torch.inference_mode() have no version counter (engines plan under
+    it): their facts are asked once and remembered while the tensor lives."""
+    with torch.inference_mode():
+        sizes = torch.full((2, 4), 128, dtype=torch.int64)
+        assert planner.tensor_version(sizes) is None
+        assert planner.sizes_tile_aligned(sizes, 64)
+        assert not planner.sizes_are_tiles(sizes, 64)
+    assert planner.sizes_tile_aligned(sizes, 64)
+    assert planner.tensor_version(torch.zeros(1)) == 0

@@ -72,14 +72,23 @@ def tile_padded_scales(
 _host_facts: dict[int, tuple[weakref.ref, int, dict]] = {}
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """t's version counter (it moves on every in-place write), or None for a tensor made
+    under torch.inference_mode(), which has none."""
+    return None if t.is_inference() else t._version
+
+
 def host_fact(sizes: torch.Tensor, question, answer: Callable):
     """answer() for this host tensor and `question`, remembered while the tensor lives
-    unmodified (same object, same version counter)."""
+    unmodified (same object, same version counter; a tensor made under inference mode has
+    no version counter: its facts are remembered while it lives, so pass only tensors that
+    are not written after they are made, as plan()'s host size copies)."""
+    version = tensor_version(sizes)
     entry = _host_facts.get(id(sizes))
-    if entry is None or entry[0]() is not sizes or entry[1] != sizes._version:
+    if entry is None or entry[0]() is not sizes or entry[1] != version:
         if len(_host_facts) > 64:
             _host_facts.clear()
-        entry = (weakref.ref(sizes), sizes._version, {})
+        entry = (weakref.ref(sizes), version, {})
         _host_facts[id(sizes)] = entry
     facts = entry[2]
     if question not in facts:

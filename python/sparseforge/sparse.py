@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from sparseforge import dispatch, logit_options, reference, sparsity, validation
+from sparseforge import dispatch, logit_options, planner, reference, sparsity, validation
 from sparseforge.checks import (
     check_heads,
     check_index_tensor,
@@ -466,20 +466,23 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         synchronisation; because a write that bypasses the version counter (through .data,
         or by another library's kernel) would leave the copies stale, each reuse also
         compares the tensor with the values read, on the GPU, and sets ERR_STALE_SIZES
-        (raised by check_plan() / run()) if they differ."""
+        (raised by check_plan() / run()) if they differ (for a tensor made under
+        torch.inference_mode(), which has no version counter, that comparison is the only
+        check)."""
         if sizes.device.type == "cpu":
             host = sizes.to(torch.int64)
             return host, host, None
         cached = self._size_cache.get(id(sizes))
         if cached is not None:
             ref, version, host, values = cached
-            if ref() is sizes and version == sizes._version:
+            if ref() is sizes and version == planner.tensor_version(sizes):
                 return host, values, sparsity.stale_sizes_errors(sizes, values)
         host = sizes.to("cpu", torch.int64)
         values = sizes.to(torch.int64)
         if len(self._size_cache) > 8:
             self._size_cache.clear()
-        self._size_cache[id(sizes)] = (weakref.ref(sizes), sizes._version, host, values)
+        version = planner.tensor_version(sizes)
+        self._size_cache[id(sizes)] = (weakref.ref(sizes), version, host, values)
         return host, values, None
 
     def run(self, q, k, v, out=None, lse=None, return_lse: bool = False, enable_pdl=None):
