@@ -423,7 +423,7 @@ def test_plans_and_runs_under_inference_mode():
             out, lse = wrapper.run(q, k, v, return_lse=True)
             check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
         bsr = BlockSparseAttentionWrapper(workspace())
-        q2k = mask.to(torch.int8).argsort(-1, descending=True, stable=True)[..., :4]
+        q2k = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :4]
         q2k = q2k.repeat_interleave(hq // hkv, 0).to(DEV, torch.int32).contiguous()
         shape = (None, None, seq, seq, 64, 64, hq, hkv, d)
         bsr.plan(*shape, q2k_indices=q2k, q_data_type=torch.bfloat16)
