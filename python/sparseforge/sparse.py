@@ -432,7 +432,10 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         # The sizes fix the sequence lengths, so the host needs their values: read once per
         # GPU size tensor (one synchronisation), then reused while it is unmodified.
         host_rows, row_values, stale_rows = self._host_sizes(block_row_sz)
-        host_cols, col_values, stale_cols = self._host_sizes(block_col_sz)
+        if block_col_sz is block_row_sz:  # one tensor for both: read and checked once
+            host_cols, col_values, stale_cols = host_rows, row_values, None
+        else:
+            host_cols, col_values, stale_cols = self._host_sizes(block_col_sz)
         selection = sparsity.from_block_mask_map(
             block_mask_map=block_mask_map,
             block_row_sz=row_values,
