@@ -33,8 +33,15 @@ def test_every_family_covers_the_archs_it_requires():
 
 def test_each_arch_prefers_its_native_template():
     family = catalog.families()["block_sparse_fwd"]
-    assert [t.name for t in family.templates_for("sm_90a")] == ["sm90_wgmma", "warp_mma"]
-    assert [t.name for t in family.templates_for("sm_120a")] == ["warp_mma"]
+    assert [t.name for t in family.templates_for("sm_90a")] == [
+        "sm90_wgmma",
+        "tma_warp_mma",
+        "warp_mma",
+    ]
+    for arch in ("sm_100a", "sm_120a"):
+        assert [t.name for t in family.templates_for(arch)] == ["tma_warp_mma", "warp_mma"]
+    logits = catalog.families()["block_sparse_fwd_logits"]
+    assert [t.name for t in logits.templates_for("sm_120a")] == ["warp_mma"]
 
 
 def test_catalog_arch_selection():

@@ -2,8 +2,9 @@
 
 Every case draws fresh random inputs, poisons the outputs with NaN before the run and checks
 every element: relative L2 error <= 5e-3 for the output, LSE within 1e-3 (and -inf exactly
-where a row selects nothing). Both templates run on sm_90a: the wgmma kernel (when built)
-and the portable mma.sync kernel that ships for SM100/SM120.
+where a row selects nothing). Every template runs on sm_90a: the wgmma kernel (when built),
+the TMA mma.sync kernel that ships for SM120 and SM100 (backend "warp_mma"), and the cp.async
+mma.sync kernel it gives way to (forced).
 """
 
 import math
@@ -113,7 +114,7 @@ def test_variable_wrapper_ragged(backend, dtype, head_dim, block, group):
     sizes = reference.uniform_sizes(seq, block).expand(hkv, -1)
     q, k, v = random_inputs(hq, hkv, seq, seq, head_dim, dtype)
     wrapper, out, lse = run_variable(mask, sizes, sizes, q, k, v, backend)
-    assert wrapper.backend_in_use == ("warp_mma" if backend == "warp_mma" else "sm90_wgmma")
+    assert wrapper.backend_in_use == ("tma_warp_mma" if backend == "warp_mma" else "sm90_wgmma")
     check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
 
 
@@ -382,6 +383,26 @@ def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
         )
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2])
+def test_cp_async_kernel_the_tma_kernel_gives_way_to(monkeypatch, head_dim, group):
+    """The cp.async mma.sync kernel: what a TMA variant that fails its first-use self-check
+    gives way to, and what no default choice takes where both are built (forced here)."""
+    from sparseforge.arch import arch_for_device
+
+    name = f"block_sparse_fwd__warp_mma__bf16_d{head_dim}__{arch_for_device(0)}"
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
+    torch.manual_seed(zlib.crc32(name.encode() + bytes([group])))
+    hkv, seq = 2, 1000
+    mb = -(-seq // 64)
+    mask = ragged_mask(hkv, mb, mb, seed=head_dim + group)
+    sizes = reference.uniform_sizes(seq, 64).expand(hkv, -1)
+    q, k, v = random_inputs(hkv * group, hkv, seq, seq, head_dim, torch.bfloat16)
+    wrapper, out, lse = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")
+    assert wrapper.backend_in_use == "warp_mma"
+    check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -394,7 +415,7 @@ def test_head_dim_256(backend, dtype, group):
     sizes = reference.uniform_sizes(seq, 64).expand(hkv, -1)
     q, k, v = random_inputs(hkv * group, hkv, seq, seq, 256, dtype)
     wrapper, out, lse = run_variable(mask, sizes, sizes, q, k, v, backend)
-    assert wrapper.backend_in_use == ("warp_mma" if backend == "warp_mma" else "sm90_wgmma")
+    assert wrapper.backend_in_use == ("tma_warp_mma" if backend == "warp_mma" else "sm90_wgmma")
     check(out, lse, *reference_for(mask, sizes, sizes, q, k, v))
 
 

@@ -218,6 +218,48 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
         families.choose("tile_compact", "sm_90a")
 
 
+@pytest.mark.parametrize(
+    "capability, native",
+    [
+        ((9, 0), ("sm90_wgmma", "sm90_sage_fp8")),
+        ((10, 0), ("tma_warp_mma", "warp_mma_fp8")),
+        ((10, 3), ("tma_warp_mma", "warp_mma_fp8")),
+        ((12, 0), ("tma_warp_mma", "warp_mma_fp8")),
+        ((12, 1), ("tma_warp_mma", "warp_mma_fp8")),
+    ],
+)
+def test_each_gpu_gets_its_native_attention_kernels(monkeypatch, capability, native):
+    """The device query mocked: the arch of each supported GPU and the kernels a plan takes
+    there (the first-use self-check does not run: no such GPU here)."""
+    from sparseforge import arch, families
+
+    monkeypatch.setattr(arch, "device_capability", lambda index: capability)
+    arch.arch_for_device.cache_clear()
+    try:
+        chosen = arch.arch_for_device(0)
+    finally:
+        arch.arch_for_device.cache_clear()
+    assert chosen == ARCH_FOR_CAPABILITY[capability]
+    for family, dtype, template in zip(
+        ("block_sparse_fwd", "sage_fp8_fwd"), ("bf16", "e4m3"), native, strict=True
+    ):
+        kernel = families.choose(family, chosen, dtype=dtype, head_dim=128)
+        assert kernel.template == template and kernel.name.endswith(f"__{chosen}")
+
+
+def test_unknown_gpu_gets_the_unsupported_arch_error(monkeypatch):
+    from sparseforge import arch
+    from sparseforge.errors import UnsupportedArchError
+
+    monkeypatch.setattr(arch, "device_capability", lambda index: (8, 9))
+    arch.arch_for_device.cache_clear()
+    try:
+        with pytest.raises(UnsupportedArchError, match=r"compute capability 8.9 \(sm_89\)"):
+            arch.arch_for_device(0)
+    finally:
+        arch.arch_for_device.cache_clear()
+
+
 def test_bound_launch_packs_the_abi_words(monkeypatch):
     """The words handed to sf_launch, for NHD tensors and for HND ones passed with swap01."""
     import ctypes

@@ -26,6 +26,9 @@ WARPGROUPS = (1, 2, 4)
 # head_dim 256: one CTA per SM (its O accumulator alone takes 128 registers per thread), so
 # four warpgroups (128 registers each) cannot hold it.
 WARPGROUPS_D256 = (1, 2)
+# tma_warp_mma: units per CTA (config key "warpgroups"), 64 query rows each. Its warps own 32
+# rows each up to head_dim 128 (two or four warps), 16 at 256 (four warps: one unit).
+TMA_WARP_MMA_UNITS = {64: (1, 2), 128: (1, 2), 256: (1,)}
 
 
 def plan_args():
@@ -117,8 +120,29 @@ def templates(logits: bool):
                 for w in (WARPGROUPS_D256 if d == 256 else WARPGROUPS)
             ),
         ),
-        # mma.sync: the SM100 / SM120 path until their native kernels land, built for
-        # sm_90a too so that the code shipped for Blackwell runs on the H200.
+        # TMA + mma.sync: the SM120 kernel (and SM100's until a tcgen05 one lands), built
+        # for sm_90a too so that the code shipped for Blackwell runs on the H200.
+        *(
+            ()
+            if logits
+            else (
+                Template(
+                    "tma_warp_mma",
+                    "generator.kernels.sm120.block_sparse_fwd",
+                    mma="mma.sync",
+                    archs=ALL_ARCHS,
+                    configs=tuple(
+                        dict(dtype=t, head_dim=d, warpgroups=units)
+                        for t in DTYPES
+                        for d in HEAD_DIMS
+                        for units in TMA_WARP_MMA_UNITS[d]
+                    ),
+                    portable=True,
+                ),
+            )
+        ),
+        # mma.sync with cp.async: every option (the logits variants), and what a TMA variant
+        # that fails its first-use self-check gives way to.
         Template(
             "warp_mma",
             "generator.kernels.portable.block_sparse_fwd",

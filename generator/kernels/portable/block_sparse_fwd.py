@@ -93,13 +93,13 @@ class BlockSparseFwdWarpMma:
         return self.tiled_copy_16b(op, self.dtype, 64)
 
     @staticmethod
-    def tiled_copy_16b(op, dtype, row_elems: int):
-        """128 threads, 16 bytes each, over rows of `row_elems` elements."""
+    def tiled_copy_16b(op, dtype, row_elems: int, num_threads: int = NUM_THREADS):
+        """`num_threads` threads, 16 bytes each, over rows of `row_elems` elements."""
         per_copy = COPY_BYTES * 8 // dtype.width
         per_row = row_elems // per_copy
         return cute.make_tiled_copy_tv(
             cute.make_copy_atom(op, dtype, num_bits_per_copy=COPY_BYTES * 8),
-            cute.make_layout((NUM_THREADS // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1)),
             cute.make_layout((1, per_copy)),
         )
 
