@@ -30,7 +30,10 @@ def backends():
 
 
 BACKENDS = backends() if torch.cuda.is_available() else ["warp_mma"]
-KERNEL_OF = {"warp_mma": "warp_mma", "sparseforge": "sm90_wgmma"}
+# The templates a backend's plans run: on "warp_mma", options run the cp.async kernel's
+# logits variants and plans without any (rotary embedding alone, blocks of whole tiles) the
+# TMA kernel.
+KERNELS_OF = {"warp_mma": ("warp_mma", "tma_warp_mma"), "sparseforge": ("sm90_wgmma",)}
 
 
 def seeded(*key) -> torch.Generator:
@@ -87,7 +90,7 @@ def run_bsr(backend, args, q, k, v, **options):
         torch.empty(1024, dtype=torch.uint8, device=DEV), backend=backend
     )
     wrapper.plan(*args, q_data_type=q.dtype, **options)
-    assert wrapper.backend_in_use == KERNEL_OF[backend]
+    assert wrapper.backend_in_use in KERNELS_OF[backend]
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
@@ -197,7 +200,7 @@ def test_variable_wrapper_small_blocks_per_head_with_options(backend):
         block_mask.to(DEV), rows.int().to(DEV), cols.int().to(DEV), hkv * group, hkv, d,
         causal=True, logits_soft_cap=10.0, q_data_type=torch.bfloat16,
     )  # fmt: skip
-    assert wrapper.backend_in_use == KERNEL_OF[backend]
+    assert wrapper.backend_in_use in KERNELS_OF[backend]
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
@@ -269,7 +272,7 @@ def test_rope_llama_variable_wrapper_hnd(backend):
         block_mask.to(DEV), sizes.to(DEV), sizes.to(DEV), heads, heads, d,
         pos_encoding_mode="ROPE_LLAMA", q_data_type=torch.bfloat16,
     )  # fmt: skip
-    assert wrapper.backend_in_use == KERNEL_OF[backend]
+    assert wrapper.backend_in_use in KERNELS_OF[backend]
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)

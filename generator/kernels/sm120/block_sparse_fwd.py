@@ -55,14 +55,14 @@ WARPS_PER_SM = 8  # two per SM sub-partition: one's softmax under the other's MM
 MAX_STAGES = 6
 
 
-def rows_per_warp(head_dim: int) -> int:
-    return 32 if head_dim <= 128 else 16
+# Query rows a warp owns, by head_dim (module docstring).
+ROWS_PER_WARP = {64: 32, 128: 32, 256: 16}
 
 
 def ring_shape(arch: str, head_dim: int, units: int, width_bits: int = 16):
     """(CTAs per SM, K/V stages): the most CTAs up to WARPS_PER_SM warps per SM whose shared
     memory still holds the Q tiles and a ring of at least two stages."""
-    warps = units * UNIT_ROWS // rows_per_warp(head_dim)
+    warps = units * UNIT_ROWS // ROWS_PER_WARP[head_dim]
     tile_bytes = TILE_N * head_dim * width_bits // 8
     q_bytes = units * UNIT_ROWS * head_dim * width_bits // 8
     for ctas in range(max(1, WARPS_PER_SM // warps), 0, -1):
@@ -78,7 +78,7 @@ class BlockSparseFwdTmaWarpMma:
         self.head_dim = head_dim
         self.units = units
         self.rows = units * UNIT_ROWS
-        self.warps = self.rows // rows_per_warp(head_dim)
+        self.warps = self.rows // ROWS_PER_WARP[head_dim]
         self.num_threads = 32 * self.warps
         self.ctas_per_sm, self.kv_stages = ring_shape(arch, head_dim, units, dtype.width)
         self.p_offset = probability_offset(dtype)
@@ -400,6 +400,9 @@ class BlockSparseFwdTmaWarpMma:
         probabilities are 0, but 0 * inf or 0 * NaN would still poison O; TMA zero-fills only
         rows past the tensor's end). Rare path: tiles shorter than 64 keys."""
         d = self.head_dim
+        # Every warp's reads of this stage's previous tile come first (they were ordered
+        # only through the ring's mbarriers and the TMA write).
+        bar.arrive_and_wait()
         for i in cutlass.range_constexpr(d * TILE_N // self.num_threads):
             flat = tidx + i * self.num_threads
             key = flat // d
@@ -414,8 +417,7 @@ class BlockSparseFwdTmaWarpMma:
         self, tiled_mma, acc_O, row_max, row_sum, args, sQ, sQ_rows, heads, chunks, tidx, bar
     ):
         """Normalise, write LSE, and O (mO's dtype: the inputs') through the Q tiles' shared
-        memory (each warp's O rows are its own Q rows, which only it read) to 16-byte row
-        stores."""
+        memory to 16-byte row stores."""
         d = self.head_dim
         mO, mLSE = args.mO, args.mLSE
         out_dtype = mO.element_type
@@ -443,6 +445,7 @@ class BlockSparseFwdTmaWarpMma:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype), tiled_mma
         )
         thr_r2s = r2s.get_slice(tidx)
+        bar.arrive_and_wait()  # every warp is done with the Q tiles
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sQ_rows))
         bar.arrive_and_wait()
 
