@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from sparseforge import reference
-from sparseforge.checks import check_writable, overlaps_itself
+from sparseforge.checks import check_writable, contiguous_operands, overlaps_itself
 from sparseforge.sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
 WS = torch.empty(16, dtype=torch.uint8)
@@ -174,6 +174,33 @@ def test_out_and_lse_may_not_alias_inputs_or_themselves():
         wrapper.run(q, kv, kv, out=out, lse=out.view(torch.float32)[:, :4, 0], return_lse=True)
     out = torch.empty(256, 4, 64, dtype=torch.float16)
     assert wrapper.run(q, kv, kv, out=out) is out
+
+
+def test_quick_operand_check_accepts_only_what_the_full_checks_accept():
+    """run()'s quick check (contiguous_operands): plain contiguous operands of the plan's
+    shapes and dtypes, outputs apart from the inputs; everything else goes to the full
+    checks (CPU tensors here: device index -1)."""
+    wrapper = BlockSparseAttentionWrapper(WS, backend="torch")
+    wrapper.plan(*bsr_args(), q_data_type=torch.float16)
+    plan = wrapper._plan
+    q = torch.randn(256, 4, 64, dtype=torch.float16)
+    kv = torch.randn(256, 2, 64, dtype=torch.float16)
+    out = torch.empty_like(q)
+    lse = torch.empty(256, 4)
+    assert contiguous_operands(plan, -1, q, kv, kv, out, lse)
+    assert contiguous_operands(plan, -1, q, kv, kv, None, None)
+    assert not contiguous_operands(plan, 0, q, kv, kv, out, lse)  # another device
+    refused = {
+        "q transposed view": (q.transpose(0, 1).contiguous().transpose(0, 1), kv, out, lse),
+        "k of another dtype": (q, kv.half().bfloat16(), out, lse),
+        "k of another shape": (q, kv[:128], out, lse),
+        "out of q's memory": (q, kv, q, lse),
+        "lse inside out": (q, kv, out, out.view(torch.float32).flatten()[:1024].view(256, 4)),
+        "out a Parameter": (q, kv, torch.nn.Parameter(out, requires_grad=False), lse),
+        "lse a transposed view": (q, kv, out, torch.empty(4, 256).t()),
+    }
+    for what, (q_, k_, out_, lse_) in refused.items():
+        assert not contiguous_operands(plan, -1, q_, k_, k_, out_, lse_), what
 
 
 def test_non_contiguous_selections_on_the_reference_path_match_contiguous_ones():

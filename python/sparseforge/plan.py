@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -81,3 +82,14 @@ class Plan:
     @property
     def lse_shape(self) -> tuple:
         return self._layout(self.num_qo_heads, self.seq_q)
+
+    @functools.cached_property
+    def contiguous_layouts(self) -> tuple:
+        """(shape, strides) of q (and out), of k and v, and of lse as contiguous tensors."""
+        layouts = []
+        for shape in (self.q_shape, self.kv_shape, self.lse_shape):
+            strides = [1]
+            for extent in reversed(shape[1:]):
+                strides.insert(0, strides[0] * extent)
+            layouts.append((shape, tuple(strides)))
+        return tuple(layouts)

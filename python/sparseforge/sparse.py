@@ -41,6 +41,7 @@ from sparseforge.checks import (
     check_index_tensor,
     check_tensor,
     check_writable,
+    contiguous_operands,
     positive_int,
     reject,
 )
@@ -252,6 +253,22 @@ class _BlockSparseBase:
         if not torch.compiler.is_compiling():
             self._checks.raise_if_found()
         kernel = plan.path != "torch"
+        if not (kernel and contiguous_operands(plan, self._device.index, q, k, v, out, lse)):
+            self._check_operands(plan, kernel, q, k, v, out, lse)
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=self._device)
+        if lse is None:
+            lse = (
+                plan.lse_scratch
+                if kernel and not return_lse
+                else torch.empty(plan.lse_shape, dtype=torch.float32, device=self._device)
+            )
+        dispatch.run_attention(plan, q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _check_operands(self, plan, kernel: bool, q, k, v, out, lse) -> None:
+        """run()'s checks of its tensors (out and lse where given), each error naming the
+        argument."""
         for name, t, shape in (
             ("q", q, plan.q_shape),
             ("k", k, plan.kv_shape),
@@ -260,24 +277,15 @@ class _BlockSparseBase:
             check_tensor(name, t, shape, plan.dtype, self._device)
             if kernel:
                 plan.family.check_operand(name, t)
-        if out is None:
-            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=self._device)
-        else:
+        if out is not None:
             check_tensor("out", out, plan.q_shape, plan.out_dtype, self._device)
             check_writable("out", out, (("q", q), ("k", k), ("v", v)))
             if kernel:
                 plan.family.check_operand("out", out)
-        if lse is None:
-            lse = (
-                plan.lse_scratch
-                if kernel and not return_lse
-                else torch.empty(plan.lse_shape, dtype=torch.float32, device=self._device)
-            )
-        else:
+        if lse is not None:
+            inputs = (("q", q), ("k", k), ("v", v)) + ((("out", out),) if out is not None else ())
             check_tensor("lse", lse, plan.lse_shape, torch.float32, self._device)
-            check_writable("lse", lse, (("q", q), ("k", k), ("v", v), ("out", out)))
-        dispatch.run_attention(plan, q, k, v, out, lse)
-        return (out, lse) if return_lse else out
+            check_writable("lse", lse, inputs)
 
 
 class BlockSparseAttentionWrapper(_BlockSparseBase):
