@@ -309,3 +309,17 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     with pytest.raises(ValueError, match="16-byte aligned"):
         shifted = torch.zeros(4 * 96 * 128 + 1, dtype=torch.bfloat16)[1:].view(4, 96, 128)
         bound((shifted, q, q, q, lse), swap01=True)
+
+    # call_same_layout: the first call packs everything, later ones only the addresses.
+    k = torch.zeros(4, 96, 128, dtype=torch.bfloat16)
+    lse2 = torch.zeros(4, 96)
+    bound.call_same_layout((q, q, q, q, lse), swap01=True)
+    assert calls[-1][1] == words
+    bound.call_same_layout((k, q, k, q, lse2), swap01=True)
+    bound((k, q, k, q, lse2), swap01=True)
+    assert calls[-2][1] == calls[-1][1] != words
+    bound.call_same_layout((q, q, q, q, lse), swap01=False)  # another layout: packed whole
+    bound((q, q, q, q, lse), swap01=False)
+    assert calls[-2][1] == calls[-1][1]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        bound.call_same_layout((q, shifted, q, q, lse), swap01=False)

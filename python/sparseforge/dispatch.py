@@ -194,8 +194,10 @@ def plan_attention(
     )
 
 
-def run_attention(plan: Plan, q, k, v, out, lse) -> None:
-    """Fill out and lse (in the plan's layout) on the current stream."""
+def run_attention(plan: Plan, q, k, v, out, lse, same_layout: bool = False) -> None:
+    """Fill out and lse (in the plan's layout) on the current stream. `same_layout`: q, k,
+    v, out and lse are contiguous tensors of the plan's shapes (checks.contiguous_operands),
+    so the kernel's operands have the same shapes and strides at every such call."""
     if plan.path == "torch":
         o_ref, lse_ref = _reference(
             plan, *((q, k, v) if plan.hnd else (t.transpose(0, 1) for t in (q, k, v)))
@@ -211,7 +213,7 @@ def run_attention(plan: Plan, q, k, v, out, lse) -> None:
         ops.launch(rotate_k, (k, k_rotated), plan.hnd)
         q, k = q_rotated, k_rotated
     tensors, swap01 = plan.family.operands(plan.kernel, q, k, v, out, lse, plan.hnd)
-    ops.launch(plan.launch, tensors, swap01)
+    ops.launch(plan.launch, tensors, swap01, same_layout)
 
 
 def _reference(plan: Plan, q, k, v):

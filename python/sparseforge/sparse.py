@@ -253,7 +253,8 @@ class _BlockSparseBase:
         if not torch.compiler.is_compiling():
             self._checks.raise_if_found()
         kernel = plan.path != "torch"
-        if not (kernel and contiguous_operands(plan, self._device.index, q, k, v, out, lse)):
+        contiguous = kernel and contiguous_operands(plan, self._device.index, q, k, v, out, lse)
+        if not contiguous:
             self._check_operands(plan, kernel, q, k, v, out, lse)
         if out is None:
             out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=self._device)
@@ -263,7 +264,8 @@ class _BlockSparseBase:
                 if kernel and not return_lse
                 else torch.empty(plan.lse_shape, dtype=torch.float32, device=self._device)
             )
-        dispatch.run_attention(plan, q, k, v, out, lse)
+        # A new out or lse is contiguous too; the scratch lse is, by construction.
+        dispatch.run_attention(plan, q, k, v, out, lse, same_layout=contiguous)
         return (out, lse) if return_lse else out
 
     def _check_operands(self, plan, kernel: bool, q, k, v, out, lse) -> None:
