@@ -56,12 +56,16 @@ def test_a_failed_variant_gives_way_to_the_next_that_fits(unrun_h200):
     with pytest.warns(RuntimeWarning, match="failed its first-use self-check on this GPU"):
         kernel = choose_bf16()
     assert kernel.name == "block_sparse_fwd__warp_mma__bf16_d128__sm_90a"
-    # The wgmma variants (4, 2 and 1 units a CTA) were tried first, each checked once.
-    assert checked[-1] == kernel.name and len(checked) == 4
+    # The wgmma variants (4, 2 and 1 units a CTA), then the TMA mma.sync ones (2 and 1) were
+    # tried first, each checked once.
+    assert checked[-1] == kernel.name and len(checked) == 6
+    assert [name.split("__")[1] for name in checked[:-1]] == ["sm90_wgmma"] * 3 + [
+        "tma_warp_mma"
+    ] * 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert choose_bf16() == kernel
-    assert len(checked) == 4
+    assert len(checked) == 6
 
 
 def test_when_every_variant_fails_the_error_names_them(unrun_h200):

@@ -1043,11 +1043,19 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
     return times, repaired
 
 
+# GPU cycles spun ahead of a series of run() calls whose host time is measured (~50 ms):
+# the calls queue behind it, so the GPU's pace at the tiny kernels cannot set the time.
+HOST_SERIES_LEAD_CYCLES = 100_000_000
+
+
 def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
     """Microseconds of host time per run() on a tiny problem (out= given): the median over
     `series` series of the mean of `calls` back-to-back calls, so that one stalled series
-    does not set the number. The host itself varies more: with the same code, machines
-    have read 15 us (d4244c8) and 17-23 us (three calls in one process on another)."""
+    does not set the number. Each series queues behind a GPU spin (HOST_SERIES_LEAD_CYCLES):
+    timed back to back on an idle GPU, calls faster than the GPU runs their kernels would be
+    timed at the GPU's pace once its launch queue filled. The host itself varies more: with
+    the same code, machines have read 15 us (d4244c8) and 17-23 us (three calls in one
+    process on another)."""
     import time
 
     from sparseforge import VariableBlockSparseAttentionWrapper
@@ -1064,6 +1072,7 @@ def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) 
     means = []
     for _ in range(series):
         torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_SERIES_LEAD_CYCLES)
         start = time.perf_counter()
         for _ in range(calls):
             wrapper.run(q, q, q, out=out)

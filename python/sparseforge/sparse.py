@@ -250,10 +250,14 @@ class _BlockSparseBase:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
-        if not torch.compiler.is_compiling():
+        eager = not torch.compiler.is_compiling()
+        if eager:
             self._checks.raise_if_found()
         kernel = plan.path != "torch"
-        contiguous = kernel and contiguous_operands(plan, self._device.index, q, k, v, out, lse)
+        # The quick check reads addresses: eager only (traced tensors have none).
+        contiguous = (
+            eager and kernel and contiguous_operands(plan, self._device.index, q, k, v, out, lse)
+        )
         if not contiguous:
             self._check_operands(plan, kernel, q, k, v, out, lse)
         if out is None:
