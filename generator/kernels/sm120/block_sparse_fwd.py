@@ -59,17 +59,15 @@ MAX_STAGES = 6
 ROWS_PER_WARP = {64: 32, 128: 32, 256: 16}
 
 
-def ring_shape(arch: str, head_dim: int, units: int, width_bits: int = 16):
-    """(CTAs per SM, K/V stages): the most CTAs up to WARPS_PER_SM warps per SM whose shared
+def ring_shape(arch: str, warps: int, q_bytes: int, tile_bytes: int):
+    """(CTAs per SM, K/V stages) of a CTA of `warps` warps with `q_bytes` of Q tiles and a
+    ring of `tile_bytes` stages: the most CTAs up to WARPS_PER_SM warps per SM whose shared
     memory still holds the Q tiles and a ring of at least two stages."""
-    warps = units * UNIT_ROWS // ROWS_PER_WARP[head_dim]
-    tile_bytes = TILE_N * head_dim * width_bits // 8
-    q_bytes = units * UNIT_ROWS * head_dim * width_bits // 8
     for ctas in range(max(1, WARPS_PER_SM // warps), 0, -1):
         stages = (SMEM_PER_SM[arch] // ctas - 1024 - q_bytes) // tile_bytes
         if stages >= 2:
             return ctas, min(stages, MAX_STAGES)
-    raise ValueError(f"head_dim {head_dim} x {units} units do not fit {arch}'s shared memory")
+    raise ValueError(f"{q_bytes} bytes of Q tiles and a ring of two do not fit {arch}")
 
 
 class BlockSparseFwdTmaWarpMma:
@@ -80,7 +78,12 @@ class BlockSparseFwdTmaWarpMma:
         self.rows = units * UNIT_ROWS
         self.warps = self.rows // ROWS_PER_WARP[head_dim]
         self.num_threads = 32 * self.warps
-        self.ctas_per_sm, self.kv_stages = ring_shape(arch, head_dim, units, dtype.width)
+        self.ctas_per_sm, self.kv_stages = ring_shape(
+            arch,
+            self.warps,
+            q_bytes=self.rows * head_dim * dtype.width // 8,
+            tile_bytes=TILE_N * head_dim * dtype.width // 8,
+        )
         self.p_offset = probability_offset(dtype)
         # ldmatrix operands, the P V register trick and the 16-byte row copies
         self.warp_mma = BlockSparseFwdWarpMma(dtype, head_dim)
@@ -212,59 +215,23 @@ class BlockSparseFwdTmaWarpMma:
             cute.make_layout(((UNIT_ROWS, self.units), d), stride=((1, UNIT_ROWS * d), UNIT_ROWS)),
         )
 
-        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
-            tx_count=self.units * UNIT_ROWS * d * self.dtype.width // 8,
-        ).make_participants()
-        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(),
-            num_stages=self.kv_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
-            tx_count=tile_bytes,
-        ).make_participants()
-
+        q_producer, q_consumer, kv_producer, kv_consumer = self.pipelines(
+            storage, self.units * UNIT_ROWS * d * self.dtype.width // 8, tile_bytes
+        )
         # TMA partitions: Q by unit, K and V by tile id, the ring by stage.
-        gK = cute.local_tile(mK_tma[None, None, kv_head], (TILE_N, d), (None, 0))
-        gV = cute.local_tile(mV_tma[None, None, kv_head], (TILE_N, d), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV_tma, 0, 2),
-            cute.group_modes(gK, 0, 2),
+        k_load = self.ring_partition(tma_k, mK_tma, sKV_tma, kv_head, (TILE_N, d), (None, 0))
+        v_load = self.ring_partition(tma_v, mV_tma, sKV_tma, kv_head, (TILE_N, d), (None, 0))
+        q_loads = []
+        for u in cutlass.range_constexpr(self.units):
+            gQ = cute.local_tile(mQ_tma[None, None, heads[u]], (UNIT_ROWS, d), (chunks[u], 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ_tma, 0, 2),
+                cute.group_modes(gQ, 0, 2),
+            )  # fmt: skip
+            q_loads.append((tQgQ, tQsQ[None, u]))
+        kv_producer = self.start_loads(
+            warp_idx, tma_q, q_loads, q_producer, kv_producer, k_load, v_load, tile_ids, num_tiles
         )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV_tma, 0, 2),
-            cute.group_modes(gV, 0, 2),
-        )
-        k_load = (tma_k, tKgK, tKsK)
-        v_load = (tma_v, tVgV, tVsV)
-
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            handle = q_producer.acquire()
-            for u in cutlass.range_constexpr(self.units):
-                gQ = cute.local_tile(mQ_tma[None, None, heads[u]], (UNIT_ROWS, d), (chunks[u], 0))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_q,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sQ_tma, 0, 2),
-                    cute.group_modes(gQ, 0, 2),
-                )
-                cute.copy(tma_q, tQgQ, tQsQ[None, u], tma_bar_ptr=handle.barrier)
-            for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
-                kv_producer.advance()
 
         tiled_mma = self.tiled_mma()
         acc_O, row_max, row_sum = self.attend(
@@ -285,6 +252,58 @@ class BlockSparseFwdTmaWarpMma:
             bar,
         )
         self.finish(tiled_mma, acc_O, row_max, row_sum, args, sQ, sQ_rows, heads, chunks, tidx, bar)
+
+    def pipelines(self, storage, q_bytes: int, tile_bytes: int):
+        """(Q producer, Q consumer, ring producer, ring consumer): Q one stage, the ring
+        kv_stages; one producer thread (of warp 0), every warp a consumer."""
+        warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps)
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_barriers.data_ptr(),
+            num_stages=1,
+            producer_group=one,
+            consumer_group=warps,
+            tx_count=q_bytes,
+        ).make_participants()
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_barriers.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=one,
+            consumer_group=warps,
+            tx_count=tile_bytes,
+        ).make_participants()
+        return q_producer, q_consumer, kv_producer, kv_consumer
+
+    @cute.jit
+    def ring_partition(self, atom, m_tma, s_tma, kv_head, tile_shape, tile_coord):
+        """(atom, the kv head's tiles by tile id, the ring by stage) of one TMA load: `m_tma`
+        (.., .., kv heads) cut into `tile_shape` tiles along the mode `tile_coord` leaves
+        None."""
+        tiles = cute.local_tile(m_tma[None, None, kv_head], tile_shape, tile_coord)
+        dst, src = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s_tma, 0, 2),
+            cute.group_modes(tiles, 0, 2),
+        )  # fmt: skip
+        return atom, src, dst
+
+    @cute.jit
+    def start_loads(
+        self, warp_idx, tma_q, q_loads, q_producer, kv_producer, k_load, v_load, tile_ids,
+        num_tiles,
+    ):  # fmt: skip
+        """Warp 0: the Q tiles (`q_loads`: (source, destination) pairs, one stage), then loads
+        0 .. kv_stages - 1 of the ring. Returns the ring producer (rebind it)."""
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(k_load[0])
+            cpasync.prefetch_descriptor(v_load[0])
+            handle = q_producer.acquire()
+            for i in cutlass.range_constexpr(len(q_loads)):
+                cute.copy(tma_q, q_loads[i][0], q_loads[i][1], tma_bar_ptr=handle.barrier)
+            for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
+                self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
+                kv_producer.advance()
+        return kv_producer
 
     @cute.jit
     def ring_load(self, kv_producer, k_load, v_load, n, tile):
@@ -386,7 +405,7 @@ class BlockSparseFwdTmaWarpMma:
             v_handle = kv_consumer.wait_and_advance()
             sV = sKV[None, None, v_handle.index]
             if tile_len < TILE_N:
-                self.zero_keys_from(sV, tile_len, tidx, bar)
+                self.zero_keys_from(sV, tile_len, tidx, bar, self.dtype(0.0))
             v_operand = self.warp_mma.operand_b(
                 tiled_mma, tidx, ldsm_t, cute.composition(sV, keys_by_column)
             )
@@ -395,10 +414,11 @@ class BlockSparseFwdTmaWarpMma:
         return acc_O, row_max, row_sum
 
     @cute.jit
-    def zero_keys_from(self, sV_stage, first_key, tidx, bar):
-        """Zero V rows first_key..63 of a staged tile (keys past a tile's valid length: their
-        probabilities are 0, but 0 * inf or 0 * NaN would still poison O; TMA zero-fills only
-        rows past the tensor's end). Rare path: tiles shorter than 64 keys."""
+    def zero_keys_from(self, sV_stage, first_key, tidx, bar, zero):
+        """Zero the keys first_key..63 of a staged V tile (`sV_stage` indexed (key, channel);
+        `zero` of its element type): keys past a tile's valid length have probability 0, but
+        0 * inf or 0 * NaN would still poison O, and TMA zero-fills only rows past the
+        tensor's end. Rare path: tiles shorter than 64 keys."""
         d = self.head_dim
         # Every warp's reads of this stage's previous tile come first (they were ordered
         # only through the ring's mbarriers and the TMA write).
@@ -407,7 +427,7 @@ class BlockSparseFwdTmaWarpMma:
             flat = tidx + i * self.num_threads
             key = flat // d
             if key >= first_key:
-                sV_stage[key, flat - key * d] = self.dtype(0.0)
+                sV_stage[key, flat - key * d] = zero
         # The next TMA write into this stage (async proxy) must come after these stores.
         cute.arch.fence_proxy("async.shared", space="cta")
         bar.arrive_and_wait()
