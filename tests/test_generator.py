@@ -62,7 +62,7 @@ def test_registry_and_manifest_deterministic():
 def test_manifest_carries_each_family_spec():
     m = registry.manifest(catalog.catalog(), ALL_ARCHS)
     sage = m["families"]["sage_fp8_fwd"]
-    assert sage["templates"]["sm_90a"] == ["sm90_sage_fp8", "warp_mma_fp8"]
+    assert sage["templates"]["sm_90a"] == ["sm90_sage_fp8", "tma_warp_mma_fp8", "warp_mma_fp8"]
     assert sage["constants"] == {"unit_rows": 64, "tile_keys": 64, "keys_per_scale": 16}
     v = next(
         v for v in m["variants"] if v["name"] == "sage_fp8_fwd__sm90_sage_fp8__e4m3_d128_w4__sm_90a"

@@ -107,7 +107,7 @@ def test_variable_wrapper_matches_dequantized_reference(backend, hq, hkv, d, seq
     nb = sizes.shape[1]
     mask = ragged_mask(hkv, nb, nb, seed=seq)
     w = plan_variable(mask, sizes, sizes, hq, hkv, d, qz, backend)
-    assert w.backend_in_use == ("warp_mma_fp8" if backend == "warp_mma" else "sm90_sage_fp8")
+    assert w.backend_in_use == ("tma_warp_mma_fp8" if backend == "warp_mma" else "sm90_sage_fp8")
     out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
     check(
         out, lse, *dequantized_reference(qz, reference.block_mask_to_token_mask(mask, sizes, sizes))
@@ -271,6 +271,26 @@ def test_units_sharing_a_ring_match_single_ctas(monkeypatch, d, hq, hkv, seq, bl
     )
     for out2, lse2 in shared:
         assert torch.equal(out2, out1) and torch.equal(lse2, lse1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_tma_and_cp_async_mma_sync_kernels_match_the_reference(monkeypatch, d):
+    """The two e4m3 mma.sync templates (SM120's): the TMA one, which backend="warp_mma"
+    runs, and the cp.async one it gives way to (forced), on ragged blocks with short tiles:
+    both match the dequantized reference."""
+    hq, hkv, seq, block = 4, 2, 700, 64
+    q, k, v = bf16_inputs(hq, hkv, seq, seq, d, seed=d + 5)
+    qz = sparseforge.sage_fp8_quantize(q, k, v)
+    sizes = reference.uniform_sizes(seq, block).to(torch.int32).expand(hkv, -1).contiguous()
+    nb = sizes.shape[1]
+    mask = ragged_mask(hkv, nb, nb, seed=d)
+    for template in ("tma_warp_mma_fp8", "warp_mma_fp8"):
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"sage_fp8_fwd__{template}__e4m3_d{d}__sm_90a")
+        w = plan_variable(mask, sizes, sizes, hq, hkv, d, qz, "sparseforge")
+        assert w.backend_in_use == template
+        out, lse = run_poisoned(w, qz.q, qz.k, qz.v, (hq, seq, d))
+        tokens = reference.block_mask_to_token_mask(mask, sizes, sizes)
+        check(out, lse, *dequantized_reference(qz, tokens))
 
 
 def test_cuda_graph_replay_matches_eager():

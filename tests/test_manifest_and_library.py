@@ -199,10 +199,10 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
     )
     assert one.name == "block_sparse_fwd__sm90_wgmma__bf16_d128__sm_90a"
     portable = families.choose("sage_fp8_fwd", "sm_90a", portable=True, dtype="e4m3", head_dim=64)
-    assert portable.template == "warp_mma_fp8"
+    assert portable.template == "tma_warp_mma_fp8"
     assert (
         families.choose("sage_fp8_fwd", "sm_120a", dtype="e4m3", head_dim=64).template
-        == "warp_mma_fp8"
+        == "tma_warp_mma_fp8"
     )
     monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__warp_mma__fp16_d64__sm_90a")
     assert (
@@ -222,10 +222,10 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
     "capability, native",
     [
         ((9, 0), ("sm90_wgmma", "sm90_sage_fp8")),
-        ((10, 0), ("tma_warp_mma", "warp_mma_fp8")),
-        ((10, 3), ("tma_warp_mma", "warp_mma_fp8")),
-        ((12, 0), ("tma_warp_mma", "warp_mma_fp8")),
-        ((12, 1), ("tma_warp_mma", "warp_mma_fp8")),
+        ((10, 0), ("tma_warp_mma", "tma_warp_mma_fp8")),
+        ((10, 3), ("tma_warp_mma", "tma_warp_mma_fp8")),
+        ((12, 0), ("tma_warp_mma", "tma_warp_mma_fp8")),
+        ((12, 1), ("tma_warp_mma", "tma_warp_mma_fp8")),
     ],
 )
 def test_each_gpu_gets_its_native_attention_kernels(monkeypatch, capability, native):

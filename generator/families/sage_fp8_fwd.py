@@ -85,7 +85,16 @@ FAMILIES = (
                 layouts={"mK": "heads_in_whole_tiles"},
             ),
             # e4m3 mma.sync: native QMMA on sm_120a; emulated through fp16 MMAs on sm_90a and
-            # sm_100a (built there to run on the H200 / for coverage).
+            # sm_100a (built there to run on the H200 / for coverage). TMA-loaded K / V^T ring
+            # first; the cp.async template is what a failed first-use self-check gives way to.
+            Template(
+                "tma_warp_mma_fp8",
+                "generator.kernels.sm120.sage_fp8_fwd",
+                mma="mma.sync",
+                archs=ALL_ARCHS,
+                configs=tuple(dict(dtype=t, head_dim=d) for t in DTYPES for d in HEAD_DIMS),
+                portable=True,
+            ),
             Template(
                 "warp_mma_fp8",
                 "generator.kernels.portable.sage_fp8_fwd",
