@@ -147,7 +147,6 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         )
 
         gQ = cute.local_tile(args.mQ[None, head, None], (TILE_M, d), (chunk, 0))
-        gO = cute.local_tile(args.mO[None, head, None], (TILE_M, d), (chunk, 0))
         gK = cute.local_tile(args.mK[None, kv_head, None], (TILE_N, d), (None, 0))
         gVt = cute.local_tile(args.mVt[None, None, kv_head], (d, TILE_N), (0, None))
         # Byte views of V^T for the tile_len cut (see load_vt_tile).
@@ -196,6 +195,17 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
 
         # A unit with no tiles never waited for its Q copy: wait before sO (over sQ) is written.
         cute.arch.cp_async_wait_group(0)
+        self.store_sage_output(
+            args, tiled_mma, store_o, acc_O, row_max, row_sum, sO, head, kv_head, chunk, tidx
+        )
+
+    @cute.jit
+    def store_sage_output(
+        self, args, tiled_mma, store_o, acc_O, row_max, row_sum, sO, head, kv_head, chunk, tidx
+    ):
+        """The unit's O (bf16, scaled back per channel) and LSE through the staging tile sO
+        (store_output: it waits for every warp before writing sO)."""
+        d = self.head_dim
         # V was quantized per channel: the output columns are scaled back once normalised.
         tOcO_mn = acc_mn_view(
             tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
@@ -204,6 +214,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         load_channel_scales(args.mVScale, kv_head, tOcO_mn, channel_scale)
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
+        gO = cute.local_tile(args.mO[None, head, None], (TILE_M, d), (chunk, 0))
         self.store_output(
             tiled_mma,
             store_o,
@@ -214,7 +225,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             sO,
             gO,
             tOcO,
-            q_rows_left,
+            args.mQ.shape[0] - chunk * TILE_M,
             args.mLSE,
             chunk,
             head,
@@ -245,36 +256,16 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
     ):
         """The unit's main loop (module docstring). Returns (O, row max, row sum), O neither
         normalised nor scaled by v_scale."""
-        d = self.head_dim
         tQgQ, tQsQ, tQcQ = q_load
         tKgK, tKsK = k_load
         tVgV, tVsV, tVcV, gVt_bytes, sVt_bytes = vt_load
-        thr_mma = tiled_mma.get_slice(tidx)
-        # P8 as the A operand of P V: a compact ((4, 2, 2), 1, TILE_N / 32) e4m3 fragment, the
-        # layout scores_to_e4m3_operand fills.
-        tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((TILE_M, TILE_N)), self.dtype)
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_PV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_O.fill(0.0)
-
-        # ldmatrix (non-transposed) reads 4 consecutive bytes along K per register for A and
-        # for both K-major B operands (K, and V^T).
-        ldsm = cute.make_copy_atom(
-            warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
+        tOrP, acc_S, acc_O, acc_PV, tScS_mn, state = self.sage_registers(tiled_mma, tidx)
+        row_max, row_sum, alpha, beta, row_scale, key_scale = state
+        acc_S_mn = acc_mn_view(acc_S)
+        ldsm = self.ldmatrix_atom()
         q_operand = self.operand_a(tiled_mma, tidx, ldsm, sQ)
         k_operand = self.operand_b(tiled_mma, tidx, ldsm, sK)
         vt_operand = self.operand_b(tiled_mma, tidx, ldsm, sVt)
-
-        acc_S_mn = acc_mn_view(acc_S)
-        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        rows = cute.size(tScS_mn, mode=[0])
-        row_max, row_sum = new_softmax_state(rows)
-        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
-        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
 
         # Prologue: Q (rows past the sequence are zero) and the first K tile.
         self.load_rows(load_qk, tQgQ, tQsQ, tQcQ, q_rows_left)
@@ -319,6 +310,36 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
             self.gemm_rA(tiled_mma, acc_PV, tOrP, vt_operand)
             accumulate_tile(acc_mn_view(acc_O), acc_mn_view(acc_PV), alpha, beta)
         return acc_O, row_max, row_sum
+
+    def ldmatrix_atom(self):
+        """ldmatrix (non-transposed): 4 consecutive bytes along K per register, for A and
+        for both K-major B operands (K, and V^T)."""
+        return cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+
+    @cute.jit
+    def sage_registers(self, tiled_mma, tidx):
+        """(P8, S, O, the tile's P V, S's coordinates, (row max, row sum, alpha, beta, row
+        scale, key scale)): a unit's fragments and Sage softmax state, O zeroed."""
+        d = self.head_dim
+        thr_mma = tiled_mma.get_slice(tidx)
+        # P8 as the A operand of P V: a compact ((4, 2, 2), 1, TILE_N / 32) e4m3 fragment, the
+        # layout scores_to_e4m3_operand fills.
+        tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((TILE_M, TILE_N)), self.dtype)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_PV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
+        acc_O.fill(0.0)
+        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
+        rows = cute.size(tScS_mn, mode=[0])
+        row_max, row_sum = new_softmax_state(rows)
+        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
+        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
+        state = (row_max, row_sum, alpha, beta, row_scale, key_scale)
+        return tOrP, acc_S, acc_O, acc_PV, tScS_mn, state
 
     @cute.jit
     def load_vt_tile(self, load_vt, src, dst, coord, src_bytes, dst_bytes, tile_len):

@@ -20,18 +20,16 @@ written; a unit with no tiles writes O = 0 and LSE = -inf.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 
-from generator.families.sage_fp8_fwd import KEYS_PER_SCALE
 from generator.kernels.common.sage_math import (
     accumulate_tile,
-    load_channel_scales,
     load_key_scales,
     load_row_scales,
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
+from generator.kernels.common.softmax import acc_mn_view
 from generator.kernels.common.tile_list import unit_of_cta
 from generator.kernels.portable.block_sparse_fwd import TILE_M, TILE_N, BlockSparseFwdWarpMma
 from generator.kernels.portable.sage_fp8_fwd import SageFp8FwdWarpMma
@@ -211,35 +209,13 @@ class SageFp8FwdTmaWarpMma(BlockSparseFwdTmaWarpMma):
             bar,
         )
 
-        # V was quantized per channel: the output columns are scaled back once normalised.
-        tOcO_mn = acc_mn_view(
-            tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, d)))
-        )
-        channel_scale = cute.make_fragment_like(acc_mn_view(acc_O)[0, None], cutlass.Float32)
-        load_channel_scales(args.mVScale, kv_head, tOcO_mn, channel_scale)
         store_o = BlockSparseFwdWarpMma.tiled_copy_16b(
             cute.nvgpu.CopyUniversalOp(), self.out_dtype, 64
         )
-        gO = cute.local_tile(args.mO[None, head, None], (TILE_M, d), (chunk, 0))
-        tOcO = store_o.get_slice(tidx).partition_D(cute.make_identity_tensor((TILE_M, d)))
         # store_output waits for every warp before it writes sO over the ring (the last V^T
-        # reads); scores are already in log2 units (scale_log2 is inside the row scales).
-        self.warp_mma.store_output(
-            tiled_mma,
-            store_o,
-            acc_O,
-            row_max,
-            row_sum,
-            cutlass.Float32(1.0),
-            sO,
-            gO,
-            tOcO,
-            args.mQ.shape[0] - chunk * TILE_M,
-            args.mLSE,
-            chunk,
-            head,
-            tidx,
-            channel_scale,
+        # reads).
+        self.warp_mma.store_sage_output(
+            args, tiled_mma, store_o, acc_O, row_max, row_sum, sO, head, kv_head, chunk, tidx
         )
 
     @cute.jit
@@ -267,27 +243,11 @@ class SageFp8FwdTmaWarpMma(BlockSparseFwdTmaWarpMma):
         """The main loop: the bf16 TMA template's schedule with the Sage math of the portable
         template. Returns (O, row max, row sum), O neither normalised nor scaled by v_scale."""
         d = self.head_dim
-        thr_mma = tiled_mma.get_slice(tidx)
-        # P8 as the A operand of P V (the layout scores_to_e4m3_operand fills).
-        tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((TILE_M, TILE_N)), self.dtype)
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_PV = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, d)), cutlass.Float32)
-        acc_O.fill(0.0)
-        # ldmatrix (non-transposed) reads 4 consecutive bytes along K per register for A and
-        # for both K-major B operands (K, and V^T).
-        ldsm = cute.make_copy_atom(
-            warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
+        ldsm = self.warp_mma.ldmatrix_atom()
         q_operand = self.warp_mma.operand_a(tiled_mma, tidx, ldsm, sQ)
+        tOrP, acc_S, acc_O, acc_PV, tScS_mn, state = self.warp_mma.sage_registers(tiled_mma, tidx)
+        row_max, row_sum, alpha, beta, row_scale, key_scale = state
         acc_S_mn = acc_mn_view(acc_S)
-        tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
-        rows = cute.size(tScS_mn, mode=[0])
-        row_max, row_sum = new_softmax_state(rows)
-        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
-        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
         load_row_scales(args.mQScale, head, chunk * TILE_M, tScS_mn, args.scale_log2, row_scale)
         # V^T stages as (key, channel), for zeroing keys past a short tile (bytes: e4m3 has no
         # scalar stores).
