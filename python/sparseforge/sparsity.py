@@ -100,17 +100,19 @@ def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
     device = q2k_indices.device
     idx = q2k_indices.to(torch.int64)
     in_range = (idx >= 0) & (idx < num_col_blocks)
-    used = torch.ones_like(in_range)
-    errors = torch.zeros((), device=device, dtype=torch.int32)
-    if q2k_num is not None:
+    if q2k_num is None:  # every entry is used (and no used mask is built: plan()'s host time)
+        valid = in_range
+        errors = _flag(~in_range, ERR_INDEX_RANGE)
+    else:
         num = q2k_num.to(device=device, dtype=torch.int64)
-        errors = errors | _flag((num < 0) | (num > topk), ERR_Q2K_NUM)
         used = torch.arange(topk, device=device) < num.unsqueeze(-1)
-    valid = in_range & used
+        valid = in_range & used
+        errors = _flag((num < 0) | (num > topk), ERR_Q2K_NUM) | _flag(
+            used & ~in_range, ERR_INDEX_RANGE
+        )
     mask = torch.zeros(h, mb, num_col_blocks + 1, device=device, dtype=torch.bool)
     mask.scatter_(2, torch.where(valid, idx, num_col_blocks), True)
     mask = mask[..., :num_col_blocks]
-    errors = errors | _flag(used & ~in_range, ERR_INDEX_RANGE)
     errors = errors | _flag(
         valid.sum(-1, dtype=torch.int32) != mask.sum(-1, dtype=torch.int32), ERR_DUPLICATE
     )
