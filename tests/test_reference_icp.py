@@ -119,3 +119,34 @@ def test_unsharded_top16_is_msa_topk_selects(fb, fe):
     maxima = icp.global_block_max(scores, positions)  # (T, HEADS, blocks)
     want = reference.msa_topk_select(maxima.permute(1, 2, 0).contiguous(), 16, nvp.int(), fb, fe)
     assert torch.equal(icp.global_top16(scores, positions, nvp, fb, fe), want)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decode_publish_and_collect_match_the_prefill_exchange(world):
+    """Every rank publishes into the owners' receive rows before any merge (one stream on one
+    GPU); the owners collect their slot set (ready flags checked, then cleared) and merge to
+    what the all-to-all gives; slot sets do not overlap; an unpublished row is refused."""
+    scores, positions, nvp = problem(6, 24 * 128, seed=world)
+    cap = 8
+    receive = [icp.receive_rows(world, cap) for _ in range(world)]
+    steps = {}
+    for slot in (2, 0):
+        carriers = []
+        for rank in range(world):
+            ids = icp.block_ids(scores.shape[-1], world, rank, 128)
+            local = icp.rank_scores(scores + slot, positions, world, rank, 128)
+            carriers.append(icp.local_top16(local, ids, nvp))
+            icp.publish(carriers[-1], receive, rank, slot)
+        steps[slot] = carriers
+    for slot, carriers in steps.items():
+        exchanged = icp.all_to_all(carriers)
+        for owner in range(world):
+            got = icp.collect(receive[owner], world, slot, tokens=6)
+            assert torch.equal(got, exchanged[owner])
+            assert torch.equal(icp.merge(got, nvp), icp.merge(exchanged[owner], nvp))
+    with pytest.raises(ValueError, match="was not published"):
+        icp.collect(receive[0], world, 2, tokens=6)  # its flags were cleared
+    with pytest.raises(ValueError, match="do not fit"):
+        icp.publish(
+            torch.zeros(cap + 1, icp.HEADS, icp.CARRIER_WORDS, dtype=torch.int32), receive, 0, 1
+        )

@@ -12,7 +12,8 @@ numbers and the merge can be compared id for id.
     shard_keys(num_keys, world_size, rank, page_size)   the global keys a rank holds
     rank_scores(key_scores, ...)                         a rank's per-block maxima (its columns)
     local_top16(scores, block_ids, ...)                  carrier rows (T, 4, 33)
-    all_to_all(carriers)                                 rows by owner rank
+    all_to_all(carriers)                                 rows by owner rank (prefill)
+    publish / collect                                    the same through receive rows (decode)
     merge(received, ...)                                 the owner's top-16 (T, heads / rank, 16)
     global_top16(key_scores, ...)                        what the merge must reproduce
     tag_rows / untag_rows                                generation-tagged rows (decode)
@@ -175,6 +176,44 @@ def all_to_all(carriers: list[torch.Tensor]) -> list[torch.Tensor]:
         )
         for owner in range(world)
     ]
+
+
+SLOT_SETS = 3  # decode receive rows: three slot sets, used in turn
+
+
+def receive_rows(world_size: int, cap: int) -> torch.Tensor:
+    """An owner's zeroed decode receive storage: (SLOT_SETS * W * HEADS / W * cap, 33) int32
+    carrier rows, `cap` tokens per (slot set, source rank, owned head)."""
+    return torch.zeros(SLOT_SETS * HEADS * cap, CARRIER_WORDS, dtype=torch.int32)
+
+
+def publish(rows: torch.Tensor, receive: list[torch.Tensor], rank: int, slot: int) -> None:
+    """Decode: rank `rank`'s carrier rows (T, HEADS, 33) written into the owners' receive
+    storage, row (t, h) at owner h // hpr, row ((slot W + rank) hpr + h % hpr) cap + t."""
+    world = len(receive)
+    per_rank = HEADS // world
+    cap = receive[0].shape[0] // (SLOT_SETS * HEADS)
+    if not 0 <= slot < SLOT_SETS:
+        raise ValueError(f"slot must be in [0, {SLOT_SETS}), got {slot}")
+    if rows.shape[0] > cap:
+        raise ValueError(f"{rows.shape[0]} tokens do not fit {cap} receive rows")
+    for h in range(HEADS):
+        first = ((slot * world + rank) * per_rank + h % per_rank) * cap
+        receive[h // per_rank][first : first + rows.shape[0]] = rows[:, h]
+
+
+def collect(receive: torch.Tensor, world_size: int, slot: int, tokens: int) -> torch.Tensor:
+    """Decode, at an owner: its receive rows of slot set `slot` as merge's input (W, HEADS / W,
+    T, 33), every row's ready flag checked and then cleared (ValueError for a row never
+    published: the kernels count it as an error after a timeout)."""
+    per_rank = HEADS // world_size
+    cap = receive.shape[0] // (SLOT_SETS * HEADS)
+    view = receive.view(SLOT_SETS, world_size, per_rank, cap, CARRIER_WORDS)[slot, :, :, :tokens]
+    if not bool((view[..., -1] == 1).all()):
+        raise ValueError(f"a receive row of slot set {slot} was not published")
+    rows = view.clone()
+    view[..., -1] = 0
+    return rows
 
 
 def merge(
