@@ -126,30 +126,18 @@ class BlockSparseFwdTmaWarpMma:
         tma_q_layout, tma_kv_layout, ldsm_q, ldsm_kv = self.smem_layouts()
         d = self.head_dim
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        atoms = []
-        for m, layout, rows in (
-            (args.mQ, tma_q_layout, UNIT_ROWS),
-            (args.mK, tma_kv_layout, TILE_N),
-            (args.mV, tma_kv_layout, TILE_N),
-        ):
-            view = cute.make_tensor(
-                m.iterator,
-                cute.make_layout((m.shape[0], d, m.shape[1]), stride=(m.stride[0], 1, m.stride[1])),
+        atoms = [
+            cpasync.make_tiled_tma_atom(
+                tma_op, self.seq_d_heads(m), cute.slice_(layout, (None, None, 0)), (rows, d)
             )
-            atoms.append(
-                cpasync.make_tiled_tma_atom(
-                    tma_op, view, cute.slice_(layout, (None, None, 0)), (rows, d)
-                )
+            for m, layout, rows in (
+                (args.mQ, tma_q_layout, UNIT_ROWS),
+                (args.mK, tma_kv_layout, TILE_N),
+                (args.mV, tma_kv_layout, TILE_N),
             )
+        ]
         tile_bytes = cute.size_in_bytes(self.dtype, cute.slice_(tma_kv_layout, (None, None, 0)))
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ldsm_q)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ldsm_kv)], 1024]
-
+        SharedStorage = self.shared_storage(ldsm_q, ldsm_kv)
         (tma_q, mQ_tma), (tma_k, mK_tma), (tma_v, mV_tma) = atoms
         self.kernel(
             tma_q,
@@ -165,8 +153,33 @@ class BlockSparseFwdTmaWarpMma:
             ldsm_kv,
             tile_bytes,
             SharedStorage,
-        ).launch(
-            grid=[args.mWork.shape[0] // self.units, 1, 1],
+        ).launch(**self.launch_options(args.mWork, SharedStorage, stream))
+
+    def seq_d_heads(self, m):
+        """A (seq, heads, D) tensor as TMA loads it: (seq, D, heads)."""
+        return cute.make_tensor(
+            m.iterator,
+            cute.make_layout(
+                (m.shape[0], self.head_dim, m.shape[1]), stride=(m.stride[0], 1, m.stride[1])
+            ),
+        )
+
+    def shared_storage(self, q_layout, kv_layout):
+        """The shared-memory struct: the two pipelines' barriers, the Q tiles and the ring."""
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+
+        return SharedStorage
+
+    def launch_options(self, mWork, SharedStorage, stream) -> dict:
+        """One CTA per `units` entries of mWork, at ctas_per_sm CTAs per SM."""
+        return dict(
+            grid=[mWork.shape[0] // self.units, 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,

@@ -85,14 +85,7 @@ class SageFp8FwdTmaWarpMma(BlockSparseFwdTmaWarpMma):
         tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
             tma_op, args.mVt, cute.slice_(vt_layout, (None, None, 0)), (d, TILE_N)
         )
-
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
-
+        SharedStorage = self.shared_storage(q_layout, k_layout)
         self.kernel(
             tma_q,
             mQ_tma,
@@ -106,23 +99,7 @@ class SageFp8FwdTmaWarpMma(BlockSparseFwdTmaWarpMma):
             vt_layout,
             out_layout,
             SharedStorage,
-        ).launch(
-            grid=[args.mWork.shape[0], 1, 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
-
-    def seq_d_heads(self, m):
-        """A (seq, heads, D) tensor as TMA loads it: (seq, D, heads)."""
-        return cute.make_tensor(
-            m.iterator,
-            cute.make_layout(
-                (m.shape[0], self.head_dim, m.shape[1]), stride=(m.stride[0], 1, m.stride[1])
-            ),
-        )
+        ).launch(**self.launch_options(args.mWork, SharedStorage, stream))
 
     @cute.kernel
     def kernel(
