@@ -108,17 +108,13 @@ def global_block_max(scores: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return _block_max(gathered, _visible(positions, keys, num_keys)[:, None])
 
 
-def _candidate_limit(nvp: torch.Tensor, max_blocks: int) -> torch.Tensor:
-    return nvp.long().clamp(min=0, max=max_blocks)
-
-
-def _rank16(scores, ids, limit, nvp, force_begin, force_end):
-    """The top-16 of candidates (T, H, N) with scores and global ids: ids in [0, limit) with a
-    score above -inf (NaN counts as -inf); the forced ones ([0, fb) and [nvp - fe, nvp))
-    first, then by score descending, ties to the lower id. Returns (ids, scores) (T, H, 16),
-    ascending ids, padded with (-1, -inf)."""
+def _rank16(scores, ids, nvp, force_begin, force_end, max_blocks):
+    """The top-16 of candidates (T, H, N) with scores and global ids: ids in
+    [0, min(nvp, max_blocks)) with a score above -inf (NaN counts as -inf); the forced ones
+    ([0, fb) and [nvp - fe, nvp)) first, then by score descending, ties to the lower id.
+    Returns (ids, scores) (T, H, 16), ascending ids, padded with (-1, -inf)."""
     scores = scores.masked_fill(scores.isnan(), -math.inf)
-    lim = limit[:, None, None]
+    lim = nvp.long().clamp(min=0, max=max_blocks)[:, None, None]
     usable = (ids >= 0) & (ids < lim) & (scores > -math.inf)
     end_start = (nvp.long()[:, None, None] - force_end).clamp(min=0)
     in_end = (ids >= end_start) & (ids < nvp.long()[:, None, None])
@@ -155,8 +151,9 @@ def local_top16(
     (`scores` (T, HEADS, columns), `ids` their global block ids) below min(nvp, max_blocks):
     16 score words (fp32 bits), 16 ascending ids (unused: (-inf, -1)), ready flag 1."""
     t, h, n = scores.shape
-    limit = _candidate_limit(nvp, max_blocks)
-    top_ids, top_scores = _rank16(scores, ids.expand(t, h, n), limit, nvp, force_begin, force_end)
+    top_ids, top_scores = _rank16(
+        scores, ids.expand(t, h, n), nvp, force_begin, force_end, max_blocks
+    )
     rows = torch.empty(t, h, CARRIER_WORDS, dtype=torch.int32)
     rows[..., :TOPK] = top_scores.float().view(torch.int32)
     rows[..., TOPK : 2 * TOPK] = top_ids.to(torch.int32)
@@ -241,8 +238,7 @@ def merge(
     first = torch.ones_like(ids_s, dtype=torch.bool)
     first[..., 1:] = ids_s[..., 1:] != ids_s[..., :-1]
     ids_s = ids_s.masked_fill(~first, -1)
-    limit = _candidate_limit(nvp, max_blocks)
-    out, _ = _rank16(scores_s, ids_s, limit, nvp, force_begin, force_end)
+    out, _ = _rank16(scores_s, ids_s, nvp, force_begin, force_end, max_blocks)
     out = out.to(torch.int32)
     if prefill:
         empty = nvp.long() <= 0
@@ -264,7 +260,7 @@ def global_top16(
     maxima = global_block_max(scores, positions)
     t, h, n = maxima.shape
     ids = torch.arange(n).expand(t, h, n)
-    out, _ = _rank16(maxima, ids, _candidate_limit(nvp, max_blocks), nvp, force_begin, force_end)
+    out, _ = _rank16(maxima, ids, nvp, force_begin, force_end, max_blocks)
     return out.to(torch.int32)
 
 
