@@ -18,15 +18,15 @@ def launch(
     bound: _library.BoundLaunch, tensors, swap01: bool = False, same_layout: bool = False
 ) -> None:
     """Launch `bound` with its leading tensors, eagerly or through the custom op;
-    `same_layout` (eager only): they have the same shapes and strides at every such call
-    (BoundLaunch.call_same_layout)."""
-    if torch.compiler.is_compiling():
+    `same_layout` (eager callers only, outside tracing): they have the same shapes and strides
+    at every such call (BoundLaunch.call_same_layout)."""
+    if same_layout:  # set by eager callers only
+        bound.call_same_layout(tensors, swap01)
+    elif torch.compiler.is_compiling():
         inputs, outputs = bound.split(tensors)
         torch.ops.sparseforge.launch(
             inputs, outputs, list(bound.static_tensors), bound.launch_id, swap01
         )
-    elif same_layout:
-        bound.call_same_layout(tensors, swap01)
     else:
         bound(tensors, swap01)
 
