@@ -150,3 +150,17 @@ def test_decode_publish_and_collect_match_the_prefill_exchange(world):
         icp.publish(
             torch.zeros(cap + 1, icp.HEADS, icp.CARRIER_WORDS, dtype=torch.int32), receive, 0, 1
         )
+
+
+def test_bad_arguments_are_refused_by_name():
+    for args, message in (
+        ((1024, 3, 0, 128), "world_size must be 2 or 4"),
+        ((1024, 2, 2, 128), r"rank must be in \[0, 2\)"),
+        ((1024, 4, 0, 64), "page_size must be 128 or 256"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            icp.shard_keys(*args)
+    receive = [icp.receive_rows(2, 4) for _ in range(2)]
+    rows = torch.zeros(2, icp.HEADS, icp.CARRIER_WORDS, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 3\)"):
+        icp.publish(rows, receive, 0, 3)
