@@ -80,3 +80,18 @@ def entry_point(kernel, abi):
     entry.__signature__ = inspect.Signature(params)
     # No AST rewriting: the body has no device control flow, and it is a closure.
     return cute.jit(preprocess=False)(entry)
+
+
+def unit_launch_options(mWork, units_per_cta: int, num_threads: int, ctas_per_sm: int,
+                        SharedStorage, stream) -> dict:  # fmt: skip
+    """The launch of a template over units and tiles: one CTA per `units_per_cta` entries of
+    mWork, registers capped for `ctas_per_sm` CTAs a SM (min_blocks_per_mp; the carveout lets
+    it compile without a GPU)."""
+    return dict(
+        grid=[mWork.shape[0] // units_per_cta, 1, 1],
+        block=[num_threads, 1, 1],
+        smem=SharedStorage.size_in_bytes(),
+        stream=stream,
+        min_blocks_per_mp=ctas_per_sm,
+        preferred_smem_carveout=100,
+    )

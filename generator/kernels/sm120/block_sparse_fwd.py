@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
-from generator.kernels.common.entry import element_type
+from generator.kernels.common.entry import element_type, unit_launch_options
 from generator.kernels.common.softmax import (
     acc_mn_view,
     mask_columns,
@@ -178,13 +178,8 @@ class BlockSparseFwdTmaWarpMma:
 
     def launch_options(self, mWork, SharedStorage, stream) -> dict:
         """One CTA per `units` entries of mWork, at ctas_per_sm CTAs per SM."""
-        return dict(
-            grid=[mWork.shape[0] // self.units, 1, 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100,
+        return unit_launch_options(
+            mWork, self.units, self.num_threads, self.ctas_per_sm, SharedStorage, stream
         )
 
     @cute.kernel

@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
-from generator.kernels.common.entry import element_type
+from generator.kernels.common.entry import element_type, unit_launch_options
 from generator.kernels.common.logit_options import (
     UnitLogits,
     apply_logit_options,
@@ -151,13 +151,8 @@ class BlockSparseFwdSm90:
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
         """One CTA per `warpgroups` entries of mWork."""
-        return dict(
-            grid=[mWork.shape[0] // self.warpgroups, 1, 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100,
+        return unit_launch_options(
+            mWork, self.warpgroups, self.num_threads, self.ctas_per_sm, SharedStorage, stream
         )
 
     def operands(self, mQ, mK, v_view):
