@@ -170,3 +170,29 @@ def test_e2m1_codes_moved_into_e4m3_bits_read_as_their_value_over_64():
     want = ref.e2m1_decode(codes.to(torch.uint8)) / 64
     assert torch.equal(as_e4m3, want)
     assert torch.equal(as_e4m3.signbit(), want.signbit())
+
+
+def test_e2m1_word_pairs_bit_placement_reads_as_values_over_2_14():
+    """The decode of the one-token MSA kernel (e2m1_word_pairs), mirrored on integers: the
+    high bytes built from a word's even and odd codes, permuted or masked into fp16 pairs
+    (code k low, code k + 4 high), are the codes' values / 2^14 for every code in every
+    position, signed zeros included."""
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64)
+    words[:16] = torch.arange(16) * 0x11111111  # every code in every position
+    even = ((words << 1) & 0x0E0E0E0E) | ((words << 4) & 0x80808080)
+    odd = ((words >> 3) & 0x0E0E0E0E) | (words & 0x80808080)
+
+    def high_bytes_of(x, first, second):  # prmt(x, 0, 0x2404) for bytes (0, 2)
+        return (((x >> 8 * first) & 0xFF) << 8) | (((x >> 8 * second) & 0xFF) << 24)
+
+    pairs = [high_bytes_of(even, 0, 2), high_bytes_of(odd, 0, 2), even & 0xFF00FF00,
+             odd & 0xFF00FF00]  # fmt: skip
+    for k, pair in enumerate(pairs):
+        for half, code_index in ((0, k), (1, k + 4)):
+            bits = ((pair >> 16 * half) & 0xFFFF).to(torch.int16)
+            got = bits.view(torch.float16).float()
+            codes = ((words >> 4 * code_index) & 0xF).to(torch.uint8)
+            want = ref.e2m1_decode(codes) / 2**14
+            assert torch.equal(got, want), (k, half)
+            assert torch.equal(got.signbit(), want.signbit()), (k, half)

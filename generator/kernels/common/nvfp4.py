@@ -4,7 +4,7 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_as_e4m3,
+and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_pairs, e2m1_word_as_e4m3,
 decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
@@ -95,18 +95,23 @@ def e2m1_pair_as_fp16(byte):
 
 
 @cute.jit
-def e2m1_nibble_pair(word, k: cutlass.Constexpr):
-    """Codes k and k + 4 (bits 4k .. 4k + 3 and 16 + 4k ..) of a 32-bit word (Uint32) as two
-    fp16 in one word (code k in the low half), each its value / 2^14 (e2m1_pair_as_fp16's
-    placement). Two shifts and two and-ors a pair, no table."""
-    magnitude = _shift(word, 9 - 4 * k) & cutlass.Uint32(0x0E000E00)
-    sign = _shift(word, 12 - 4 * k) & cutlass.Uint32(0x80008000)
-    return magnitude | sign
-
-
-def _shift(word, places: int):
-    """word << places (>> -places when negative), places a Python int."""
-    return word << places if places >= 0 else word >> -places
+def e2m1_word_pairs(word):
+    """The eight E2M1 codes of a 32-bit word (Uint32, code i in bits 4i .. 4i + 3) as four
+    fp16 pairs, pair k (k < 4) = codes k and k + 4 (code k in the low half), each its value
+    / 2^14 (e2m1_pair_as_fp16's placement). Each code's fp16 high byte (magnitude in bits
+    1..3, sign in bit 7) is built once a word, the even codes' from the low nibbles and the
+    odd codes' from the high ones; a pair is then one byte permute or one mask: 15
+    operations for four pairs with their scale multiplies, against 19 for two shifts and
+    two and-ors a pair."""
+    even = ((word << 1) & 0x0E0E0E0E) | ((word << 4) & 0x80808080)  # codes 0, 2, 4, 6
+    odd = ((word >> 3) & 0x0E0E0E0E) | (word & 0x80808080)  # codes 1, 3, 5, 7
+    # Selector 0x2404: bytes 0 and 2 into the high bytes of the halves, zeros below them.
+    return (
+        cutlass.Uint32(cute.arch.prmt(even, 0, 0x2404)),
+        cutlass.Uint32(cute.arch.prmt(odd, 0, 0x2404)),
+        even & 0xFF00FF00,
+        odd & 0xFF00FF00,
+    )
 
 
 # An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the e4m3 bits as s.00e1e0.m00

@@ -25,7 +25,7 @@ operands, in orders chosen so that its reads are whole 4/8/16-byte words:
               32c .. 32c + 31, stored contiguously.
 K/V in q's dtype are used as stored, with MMAs in q's dtype. e4m3 and NVFP4 K/V go to fp16
 MMAs (bf16 q scaled into fp16's range by a power of two, query_operand): e4m3 converts in
-pairs (exact); NVFP4 codes become fp16 by bit placement (e2m1_nibble_pair) times their
+pairs (exact); NVFP4 codes become fp16 by bit placement (e2m1_word_pairs) times their
 scale x 2^-7 (value x scale / 2^7, exact), the 2^7 folded back into the softmax scale and
 the output scale.
 """
@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, KV_FORMAT, MAX_TOPK
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_nibble_pair
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_pairs
 from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 from generator.kernels.common.softmax import (
     LN_2,
@@ -307,7 +307,7 @@ class MsaTokenAttention:
 
     def key_channels(self, s: int):
         """The lane's channels (of its 32) in k slots 2c, 2c + 1, 2c + 8, 2c + 9 of k-step s:
-        as stored (16-bit, e4m3: 4s .. 4s + 3), or e2m1_nibble_pair's pairing (NVFP4: of
+        as stored (16-bit, e4m3: 4s .. 4s + 3), or e2m1_word_pairs' pairing (NVFP4: of
         the word of channels 8w .. 8w + 7, w = s // 2, codes k and k + 4)."""
         if self.nvfp4:
             w, h = s // 2, s % 2
@@ -461,12 +461,11 @@ class MsaTokenAttention:
                 load_shared(cutlass.Uint16, base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
             )
             steps = self.scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
-            for s in cutlass.range_constexpr(K_STEPS):
-                w = s // 2
+            for w in cutlass.range_constexpr(K_STEPS // 2):
                 step = self.broadcast(steps, w >= 2)
-                for h in cutlass.range_constexpr(2):
-                    pair = e2m1_nibble_pair(cutlass.Uint32(words[w]), 2 * (s % 2) + h)
-                    out[2 * s + h] = mul_f16x2(pair, step)
+                pairs = e2m1_word_pairs(cutlass.Uint32(words[w]))
+                for k in cutlass.range_constexpr(4):  # k-step 2w + k // 2, register k % 2
+                    out[4 * w + k] = mul_f16x2(pairs[k], step)
         return keys
 
     @cute.jit
@@ -539,14 +538,15 @@ class MsaTokenAttention:
                 for j in cutlass.range_constexpr(0, O_TILES, 4):
                     selector = 0x5410 if j % 8 == 0 else 0x7632
                     both = cutlass.Uint32(cute.arch.prmt(first[j // 8], second[j // 8], selector))
+                    pairs = e2m1_word_pairs(both)
                     for k in cutlass.range_constexpr(4):
-                        out[2 * (j + k) + pair] = mul_f16x2(e2m1_nibble_pair(both, k), step)
+                        out[2 * (j + k) + pair] = mul_f16x2(pairs[k], step)
         return values
 
     @cute.jit
     def scale_pair(self, bytes2):
         """Two e4m3 scales (bytes 0, 1 of a word) as the two fp16 multipliers of decoded E2M1
-        values (e2m1_nibble_pair's value / 2^14) giving value x scale / 2^7: scale x 2^7
+        values (e2m1_word_pairs' value / 2^14) giving value x scale / 2^7: scale x 2^7
         (448 x 2^7 < 65504)."""
         factor = cute.make_rmem_tensor((2,), cutlass.Float16)
         factor.fill(E2M1_FP16_FACTOR / NVFP4_FACTOR)
