@@ -73,9 +73,15 @@ def key_row(t: int, g):
 
 
 class MsaTokenAttention:
-    def __init__(self, dtype, kv_format: str, stages: int, ctas_per_sm: int = 1):
+    def __init__(
+        self, dtype, kv_format: str, stages: int, ctas_per_sm: int = 1,
+        query_in_shared: bool = False,
+    ):  # fmt: skip
         self.dtype = dtype
         self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
+        # The query operand (32 registers a thread) read from shared memory at each MMA
+        # instead of held, for the register cap of more CTAs an SM.
+        self.query_in_shared = query_in_shared
         self.kv_format = kv_format
         self.raw_type = {"16bit": dtype, "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Uint8}[
             kv_format
@@ -95,6 +101,7 @@ class MsaTokenAttention:
         self.mma_dtype = dtype if kv_format == "16bit" else cutlass.Float16
         self.p_offset = probability_offset(self.mma_dtype)
         self.ring_bytes = WARPS * stages * self.stage_bytes
+        self.query_bytes = K_STEPS * 32 * 16 if query_in_shared else 16
         # The merge reuses the rings: every warp's rows in fp32.
         assert WARPS * ROWS * O_PITCH * 4 <= self.ring_bytes
 
@@ -106,6 +113,8 @@ class MsaTokenAttention:
             steps: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WARPS * MAX_TOPK * 2], 16]
             # Per warp and row: lse and temperature lse (natural log).
             lse: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, WARPS * ROWS * 2], 16]
+            # With query_in_shared: the lanes' query operands, k-step by k-step (QUERY_BYTES).
+            query: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.query_bytes], 16]
 
         return SharedStorage
 
@@ -161,6 +170,18 @@ class MsaTokenAttention:
             args, sSteps, seq, kv_head, token, split, warp_idx, lane, blocks, key_end
         )
         query, query_factor = self.query_operand(args, token, kv_head, g, c)
+        if cutlass.const_expr(self.query_in_shared):
+            # Every warp's operands are the same: warp 0's, 16 bytes a lane and k-step.
+            shared_query = storage.query.data_ptr().toint()
+            if warp_idx == 0:
+                for s in cutlass.range_constexpr(K_STEPS):
+                    dst = cute.make_tensor(
+                        smem_ptr(self.mma_dtype, shared_query + (s * 32 + lane) * 16),
+                        cute.make_layout(8),
+                    )
+                    dst.store(cute.make_tensor(query.iterator + 8 * s, cute.make_layout(8)).load())
+            cute.arch.sync_threads()
+            query = shared_query
         acc_O = cute.make_rmem_tensor((4 * O_TILES,), cutlass.Float32)
         acc_O.fill(0.0)
         row_max, row_sum = new_softmax_state(2)
@@ -190,7 +211,7 @@ class MsaTokenAttention:
             cute.arch.sync_warp()  # every lane's copies of step m landed
             first_key = sSteps[warp_idx, m, 0] * BLOCK_KEYS + warp_idx * STEP_KEYS
             base = ring + (m % self.stages) * self.stage_bytes
-            acc_S = self.scores(atom, query, base, g, c)
+            acc_S = self.scores(atom, query, base, lane, g, c)
             limit = key_end - first_key
             if limit < STEP_KEYS:
                 for t in cutlass.range_constexpr(S_TILES):
@@ -422,15 +443,22 @@ class MsaTokenAttention:
                     dst.fill(0)
 
     @cute.jit
-    def scores(self, atom, query, base, g, c):
-        """S of the step's 32 keys: (4 x S_TILES,) fp32, n-tile t's accumulator at 4t."""
+    def scores(self, atom, query, base, lane, g, c):
+        """S of the step's 32 keys: (4 x S_TILES,) fp32, n-tile t's accumulator at 4t.
+        `query`: the query operand's registers, or with query_in_shared its shared-memory
+        address."""
         acc_S = cute.make_rmem_tensor((4 * S_TILES,), cutlass.Float32)
         acc_S.fill(0.0)
         for t in cutlass.range_constexpr(S_TILES):
             keys = self.key_operand(base, key_row(t, g), c)
             acc = cute.make_tensor(acc_S.iterator + 4 * t, cute.make_layout((4, 1, 1)))
             for s in cutlass.range_constexpr(K_STEPS):
-                a = cute.make_tensor(query.iterator + 8 * s, cute.make_layout((8, 1)))
+                if cutlass.const_expr(self.query_in_shared):
+                    a = cute.make_rmem_tensor((8, 1), self.mma_dtype)
+                    src = smem_ptr(self.mma_dtype, query + (s * 32 + lane) * 16)
+                    a.store(cute.make_tensor(src, cute.make_layout((8, 1))).load())
+                else:
+                    a = cute.make_tensor(query.iterator + 8 * s, cute.make_layout((8, 1)))
                 b = cute.make_tensor(keys.iterator + 4 * s, cute.make_layout((4, 1)))
                 cute.gemm(atom, acc, a, b, acc)
         return acc_S
@@ -723,12 +751,19 @@ def load_shared(dtype: cutlass.Constexpr, address):
 # registers capped for 3 CTAs (168, no spills; else 195 and 2 CTAs): the kernel's decoding
 # keeps the issue slots busy, and a third CTA's warps fill their stalls; two stages change
 # nothing and a cap for 4 (128 registers, 112 bytes of stack) loses 8-11%.
+# The query operand in shared memory: e4m3 sheds its spills at 168 registers (32 / 56 bytes of
+# stack before): MD1 154.7-154.9 us against 160.2-160.3, MP1 per-token 9.97-9.99 ms against
+# 10.80-10.81; NVFP4 unchanged at 3 CTAs (162 registers) and 5% slower at 4 CTAs (128
+# registers, 64 bytes of stack), so it keeps its operand in registers
+# (bench/results/2026-12-04_c8cd538_h200_msa_token_query_in_shared_ab.md).
 STAGES = {"16bit": 1, "e4m3": 2, "nvfp4": 3}
 CTAS_PER_SM = {"16bit": 1, "e4m3": 3, "nvfp4": 3}
+QUERY_IN_SHARED = {"16bit": False, "e4m3": True, "nvfp4": False}
 
 
 def make_kernel(variant):
     kv_format = KV_FORMAT[variant.family.name]
     return MsaTokenAttention(
-        element_type(variant.params["dtype"]), kv_format, STAGES[kv_format], CTAS_PER_SM[kv_format]
-    )
+        element_type(variant.params["dtype"]), kv_format, STAGES[kv_format],
+        CTAS_PER_SM[kv_format], QUERY_IN_SHARED[kv_format],
+    )  # fmt: skip
