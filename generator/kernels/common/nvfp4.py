@@ -4,8 +4,8 @@
     code  = E2M1 nearest to x / (scale * global)  ties to the even code, 6 beyond 5;
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
-and the decoding of those that read it (e2m1_pair_as_fp16, e2m1_word_pairs, e2m1_word_as_e4m3,
-decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
+and the decoding of those that read it (e2m1_high_bytes and the pairs built on them,
+e2m1_word_as_e4m3, decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
 import cutlass
@@ -80,37 +80,49 @@ def quantize_group(x, global_scale, write_byte):
 
 
 # An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the fp16 bits as s.00e1e0.m0..
-# reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: one shift and
-# mask per code, no table.
+# reads as its value / 2^14, subnormal (e = 0: m x 2^-15) or normal alike: the high byte of
+# the fp16 holds the code's bits (magnitude in bits 1..3, sign in bit 7), the low byte is 0.
 E2M1_FP16_FACTOR = 2.0**14
+HIGH_BYTES = cutlass.Uint32(0xFF00FF00)  # the high bytes of two fp16 in a word
 
 
 @cute.jit
-def e2m1_pair_as_fp16(byte):
-    """The two E2M1 codes of a byte (the even element in the low nibble) as two fp16 in one
-    32-bit word (the even element in the low half), each its value / 2^14."""
-    low = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
-    high = ((byte & 0x70) << 21) | ((byte & 0x80) << 24)
-    return low | high
+def e2m1_high_bytes(word):
+    """The fp16 high bytes (E2M1_FP16_FACTOR's placement) of the eight E2M1 codes of a
+    32-bit word (Uint32, code i in bits 4i .. 4i + 3): (codes 0, 2, 4, 6; codes 1, 3, 5, 7)
+    as two words, a byte each; 7 operations for the eight."""
+    even = ((word << 1) & 0x0E0E0E0E) | ((word << 4) & 0x80808080)
+    odd = ((word >> 3) & 0x0E0E0E0E) | (word & 0x80808080)
+    return even, odd
 
 
 @cute.jit
 def e2m1_word_pairs(word):
-    """The eight E2M1 codes of a 32-bit word (Uint32, code i in bits 4i .. 4i + 3) as four
-    fp16 pairs, pair k (k < 4) = codes k and k + 4 (code k in the low half), each its value
-    / 2^14 (e2m1_pair_as_fp16's placement). Each code's fp16 high byte (magnitude in bits
-    1..3, sign in bit 7) is built once a word, the even codes' from the low nibbles and the
-    odd codes' from the high ones; a pair is then one byte permute or one mask: 15
-    operations for four pairs with their scale multiplies, against 19 for two shifts and
-    two and-ors a pair."""
-    even = ((word << 1) & 0x0E0E0E0E) | ((word << 4) & 0x80808080)  # codes 0, 2, 4, 6
-    odd = ((word >> 3) & 0x0E0E0E0E) | (word & 0x80808080)  # codes 1, 3, 5, 7
+    """The eight E2M1 codes of a 32-bit word (Uint32) as four fp16 pairs, pair k (k < 4) =
+    codes k and k + 4 (code k in the low half), each its value / 2^14: one byte permute or
+    one mask a pair on e2m1_high_bytes (15 operations for four pairs with their scale
+    multiplies, against 19 for two shifts and two and-ors a pair)."""
+    even, odd = e2m1_high_bytes(word)
     # Selector 0x2404: bytes 0 and 2 into the high bytes of the halves, zeros below them.
     return (
         cutlass.Uint32(cute.arch.prmt(even, 0, 0x2404)),
         cutlass.Uint32(cute.arch.prmt(odd, 0, 0x2404)),
-        even & 0xFF00FF00,
-        odd & 0xFF00FF00,
+        even & HIGH_BYTES,
+        odd & HIGH_BYTES,
+    )
+
+
+@cute.jit
+def e2m1_word_as_fp16(word):
+    """The eight E2M1 codes of a 32-bit word (Uint32) in order as four fp16 pairs, pair b =
+    codes 2b and 2b + 1 (byte b; code 2b in the low half), each its value / 2^14: a byte
+    permute and a mask a pair on e2m1_high_bytes."""
+    even, odd = e2m1_high_bytes(word)
+    # Even byte b into byte 1, odd byte b into byte 3 (bytes 0 and 2 masked off).
+    return tuple(
+        cutlass.Uint32(cute.arch.prmt(even, odd, ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b))
+        & HIGH_BYTES
+        for b in range(4)
     )
 
 
@@ -143,13 +155,15 @@ def decode_chunks(raw, scales, dst, dtype: cutlass.Constexpr):
             scales[1, i, j] = scales[0, i, j]
     steps = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
     steps.store(cute.recast_tensor(scales, cutlass.Float8E4M3FN).load().to(cutlass.Float32))
-    halves = cute.make_rmem_tensor((4,), cutlass.Int32)
+    halves = cute.make_rmem_tensor((4,), cutlass.Uint32)
+    words = cute.recast_tensor(raw, cutlass.Uint32)  # (1, M, K): the 4 bytes of (m, k)
     for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
         for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
+            pairs = e2m1_word_as_fp16(words[0, m, k])
             for b in cutlass.range_constexpr(4):
-                halves[b] = e2m1_pair_as_fp16(cutlass.Int32(raw[b, m, k]))
+                halves[b] = pairs[b]
             values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
-            # x 2^14: the fp16 bits of e2m1_pair_as_fp16 are the values / 2^14.
+            # x 2^14: the fp16 bits of e2m1_word_as_fp16 are the values / 2^14.
             chunk = cute.make_tensor(dst[None, m, k].iterator, cute.make_layout(8))
             chunk.store((values * (steps[0, m, k] * E2M1_FP16_FACTOR)).to(dtype))
 
