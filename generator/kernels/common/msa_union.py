@@ -153,13 +153,16 @@ def first_key_of(sIds, u, tile_keys: int):
 
 
 @cute.jit
-def finalize_rows(args, acc_O, state, row_lse, row_lse_t, p_offset: cutlass.Constexpr):
+def finalize_rows(
+    args, acc_O, state, row_lse, row_lse_t, p_offset: cutlass.Constexpr, scale_log2, out_scale
+):  # fmt: skip
     """O / rowsum x out_scale in acc_O; each row's lse and temperature lse (the lse when
-    no temperature is asked), natural log. state: (row max, row sum, temperature max,
-    temperature sum, whether the temperature lse is asked)."""
+    no temperature is asked), natural log, of scores at scale_log2 (the softmax's scale,
+    log2 units). state: (row max, row sum, temperature max, temperature sum, whether the
+    temperature lse is asked)."""
     row_max, row_sum, t_max, t_sum, with_temperature = state
-    softmax_finalize(row_max, row_sum, args.scale_log2, acc_mn_view(acc_O), row_lse, p_offset)
-    acc_O.store(acc_O.load() * args.out_scale)
+    softmax_finalize(row_max, row_sum, scale_log2, acc_mn_view(acc_O), row_lse, p_offset)
+    acc_O.store(acc_O.load() * out_scale)
     for r in cutlass.range_constexpr(cute.size(row_lse)):
         row_lse_t[r] = row_lse[r]
         if with_temperature:
@@ -167,7 +170,7 @@ def finalize_rows(args, acc_O, state, row_lse, row_lse_t, p_offset: cutlass.Cons
             row_lse_t[r] = NEG_INF
             if total > 0.0:
                 log_total = cute.math.log2(total, fastmath=True)
-                row_lse_t[r] = (t_max[r] * args.scale_log2 * args.temperature + log_total) * LN_2
+                row_lse_t[r] = (t_max[r] * scale_log2 * args.temperature + log_total) * LN_2
 
 
 def chunk8(fragment, m, k):

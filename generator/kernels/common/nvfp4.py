@@ -11,6 +11,8 @@ e2m1_word_as_e4m3, decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale
 import cutlass
 import cutlass.cute as cute
 
+from generator.kernels.common.ptx import mul_f16x2
+
 GROUP = 16  # values per scale
 E4M3_MAX = 448.0
 # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: the code is the number of these midpoints a
@@ -84,6 +86,9 @@ def quantize_group(x, global_scale, write_byte):
 # the fp16 holds the code's bits (magnitude in bits 1..3, sign in bit 7), the low byte is 0.
 E2M1_FP16_FACTOR = 2.0**14
 HIGH_BYTES = cutlass.Uint32(0xFF00FF00)  # the high bytes of two fp16 in a word
+# decode_chunks' values in fp16 are value x scale / 2^7: in [2^-17, 21] (scales 2^-9 .. 448),
+# at most 6 significant bits, so exact in fp16's subnormals and normals alike.
+FP16_DIVISOR_LOG2 = 7
 
 
 @cute.jit
@@ -144,28 +149,42 @@ def e2m1_word_as_e4m3(word):
 
 
 @cute.jit
-def decode_chunks(raw, scales, dst, dtype: cutlass.Constexpr):
+def decode_chunks(raw, scales, dst, dtype: cutlass.Constexpr, divisor_log2: cutlass.Constexpr = 0):
     """For every (m, k): the 8 values of dst[None, m, k] (one 16-byte shared-memory chunk of a
     row-copy fragment, in dtype) = the E2M1 codes of the 4 bytes raw[None, m, k] (the even
-    element in each low nibble) times the e4m3 scale whose byte is scales[0, m, k].
-    scales is (2, M, K): its row 1 is scratch (e4m3 converts in pairs). Exact in bf16 and
-    fp16 (a code has 2 significant bits, a scale 4)."""
+    element in each low nibble) times the e4m3 scale whose byte is scales[0, m, k], divided
+    by 2^divisor_log2. scales is (2, M, K): its row 1 is scratch (e4m3 converts in pairs).
+    Exact in bf16 and fp16 (a code has 2 significant bits, a scale 4). In fp16 with
+    divisor_log2 = FP16_DIVISOR_LOG2 the products are formed in fp16, one multiply a pair
+    of values by scale x 2^7; otherwise in fp32."""
     for i in cutlass.range_constexpr(cute.size(scales, mode=[1])):
         for j in cutlass.range_constexpr(cute.size(scales, mode=[2])):
             scales[1, i, j] = scales[0, i, j]
     steps = cute.make_rmem_tensor(scales.shape, cutlass.Float32)
     steps.store(cute.recast_tensor(scales, cutlass.Float8E4M3FN).load().to(cutlass.Float32))
+    in_fp16 = dtype == cutlass.Float16 and divisor_log2 == FP16_DIVISOR_LOG2
+    assert in_fp16 or divisor_log2 == 0, "decode_chunks: divisor 2^7 with fp16 only"
     halves = cute.make_rmem_tensor((4,), cutlass.Uint32)
+    multiplier = cute.make_rmem_tensor((2,), cutlass.Float32)
+    both = cute.make_rmem_tensor((2,), cutlass.Float16)  # the multiplier in both halves
     words = cute.recast_tensor(raw, cutlass.Uint32)  # (1, M, K): the 4 bytes of (m, k)
     for m in cutlass.range_constexpr(cute.size(raw, mode=[1])):
         for k in cutlass.range_constexpr(cute.size(raw, mode=[2])):
             pairs = e2m1_word_as_fp16(words[0, m, k])
-            for b in cutlass.range_constexpr(4):
-                halves[b] = pairs[b]
-            values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
-            # x 2^14: the fp16 bits of e2m1_word_as_fp16 are the values / 2^14.
+            # The fp16 bits of e2m1_word_as_fp16 are the values / 2^14.
+            factor = steps[0, m, k] * (E2M1_FP16_FACTOR / 2.0**divisor_log2)
             chunk = cute.make_tensor(dst[None, m, k].iterator, cute.make_layout(8))
-            chunk.store((values * (steps[0, m, k] * E2M1_FP16_FACTOR)).to(dtype))
+            if cutlass.const_expr(in_fp16):
+                multiplier.fill(factor)  # scale x 2^7 <= 57344: exact in fp16
+                both.store(multiplier.load().to(cutlass.Float16))
+                out = cute.recast_tensor(chunk, cutlass.Int32)
+                for b in cutlass.range_constexpr(4):
+                    out[b] = mul_f16x2(pairs[b], cute.recast_tensor(both, cutlass.Int32)[0])
+            else:
+                for b in cutlass.range_constexpr(4):
+                    halves[b] = pairs[b]
+                values = cute.recast_tensor(halves, cutlass.Float16).load().to(cutlass.Float32)
+                chunk.store((values * factor).to(dtype))
 
 
 @cute.jit

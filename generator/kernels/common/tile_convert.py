@@ -1,7 +1,9 @@
 """FP8 (e4m3) and NVFP4 tiles in shared memory converted to the 16-bit tiles a 16-bit MMA
 reads, exactly (an e4m3 value, and an E2M1 code times its e4m3 scale, is a bf16 and an fp16
 value): the sm_90a kernels that multiply quantized data in exact fp32 sums
-(msa_proxy_score's converter warpgroup, the MSA wgmma union tile).
+(msa_proxy_score's converter warpgroup, the MSA wgmma union tile); and bf16 values brought
+into fp16's range by a power of two, for the kernels that multiply bf16 q by such tiles in
+fp16 (fp16_range_shift).
 
 A warpgroup converts a (rows, 128) tile: thread t takes 8 consecutive values of a row (a
 16-byte store) in rows t // 16 + 8i, columns 8 (t % 16) on. The destination may carry any
@@ -55,14 +57,14 @@ def convert_e4m3_tile(src: cute.Tensor, dst: cute.Tensor, tidx, valid_rows=None)
 @cute.jit
 def convert_nvfp4_tile(
     codes: cute.Tensor, scales: cute.Tensor, dst: cute.Tensor, tidx, valid_rows,
-    swizzled_scales: cutlass.Constexpr,
+    swizzled_scales: cutlass.Constexpr, divisor_log2: cutlass.Constexpr = 0,
 ):  # fmt: skip
     """codes (rows, 64 bytes: two E2M1 codes a byte, the even element in the low nibble) with
     their e4m3 scales (one byte per 16 values, rows x 8 bytes in a flat tensor: linear, or
     with swizzled_scales in the 4x4 swizzle of V scales, (row, group) at
     ((row // 4) * 4 + group // 2, (group % 2) * 4 + row % 4)) into dst (fp16 or bf16,
-    (rows, 128)): 4-byte code reads, 16-byte writes. Rows from valid_rows on are zeros
-    (their scales read as 0)."""
+    (rows, 128)), divided by 2^divisor_log2 (decode_chunks): 4-byte code reads, 16-byte
+    writes. Rows from valid_rows on are zeros (their scales read as 0)."""
     read = row_chunks(codes.element_type, 4)  # 4 bytes: 8 codes
     write = row_chunks(dst.element_type)
     tSs = read.get_slice(tidx).partition_S(codes)
@@ -83,8 +85,40 @@ def convert_nvfp4_tile(
             if row < valid_rows:
                 scale_bytes[0, m, k] = scales[place]
     converted = cute.make_fragment_like(tDd)
-    decode_chunks(raw_bytes, scale_bytes, converted, dst.element_type)
+    decode_chunks(raw_bytes, scale_bytes, converted, dst.element_type, divisor_log2)
     cute.copy(write, converted, tDd)
+
+
+@cute.jit
+def fp16_range_shift(top):
+    """The exponent e of the power of two that 16-bit values whose largest finite magnitude
+    is `top` (fp32, >= 0) are divided by to bring that magnitude into [2^14, 2^15): exact in
+    fp16 unless a value falls 2^24 below it (0 when top is 0; at least -100)."""
+    shift = cutlass.Int32(0)
+    if top > 0.0:
+        bits = cute.make_rmem_tensor((1,), cutlass.Float32)
+        bits[0] = top
+        exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
+        shift = cutlass.max(exponent - 14, -100)
+    return shift
+
+
+@cute.jit
+def finite_max(values):
+    """The largest finite magnitude of a TensorSSA (fp32), 0 when none is."""
+    magnitudes = abs(values)
+    finite = cute.where(
+        magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
+    )
+    return finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+
+
+@cute.jit
+def power_of_two(exponent):
+    """2^exponent in fp32 for an integer exponent in [-126, 127], from its bits."""
+    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+    bits[0] = (exponent + 127) << 23
+    return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
 def rows_and_columns(tile: cute.Tensor):

@@ -333,7 +333,9 @@ class MsaSparseAttention(BlockSparseFwdWarpMma):
 
         row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
         row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
+        finalize_rows(
+            args, acc_O, state, row_lse, row_lse_t, self.p_offset, args.scale_log2, args.out_scale
+        )
         if args.splits > 1:
             self.store_split(
                 args, tiled_mma, acc_O, row_lse, row_lse_t, tidx, kv_head, first_token, tokens,

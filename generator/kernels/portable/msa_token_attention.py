@@ -50,6 +50,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
     temperature_update,
 )
+from generator.kernels.common.tile_convert import finite_max, fp16_range_shift, power_of_two
 
 WARPS = 4
 STEP_KEYS = BLOCK_KEYS // WARPS  # keys of one block a warp scores: 32
@@ -301,19 +302,10 @@ class MsaTokenAttention:
         operands = rows
         if cutlass.const_expr(self.dtype != self.mma_dtype):
             values = rows.load().to(cutlass.Float32)
-            magnitudes = abs(values)
-            finite = cute.where(
-                magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
-            )
-            top = finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+            top = finite_max(values)
             for offset in (16, 8, 4, 2, 1):
                 top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
-            shift = cutlass.Int32(0)
-            if top > 0.0:
-                bits = cute.make_rmem_tensor((1,), cutlass.Float32)
-                bits[0] = top
-                exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
-                shift = cutlass.max(exponent - 14, -100)
+            shift = fp16_range_shift(top)
             factor = power_of_two(shift)
             operands = cute.make_rmem_tensor((2, HEAD_DIM // 4), self.mma_dtype)
             operands.store((values * power_of_two(-shift)).to(self.mma_dtype))
@@ -703,14 +695,6 @@ def row_view(acc, tiles: int):
     """An accumulator of `tiles` m16n8 tiles (4 values each at 4t) as (2 rows, (2, tiles))
     columns: the (rows, columns) view softmax_update takes."""
     return cute.make_tensor(acc.iterator, cute.make_layout((2, (2, tiles)), stride=(2, (1, 4))))
-
-
-@cute.jit
-def power_of_two(exponent):
-    """2^exponent in fp32 for an integer exponent in [-126, 127], from its bits."""
-    bits = cute.make_rmem_tensor((1,), cutlass.Int32)
-    bits[0] = (exponent + 127) << 23
-    return cute.recast_tensor(bits, cutlass.Float32)[0]
 
 
 def smem_ptr(dtype, address, align: int = 16):

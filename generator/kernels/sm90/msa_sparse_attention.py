@@ -16,12 +16,17 @@ K/V in q's dtype: the block-sparse kernel's loop (sm90/block_sparse_fwd.py): S =
   64-key tiles (K and V of a tile in consecutive stages). V rows past the sequence are
   zeroed in shared memory (a page's tail, or the next sequence's keys when flat), so a NaN
   there cannot reach O through a zero probability.
-e4m3 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 8 KB each, one tile
-  ahead); per tile the warpgroup converts them into one 16-bit K and one V tile (exact:
-  every e4m3 value is a bf16 and an fp16 one; rows past the sequence written as zeros),
-  releases the raw stages to the next tile's loads, then S = Q K^T, softmax, O += P V, each
-  waited for: the conversion needs the 16-bit tiles free, so CTAs overlap each other's
-  steps, not their own. k_scale and v_scale fold into the softmax and output scales.
+FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 8 KB each
+  for e4m3, one tile ahead); per tile the warpgroup converts them into one fp16 K and one V
+  tile (exact: every e4m3 value is an fp16 one, one conversion a pair; NVFP4 values are
+  formed as value x scale / 2^7, one multiply a pair, decode_chunks; rows past the sequence
+  written as zeros), releases the raw stages to the next tile's loads, then S = Q K^T,
+  softmax, O += P V, each waited for: the conversion needs the fp16 tiles free, so CTAs
+  overlap each other's steps, not their own. The MMAs run in fp16 whatever q's dtype (bf16
+  tiles would cost a conversion through fp32 and a pack a pair): bf16 q enters the fp16 Q
+  tile divided by the power of two that puts the CTA's largest magnitude in [2^14, 2^15)
+  (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the softmax and
+  output scales.
 """
 
 import cutlass
@@ -52,13 +57,20 @@ from generator.kernels.common.msa_union import (
     row_limits,
     token_tile_of_cta,
 )
+from generator.kernels.common.nvfp4 import FP16_DIVISOR_LOG2
 from generator.kernels.common.softmax import (
     acc_mn_view,
     new_softmax_state,
     softmax_update,
     temperature_update,
 )
-from generator.kernels.common.tile_convert import convert_e4m3_tile, convert_nvfp4_tile
+from generator.kernels.common.tile_convert import (
+    convert_e4m3_tile,
+    convert_nvfp4_tile,
+    finite_max,
+    fp16_range_shift,
+    power_of_two,
+)
 from generator.kernels.sm90.block_sparse_fwd import (
     CONSUMER_THREADS,
     TILE_M,
@@ -77,9 +89,13 @@ SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
     def __init__(self, dtype, kv_format: str):
-        super().__init__(dtype, HEAD_DIM)
-        self.kv_format = kv_format
         self.converted = kv_format != "16bit"
+        # The MMAs' type: fp16 for converted K/V (see the module's docstring), else q's.
+        super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM)
+        self.io_dtype = dtype  # q's and the output's
+        self.kv_format = kv_format
+        # NVFP4 tiles hold value x scale / 2^7 (decode_chunks in fp16).
+        self.value_divisor_log2 = FP16_DIVISOR_LOG2 if kv_format == "nvfp4" else 0
         # Raw rows as stored: e4m3 a byte a value, NVFP4 two codes a byte (16-bit: unused).
         self.raw_type = cutlass.Uint8 if kv_format == "nvfp4" else cutlass.Float8E4M3FN
         self.raw_width = HEAD_DIM // 2 if kv_format == "nvfp4" else HEAD_DIM
@@ -159,6 +175,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
+            sQMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4], 16]
             sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
             sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
             sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * UNION_CAPACITY], 16]
@@ -265,16 +282,19 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             state = (row_max, row_sum, t_max, t_sum, with_temperature)
             masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
             operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
-            q_rows = (sQ[None, None, 0], kv_head, first_token, tokens)
+            q_rows = (
+                sQ[None, None, 0], kv_head, first_token, tokens,
+                storage.sQMax.get_tensor(cute.make_layout(4)),
+            )  # fmt: skip
             if cutlass.const_expr(self.converted):
                 sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
                 sScale = storage.sRawScale.get_tensor(scale_layout)
-                self.stream_converted(
+                scale_log2 = self.stream_converted(
                     args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
                     ring_producer, ring_consumer, tidx, loader, bar,
                 )  # fmt: skip
             else:
-                self.stream_16bit(
+                scale_log2 = self.stream_16bit(
                     args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
                     ring_producer, ring_consumer, tidx, loader, bar,
                 )  # fmt: skip
@@ -282,7 +302,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             rows = cute.size(row_max)
             row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
             row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-            finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset)
+            out_scale = args.out_scale * 2.0**self.value_divisor_log2
+            finalize_rows(
+                args, acc_O, state, row_lse, row_lse_t, self.p_offset, scale_log2, out_scale
+            )
             self.store_rows(
                 args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
                 first_token, tokens,
@@ -310,7 +333,8 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         kv_consumer, tidx, loader, bar,
     ):  # fmt: skip
         """K/V in q's dtype: the ring's load n is K of tile n // 2 (n even) or its V (n odd);
-        S of tile j+1 is issued right behind P V of tile j, one wait covering both."""
+        S of tile j+1 is issued right behind P V of tile j, one wait covering both. Returns
+        the softmax's scale (log2 units)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
         tma_k, mK_tma, tma_v, mV_tma = loads[:4]
         if loader:
@@ -336,8 +360,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 kv_producer.advance()
         for j in cutlass.range(tiles - 1, unroll=1):
             v_handle = self.scores_then_pv(
-                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar
-            )
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar,
+                args.scale_log2,
+            )  # fmt: skip
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
             warpgroup.wait_group(0)
@@ -352,8 +377,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         if tiles > 0:
             self.scores_then_pv(
                 args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, tiles - 1,
-                tidx, bar, drain=True,
+                tidx, bar, args.scale_log2, drain=True,
             )  # fmt: skip
+        return args.scale_log2
 
     @cute.jit
     def stream_converted(
@@ -361,8 +387,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         raw_producer, raw_consumer, tidx, loader, bar,
     ):  # fmt: skip
         """FP8 / NVFP4 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n
-        odd), one tile ahead; each tile is converted into the one 16-bit K tile (sK stage 0)
-        and V tile (sV stage 1), then multiplied."""
+        odd), one tile ahead; each tile is converted into the one fp16 K tile (sK stage 0)
+        and V tile (sV stage 1), then multiplied. Returns the softmax's scale (log2 units:
+        q's power of two and NVFP4's 2^7 folded in)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
         tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
         sIds, seqlen_k = masks[0], masks[5]
@@ -379,7 +406,8 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 for x in cutlass.range_constexpr(2):
                     self.load_raw(raw_producer, loads, sRaw, sScale, args, place, 0, x == 1)
                     raw_producer.advance()
-        self.store_q(args, *q_rows, tidx)
+        q_factor = self.store_q(args, *q_rows, tidx)
+        scale_log2 = args.scale_log2 * q_factor * 2.0**self.value_divisor_log2
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
@@ -399,9 +427,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             bar.arrive_and_wait()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 0])
             warpgroup.wait_group(0)
-            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j)
+            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
             self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
             warpgroup.wait_group(0)
+        return scale_log2
 
     @cute.jit
     def convert(self, sRaw, sScale, stage, dst, tidx, valid_rows, is_v: cutlass.Constexpr):
@@ -410,7 +439,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             scales = cute.make_tensor(
                 sScale[None, None, stage].iterator, cute.make_layout(TILE_N * SCALE_BYTES)
             )
-            convert_nvfp4_tile(sRaw[None, None, stage], scales, dst, tidx, valid_rows, is_v)
+            convert_nvfp4_tile(
+                sRaw[None, None, stage], scales, dst, tidx, valid_rows, is_v,
+                self.value_divisor_log2,
+            )  # fmt: skip
         else:
             convert_e4m3_tile(sRaw[None, None, stage], dst, tidx, valid_rows)
 
@@ -480,33 +512,54 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         return tXgX[None, 0], tXsX
 
     @cute.jit
-    def store_q(self, args, sQ, kv_head, first_token, tokens, tidx):
+    def store_q(self, args, sQ, kv_head, first_token, tokens, sQMax, tidx):
         """The 64 Q rows (zero past the tile's tokens) into the Q tile by 16-byte stores, made
         visible to wgmma (the async proxy) for the whole warpgroup. sQ: the tile as wgmma
         reads it (its swizzle on the pointer, in bytes: sQ_layout's inner swizzle is not one
-        of element offsets)."""
+        of element offsets). Returns the factor the scores are to be multiplied by: 1, or
+        for bf16 q in the fp16 tile the power of two the rows were divided by (the largest
+        finite magnitude of the CTA's rows into [2^14, 2^15), fp16_range_shift; the warps
+        meet in sQMax)."""
         rows_copy = self.rows_copy(self.dtype)
         thr = rows_copy.get_slice(tidx)
         tQsQ = thr.partition_D(sQ)
         tQcQ = thr.partition_D(cute.make_identity_tensor((TILE_M, self.head_dim)))
         rQ = cute.make_fragment_like(tQsQ)
+        rows = cute.make_fragment_like(tQsQ, self.io_dtype)
         for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
                 row, col = tQcQ[0, m, k][0], tQcQ[0, m, k][1]
                 if row // WGMMA_GROUP < tokens:
                     src = row_chunk(args.mQ, first_token, kv_head, row, col)
-                    chunk8(rQ, m, k).store(src.load())
+                    chunk8(rows, m, k).store(src.load())
                 else:
-                    chunk8(rQ, m, k).fill(0)
+                    chunk8(rows, m, k).fill(0)
+        factor = cutlass.Float32(1.0)
+        if cutlass.const_expr(self.io_dtype != self.dtype):
+            values = rows.load().to(cutlass.Float32)
+            top = finite_max(values)
+            for offset in (16, 8, 4, 2, 1):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+            if tidx % 32 == 0:
+                sQMax[tidx // 32] = top
+            cute.arch.sync_threads()
+            for w in cutlass.range_constexpr(CONSUMER_THREADS // 32):
+                top = cute.arch.fmax(top, sQMax[w])
+            shift = fp16_range_shift(top)
+            factor = power_of_two(shift)
+            rQ.store((values * power_of_two(-shift)).to(self.dtype))
+        else:
+            rQ.store(rows.load())
         cute.copy(rows_copy, rQ, tQsQ)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        return factor
 
     @cute.jit
-    def own_block_probabilities(self, args, acc_S, acc_O, state, masks, u):
+    def own_block_probabilities(self, args, acc_S, acc_O, state, masks, u, scale_log2):
         """Tile u's scores in acc_S: each row keeps its token's blocks before its key_end;
-        online softmax (rescaling acc_O; and the temperature lse's sums); P in the A-operand
-        layout of O += P V."""
+        online softmax at scale_log2 (rescaling acc_O; and the temperature lse's sums); P in
+        the A-operand layout of O += P V."""
         sIds, sMask, row_token, key_end, tScS_mn, _ = masks
         row_max, row_sum, t_max, t_sum, with_temperature = state
         acc_S_mn = acc_mn_view(acc_S)
@@ -515,10 +568,8 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             key_end, TILE_N,
         )  # fmt: skip
         if with_temperature:
-            temperature_update(t_max, t_sum, args.scale_log2 * args.temperature, acc_S_mn)
-        softmax_update(
-            row_max, row_sum, args.scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset
-        )
+            temperature_update(t_max, t_sum, scale_log2 * args.temperature, acc_S_mn)
+        softmax_update(row_max, row_sum, scale_log2, acc_S_mn, acc_mn_view(acc_O), self.p_offset)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         return cute.make_tensor(rP.iterator, self.c_layout_as_a_layout(rP.layout))
@@ -526,13 +577,13 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
     @cute.jit
     def scores_then_pv(
         self, args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, u, tidx, bar,
-        drain: cutlass.Constexpr = False,
+        scale_log2, drain: cutlass.Constexpr = False,
     ):  # fmt: skip
         """16-bit K/V: tile u's probabilities, then issue O += P V (V rows past the sequence
         zeroed first). Returns V's stage handle, or with drain waits for every MMA issued and
         releases V's stage."""
         sIds, seqlen_k = masks[0], masks[5]
-        tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, u)
+        tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, u, scale_log2)
         valid_keys = seqlen_k - first_key_of(sIds, u, TILE_N)
         return self.pv_staged(
             pv_mma, acc_O, tOrP, tOrV, sV, kv_consumer, valid_keys, tidx, bar, drain
@@ -556,8 +607,8 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     head = kv_head * WGMMA_GROUP + row % WGMMA_GROUP
                     args.mLSE[token, head] = row_lse[r]
                     args.mLSET[token, head] = row_lse_t[r]
-        sO = storage.sQ.get_tensor(sO_layout)[None, None, 0]
-        tOrO, tOcO, _ = self.stage_output(pv_mma, acc_O, sO, self.dtype, tidx, bar)
+        sO = storage.sQ.get_tensor(sO_layout, dtype=self.io_dtype)[None, None, 0]
+        tOrO, tOcO, _ = self.stage_output(pv_mma, acc_O, sO, self.io_dtype, tidx, bar)
         for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
                 row, col = tOcO[0, m, k][0], tOcO[0, m, k][1]
