@@ -173,10 +173,10 @@ def test_e2m1_codes_moved_into_e4m3_bits_read_as_their_value_over_64():
 
 
 def test_e2m1_word_pairs_bit_placement_reads_as_values_over_2_14():
-    """The decode of the one-token MSA kernel (e2m1_word_pairs), mirrored on integers: the
-    high bytes built from a word's even and odd codes, permuted or masked into fp16 pairs
-    (code k low, code k + 4 high), are the codes' values / 2^14 for every code in every
-    position, signed zeros included."""
+    """The E2M1 decoding of the MSA kernels (e2m1_high_bytes, e2m1_word_pairs,
+    e2m1_word_as_fp16), mirrored on integers: the high bytes built from a word's even and odd
+    codes, permuted or masked into fp16 pairs, are the codes' values / 2^14 for every code in
+    every position, signed zeros included."""
     g = torch.Generator().manual_seed(0)
     words = torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64)
     words[:16] = torch.arange(16) * 0x11111111  # every code in every position
@@ -186,13 +186,37 @@ def test_e2m1_word_pairs_bit_placement_reads_as_values_over_2_14():
     def high_bytes_of(x, first, second):  # prmt(x, 0, 0x2404) for bytes (0, 2)
         return (((x >> 8 * first) & 0xFF) << 8) | (((x >> 8 * second) & 0xFF) << 24)
 
+    # e2m1_word_pairs: pair k = codes k, k + 4; e2m1_word_as_fp16: pair b = codes 2b, 2b + 1
+    # (prmt(even, odd, ...) & 0xFF00FF00: even byte b into byte 1, odd byte b into byte 3).
     pairs = [high_bytes_of(even, 0, 2), high_bytes_of(odd, 0, 2), even & 0xFF00FF00,
              odd & 0xFF00FF00]  # fmt: skip
-    for k, pair in enumerate(pairs):
-        for half, code_index in ((0, k), (1, k + 4)):
+    in_order = [(((even >> 8 * b) & 0xFF) << 8) | (((odd >> 8 * b) & 0xFF) << 24) for b in range(4)]
+    checks = [(pair, (k, k + 4)) for k, pair in enumerate(pairs)]
+    checks += [(pair, (2 * b, 2 * b + 1)) for b, pair in enumerate(in_order)]
+    for k, (pair, code_indices) in enumerate(checks):
+        for half, code_index in enumerate(code_indices):
             bits = ((pair >> 16 * half) & 0xFFFF).to(torch.int16)
             got = bits.view(torch.float16).float()
             codes = ((words >> 4 * code_index) & 0xF).to(torch.uint8)
             want = ref.e2m1_decode(codes) / 2**14
             assert torch.equal(got, want), (k, half)
             assert torch.equal(got.signbit(), want.signbit()), (k, half)
+
+
+def test_e2m1_times_scale_over_2_7_is_exact_in_fp16():
+    """decode_chunks' fp16 route (FP16_DIVISOR_LOG2 = 7): a code's fp16 value / 2^14 times its
+    scale x 2^7 (one fp16 multiply) equals value x scale / 2^7 exactly, for all 16 codes and
+    every finite e4m3 scale, subnormal scales included (the products lie in [2^-17, 21] with at
+    most 6 significant bits)."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    values = ref.e2m1_decode(codes).double()
+    scale_bytes = torch.arange(256, dtype=torch.uint8)
+    scales = scale_bytes.view(torch.float8_e4m3fn).double()
+    scales = scales[scales.isfinite() & (scales >= 0)]
+    operand = (values / 2**14).half()  # the placed bits, exact
+    multiplier = (scales * 2**7).half()  # scale x 2^7 <= 57344, exact
+    assert torch.equal(operand.double(), values / 2**14)
+    assert torch.equal(multiplier.double(), scales * 2**7)
+    product = operand[:, None] * multiplier[None, :]  # an fp16 multiply, rounded to fp16
+    want = values[:, None] * scales[None, :] / 2**7
+    assert torch.equal(product.double(), want)
