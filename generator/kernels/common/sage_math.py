@@ -25,7 +25,13 @@ keys its A operand wants: `scores_to_e4m3_operand_in_place`, no data between lan
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.common.softmax import RESCALE_THRESHOLD, is_huge, mask_columns, quad_max
+from generator.kernels.common.softmax import (
+    RESCALE_THRESHOLD,
+    is_huge,
+    mask_columns,
+    new_softmax_state,
+    quad_max,
+)
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
 NEG_INF = -cutlass.Float32.inf
@@ -33,6 +39,17 @@ NEG_INF = -cutlass.Float32.inf
 # negative (but finite) keeps its true max as the base, while rows with no valid key yet
 # (max -inf) get a finite base and P = exp2(-inf) = 0, never exp2(-inf - -inf) = NaN.
 FINITE_FLOOR = -3.4028234663852886e38
+
+
+def new_sage_state(rows: int, key_groups: int):
+    """The Sage softmax's registers: (row max, row sum, alpha, beta, row scales) of `rows`
+    rows, and the scales of a tile's `key_groups` key groups."""
+    row_max, row_sum = new_softmax_state(rows)
+    alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
+    beta = cute.make_rmem_tensor(rows, cutlass.Float32)
+    row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+    key_scale = cute.make_rmem_tensor(key_groups, cutlass.Float32)
+    return row_max, row_sum, alpha, beta, row_scale, key_scale
 
 
 @cute.jit

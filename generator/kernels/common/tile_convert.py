@@ -3,7 +3,7 @@ reads, exactly (an e4m3 value, and an E2M1 code times its e4m3 scale, is a bf16 
 value): the sm_90a kernels that multiply quantized data in exact fp32 sums
 (msa_proxy_score's converter warpgroup, the MSA wgmma union tile); and bf16 values brought
 into fp16's range by a power of two, for the kernels that multiply bf16 q by such tiles in
-fp16 (fp16_range_shift).
+fp16 (into_fp16_range).
 
 A warpgroup converts a (rows, 128) tile: thread t takes 8 consecutive values of a row (a
 16-byte store) in rows t // 16 + 8i, columns 8 (t % 16) on. The destination may carry any
@@ -90,31 +90,36 @@ def convert_nvfp4_tile(
 
 
 @cute.jit
-def fp16_range_shift(top):
-    """The exponent e of the power of two that 16-bit values whose largest finite magnitude
-    is `top` (fp32, >= 0) are divided by to bring that magnitude into [2^14, 2^15): exact in
-    fp16 unless a value falls 2^24 below it (0 when top is 0; at least -100)."""
+def warp_finite_max(values):
+    """The largest finite magnitude of a TensorSSA (fp32) over the thread's values and its
+    warp's, 0 when none is."""
+    magnitudes = abs(values)
+    finite = cute.where(
+        magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
+    )
+    top = finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
+    for offset in (16, 8, 4, 2, 1):
+        top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+    return top
+
+
+@cute.jit
+def into_fp16_range(values, top):
+    """(values, a 16-bit TensorSSA whose largest finite magnitude is `top` (fp32, >= 0),
+    divided by the power of two that brings top into [2^14, 2^15), in fp16; that power of
+    two, the factor products of them are to be multiplied by). Exact unless a value falls
+    2^24 below top; the factor is 1 when top is 0, and at least 2^-100."""
     shift = cutlass.Int32(0)
     if top > 0.0:
         bits = cute.make_rmem_tensor((1,), cutlass.Float32)
         bits[0] = top
         exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
         shift = cutlass.max(exponent - 14, -100)
-    return shift
+    return (values * _power_of_two(-shift)).to(cutlass.Float16), _power_of_two(shift)
 
 
 @cute.jit
-def finite_max(values):
-    """The largest finite magnitude of a TensorSSA (fp32), 0 when none is."""
-    magnitudes = abs(values)
-    finite = cute.where(
-        magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
-    )
-    return finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
-
-
-@cute.jit
-def power_of_two(exponent):
+def _power_of_two(exponent):
     """2^exponent in fp32 for an integer exponent in [-126, 127], from its bits."""
     bits = cute.make_rmem_tensor((1,), cutlass.Int32)
     bits[0] = (exponent + 127) << 23

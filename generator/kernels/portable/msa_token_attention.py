@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, KV_FORMAT, MAX_TOPK
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, e2m1_word_pairs
+from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, FP16_DIVISOR_LOG2, e2m1_word_pairs
 from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 from generator.kernels.common.softmax import (
     LN_2,
@@ -50,7 +50,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
     temperature_update,
 )
-from generator.kernels.common.tile_convert import finite_max, fp16_range_shift, power_of_two
+from generator.kernels.common.tile_convert import into_fp16_range, warp_finite_max
 
 WARPS = 4
 STEP_KEYS = BLOCK_KEYS // WARPS  # keys of one block a warp scores: 32
@@ -61,7 +61,7 @@ O_TILES = HEAD_DIM // 8  # n-tiles of O: 16
 K_STEPS = HEAD_DIM // 16  # k-steps of Q K^T: 8
 ROW_BYTES = {"16bit": 2 * HEAD_DIM, "e4m3": HEAD_DIM, "nvfp4": HEAD_DIM // 2}
 SCALE_BYTES = STEP_KEYS * 8  # a step's NVFP4 scales of K (or V): 8 a key
-NVFP4_FACTOR = 2.0**7  # decoded NVFP4 K and V are value / 2^7
+NVFP4_FACTOR = 2.0**FP16_DIVISOR_LOG2  # decoded NVFP4 K and V are value / 2^7
 O_PITCH = HEAD_DIM + 4  # fp32 words of a merge row (padded against bank conflicts)
 NEG_INF = -cutlass.Float32.inf
 
@@ -302,13 +302,9 @@ class MsaTokenAttention:
         operands = rows
         if cutlass.const_expr(self.dtype != self.mma_dtype):
             values = rows.load().to(cutlass.Float32)
-            top = finite_max(values)
-            for offset in (16, 8, 4, 2, 1):
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
-            shift = fp16_range_shift(top)
-            factor = power_of_two(shift)
+            scaled, factor = into_fp16_range(values, warp_finite_max(values))
             operands = cute.make_rmem_tensor((2, HEAD_DIM // 4), self.mma_dtype)
-            operands.store((values * power_of_two(-shift)).to(self.mma_dtype))
+            operands.store(scaled)
         query = cute.make_rmem_tensor((8 * K_STEPS,), self.mma_dtype)
         for s in cutlass.range_constexpr(K_STEPS):
             d = self.key_channels(s)

@@ -43,10 +43,11 @@ from generator.kernels.common.sage_math import (
     load_channel_scales,
     load_key_scales,
     load_row_scales,
+    new_sage_state,
     sage_softmax_step,
     scores_to_e4m3_operand,
 )
-from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
+from generator.kernels.common.softmax import acc_mn_view
 from generator.kernels.common.tile_list import unit_of_cta
 from generator.kernels.portable.block_sparse_fwd import (
     COPY_BYTES,
@@ -333,12 +334,7 @@ class SageFp8FwdWarpMma(BlockSparseFwdWarpMma):
         acc_O.fill(0.0)
         tScS_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
-        row_max, row_sum = new_softmax_state(rows)
-        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
-        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
-        state = (row_max, row_sum, alpha, beta, row_scale, key_scale)
+        state = new_sage_state(rows, TILE_N // KEYS_PER_SCALE)
         return tOrP, acc_S, acc_O, acc_PV, tScS_mn, state
 
     @cute.jit

@@ -67,9 +67,8 @@ from generator.kernels.common.softmax import (
 from generator.kernels.common.tile_convert import (
     convert_e4m3_tile,
     convert_nvfp4_tile,
-    finite_max,
-    fp16_range_shift,
-    power_of_two,
+    into_fp16_range,
+    warp_finite_max,
 )
 from generator.kernels.sm90.block_sparse_fwd import (
     CONSUMER_THREADS,
@@ -94,8 +93,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM)
         self.io_dtype = dtype  # q's and the output's
         self.kv_format = kv_format
-        # NVFP4 tiles hold value x scale / 2^7 (decode_chunks in fp16).
+        # NVFP4 tiles hold value x scale / 2^7 (decode_chunks in fp16): the factor their
+        # products are multiplied back by.
         self.value_divisor_log2 = FP16_DIVISOR_LOG2 if kv_format == "nvfp4" else 0
+        self.value_factor = 2.0**self.value_divisor_log2
         # Raw rows as stored: e4m3 a byte a value, NVFP4 two codes a byte (16-bit: unused).
         self.raw_type = cutlass.Uint8 if kv_format == "nvfp4" else cutlass.Float8E4M3FN
         self.raw_width = HEAD_DIM // 2 if kv_format == "nvfp4" else HEAD_DIM
@@ -302,7 +303,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             rows = cute.size(row_max)
             row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
             row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-            out_scale = args.out_scale * 2.0**self.value_divisor_log2
+            out_scale = args.out_scale * self.value_factor
             finalize_rows(
                 args, acc_O, state, row_lse, row_lse_t, self.p_offset, scale_log2, out_scale
             )
@@ -407,7 +408,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     self.load_raw(raw_producer, loads, sRaw, sScale, args, place, 0, x == 1)
                     raw_producer.advance()
         q_factor = self.store_q(args, *q_rows, tidx)
-        scale_log2 = args.scale_log2 * q_factor * 2.0**self.value_divisor_log2
+        scale_log2 = args.scale_log2 * q_factor * self.value_factor
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
@@ -518,7 +519,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         reads it (its swizzle on the pointer, in bytes: sQ_layout's inner swizzle is not one
         of element offsets). Returns the factor the scores are to be multiplied by: 1, or
         for bf16 q in the fp16 tile the power of two the rows were divided by (the largest
-        finite magnitude of the CTA's rows into [2^14, 2^15), fp16_range_shift; the warps
+        finite magnitude of the CTA's rows into [2^14, 2^15), into_fp16_range; the warps
         meet in sQMax)."""
         rows_copy = self.rows_copy(self.dtype)
         thr = rows_copy.get_slice(tidx)
@@ -537,17 +538,14 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         factor = cutlass.Float32(1.0)
         if cutlass.const_expr(self.io_dtype != self.dtype):
             values = rows.load().to(cutlass.Float32)
-            top = finite_max(values)
-            for offset in (16, 8, 4, 2, 1):
-                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+            top = warp_finite_max(values)
             if tidx % 32 == 0:
                 sQMax[tidx // 32] = top
             cute.arch.sync_threads()
             for w in cutlass.range_constexpr(CONSUMER_THREADS // 32):
                 top = cute.arch.fmax(top, sQMax[w])
-            shift = fp16_range_shift(top)
-            factor = power_of_two(shift)
-            rQ.store((values * power_of_two(-shift)).to(self.dtype))
+            scaled, factor = into_fp16_range(values, top)
+            rQ.store(scaled)
         else:
             rQ.store(rows.load())
         cute.copy(rows_copy, rQ, tQsQ)

@@ -33,12 +33,13 @@ from generator.kernels.common.sage_math import (
     load_channel_scales,
     load_key_scales,
     load_row_scales,
+    new_sage_state,
     permuted_key,
     rescale_output,
     sage_softmax_step,
     scores_to_e4m3_operand_in_place,
 )
-from generator.kernels.common.softmax import acc_mn_view, new_softmax_state
+from generator.kernels.common.softmax import acc_mn_view
 from generator.kernels.common.tile_list import unit_of_cta
 from generator.kernels.sm90.block_sparse_fwd import TILE_M, TILE_N, BlockSparseFwdSm90
 
@@ -272,11 +273,9 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         acc_S_mn = acc_mn_view(acc_S)
         tScS_mn = acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N))))
         rows = cute.size(tScS_mn, mode=[0])
-        row_max, row_sum = new_softmax_state(rows)
-        alpha = cute.make_rmem_tensor(rows, cutlass.Float32)
-        beta = cute.make_rmem_tensor(rows, cutlass.Float32)
-        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
-        key_scale = cute.make_rmem_tensor(TILE_N // KEYS_PER_SCALE, cutlass.Float32)
+        row_max, row_sum, alpha, beta, row_scale, key_scale = new_sage_state(
+            rows, TILE_N // KEYS_PER_SCALE
+        )
         load_row_scales(mQScale, head, chunk * TILE_M, tScS_mn, scale_log2, row_scale)
 
         # A tile's id is read while its predecessor's S is computed, its length and key scales
