@@ -2,9 +2,10 @@
 
     python -m generator.dev VARIANT [VARIANT ...] --out DIR
 
-compiles the named variants (CuTe DSL, ~2 s each) and the tile_compact kernel of each
-variant's arch (attention plans need it), and links them with the C runtime into
-DIR/libsparseforge_kernels.so with DIR/manifest.json. The installed runtime uses them with
+compiles the named variants (CuTe DSL, ~2 s each) and the planner kernels (tile_compact,
+unit_order) of each variant's arch (attention plans need them), and links them with the C
+runtime into DIR/libsparseforge_kernels.so with DIR/manifest.json. The installed runtime
+uses them with
 
     SPARSEFORGE_LIBRARY_DIR=DIR python -m sparseforge.check     # each variant vs the reference
     SPARSEFORGE_LIBRARY_DIR=DIR python -m pytest tests -m gpu ...
@@ -27,9 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def variants_with_planner(names: list[str]) -> list[str]:
-    """The variants, plus the tile_compact kernel of each of their archs."""
+    """The variants, plus the planner kernels of each of their archs."""
     archs = {by_name(name).arch for name in names}
-    extra = [f"tile_compact__tile_compact__any__{arch}" for arch in sorted(archs)]
+    extra = [
+        f"{kernel}__{kernel}__any__{arch}"
+        for arch in sorted(archs)
+        for kernel in ("tile_compact", "unit_order")
+    ]
     return names + [name for name in extra if name not in names]
 
 

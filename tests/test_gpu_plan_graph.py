@@ -238,3 +238,45 @@ def test_tile_compact_kernel_matches_the_torch_compaction():
         expanded.to(DEV)
     )  # stride-0 head mode, as BSR plans pass
     assert torch.equal(got_cnt.cpu(), expanded.sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "heads, rows, group, units",
+    [(32, 512, 1, 1), (4, 300, 8, 2), (2, 77, 4, 4), (3, 41, 3, 2), (2, 5, 1, 2), (1, 1, 1, 1)],
+)
+def test_unit_order_kernel_matches_longest_first(heads, rows, group, units):
+    """The GPU order is planner.longest_first's, ties included (few distinct counts), for
+    each way a CTA's units are chosen: query heads of a row or consecutive rows."""
+    from sparseforge import planner
+    from sparseforge.families import unit_order
+
+    gen = torch.Generator().manual_seed(heads * rows + units)
+    for top in (3, 8191):
+        counts = torch.randint(0, top + 1, (heads, rows), generator=gen, dtype=torch.int32)
+        work = unit_order.order(counts.to(DEV), group, units, tiles=8191)
+        assert torch.equal(work.cpu(), planner.longest_first(counts, group, units))
+
+
+def test_unit_order_kernel_rechecks_size_tensors():
+    """errors[0] says whether a size tensor (any strides) still holds the values read."""
+    from sparseforge import planner, sparsity
+    from sparseforge.families import unit_order
+
+    counts = torch.randint(0, 9, (2, 33), dtype=torch.int32, device=DEV)
+    rows = torch.full((2, 40), 64, dtype=torch.int32, device=DEV)
+    cols = torch.full((2, 70), 64, dtype=torch.int32, device=DEV)
+    pairs = ((rows, rows.to(torch.int64)), (cols[:, ::2], cols[:, ::2].to(torch.int64)))
+    errors = torch.full((1,), -1, dtype=torch.int32, device=DEV)
+    stale = sparsity.ERR_STALE_SIZES
+    for changed, at, want in ((None, None, 0), (rows, 38, stale), (cols, 68, stale), (cols, 69, 0)):
+        if changed is not None:
+            changed[1, at] = 1  # cols: the checked view holds the even columns only
+        unit_order.order(counts, 1, tiles=64, size_checks=pairs, errors=errors)
+        assert int(errors) == want
+        if changed is not None:
+            changed.fill_(64)
+    # Lists too long for the kernel's histogram: torch orders them and checks the sizes.
+    rows[0, 0] = 3
+    work = unit_order.order(counts, 1, tiles=8192, size_checks=pairs[:1], errors=errors)
+    assert int(errors) == stale
+    assert torch.equal(work.cpu(), planner.longest_first(counts.cpu(), 1))

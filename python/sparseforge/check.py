@@ -850,8 +850,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-# The families with checks of their own. The others: tile_compact runs in every attention
-# plan, msa_attention_combine in the decode checks (their small batches split), the
+# The families with checks of their own. The others: tile_compact and unit_order run in
+# every attention plan, msa_attention_combine in the decode checks (their small batches split), the
 # sage_quantize_stats check launches sage_quantize_kv too.
 CHECKED_FAMILIES = (
     *ATTENTION_FAMILIES,

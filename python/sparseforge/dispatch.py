@@ -5,7 +5,8 @@
 
 The family is the one whose manifest dtypes hold the plan's dtype; the variant is chosen by
 families.choose (preference order per arch, units per CTA the plan's groups allow). Tile
-lists come from the planner (pure torch), compacted on the GPU by the tile_compact kernel.
+lists come from the planner (pure torch), compacted and ordered on the GPU by the planner
+kernels (tile_compact, unit_order).
 Plans with logit options, or whose blocks are not multiples of the tile, run the family's
 logits variants (16-bit; logit_options.py) where it has them. Backends: "auto" runs our
 kernels where one applies and otherwise the PyTorch reference with a warning; "torch"
@@ -15,15 +16,22 @@ and its FlashInfer synonyms) refuse what no kernel covers.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
 
-from sparseforge import families, logit_options, ops, planner, reference
+from sparseforge import families, logit_options, ops, planner, reference, sparsity
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import NAME_OF
-from sparseforge.families import block_sparse_fwd, rope_llama, sage_fp8_fwd, tile_compact
+from sparseforge.families import (
+    block_sparse_fwd,
+    rope_llama,
+    sage_fp8_fwd,
+    tile_compact,
+    unit_order,
+)
 from sparseforge.plan import LogitOptions, Plan
 from sparseforge.sparsity import Selection
 
@@ -159,6 +167,16 @@ def plan_attention(
         **kind,
     )
     kernel.prepare()
+    # The size recheck rides on the unit order's launch (families/unit_order.py).
+    size_errors = (
+        torch.empty((), dtype=torch.int32, device=device) if selection.size_checks else None
+    )
+    order = functools.partial(
+        unit_order.order,
+        tiles=tiles,
+        size_checks=selection.size_checks,
+        errors=None if size_errors is None else size_errors.view(1),
+    )
     tiles = planner.plan_tiles(
         selection.mask,
         selection.row_sizes,
@@ -174,6 +192,7 @@ def plan_attention(
         blocks_are_tiles=planner.sizes_are_tiles(rows, unit_rows)
         and planner.sizes_are_tiles(cols, tile_keys),
         compact=tile_compact.compact,
+        order=order,
     )
     launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales, logit_args)
     if rope:
@@ -190,8 +209,18 @@ def plan_attention(
             dtype=torch.float32,
             device=device,
         ),
+        errors=_device_errors(selection, size_errors),
         **common,
     )
+
+
+def _device_errors(selection: Selection, size_errors):
+    """The error bits the GPU computes for a plan: the selection's checks made there (those
+    made on the host were raised before planning) and the size recheck."""
+    errors = selection.errors
+    if errors is not None and errors.device.type == "cpu":
+        errors = None
+    return sparsity.combine_errors(errors, size_errors)
 
 
 def run_attention(plan: Plan, q, k, v, out, lse, same_layout: bool = False) -> None:
@@ -237,7 +266,14 @@ def _reference(plan: Plan, q, k, v):
 
 
 def _reference_plan(selection: Selection, logits: LogitOptions, common: dict) -> Plan:
-    return Plan(path="torch", token_mask=_token_mask(selection, logits), logits=logits, **common)
+    stale = [sparsity.stale_sizes_errors(now, read) for now, read in selection.size_checks]
+    return Plan(
+        path="torch",
+        token_mask=_token_mask(selection, logits),
+        logits=logits,
+        errors=_device_errors(selection, functools.reduce(sparsity.combine_errors, stale, None)),
+        **common,
+    )
 
 
 def _token_mask(selection: Selection, logits: LogitOptions) -> torch.Tensor:

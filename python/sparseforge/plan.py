@@ -67,6 +67,9 @@ class Plan:
     # RoPE LLaMA on the kernels: (launch of q, launch of k, q buffer, k buffer), the rotated
     # q and k the attention reads (families/rope_llama.py)
     rope: tuple | None = None
+    # int32 scalar of error bits the GPU computes for this plan (sparsity.ERR_*), raised by
+    # check_plan() / run(); None: nothing checked there
+    errors: torch.Tensor | None = None
 
     def _layout(self, heads: int, seq: int, *rest) -> tuple:
         return (heads, seq, *rest) if self.hnd else (seq, heads, *rest)

@@ -14,6 +14,7 @@ ordered longest list first. No Python loop over heads or rows.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ def tile_lengths(
     valid keys b*C .. b*C + len_b - 1.
     """
     if kv_block_lens is None and seq_k % tile == 0:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            return _whole_tiles(seq_k // tile, tile, torch.device(device))
         return torch.full((seq_k // tile,), tile, device=device, dtype=torch.int32)
     start = torch.arange(num_tiles(seq_k, tile), device=device, dtype=torch.int64) * tile
     length = (seq_k - start).clamp(0, tile)
@@ -143,6 +146,14 @@ def tile_lengths(
         valid_end = block * kv_block_size + lens[block]
         length = torch.minimum(length, (valid_end - start).clamp(0, tile))
     return length.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _whole_tiles(count: int, tile: int, device: torch.device) -> torch.Tensor:
+    """tile_lengths of a sequence of whole tiles, made once (plans only read it; a fill is
+    a launch of plan()'s host time). Not made during a graph capture, which would record
+    the fill instead of running it."""
+    return torch.full((count,), tile, device=device, dtype=torch.int32)
 
 
 def compact_rows(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +181,7 @@ def plan_tiles(
     blocks_are_tiles: bool = False,
     units_per_cta: int = 1,
     compact: Callable = compact_rows,
+    order: Callable = None,
 ) -> TilePlan:
     """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
 
@@ -177,6 +189,7 @@ def plan_tiles(
     mask already is the tile mask and the two gathers are skipped.
     units_per_cta: units per CTA of the chosen kernel (see longest_first).
     compact: (Hkv, R, NT) bool -> (tile_idx, tile_cnt), as compact_rows.
+    order: (tile_cnt, group, units_per_cta) -> work, as longest_first (its default).
     """
     device = block_mask.device
     hkv = block_mask.shape[0]
@@ -201,7 +214,7 @@ def plan_tiles(
         tile_idx=tile_idx,
         tile_cnt=tile_cnt,
         tile_len=tile_len,
-        work=longest_first(tile_cnt, num_qo_heads // hkv, units_per_cta),
+        work=(order or longest_first)(tile_cnt, num_qo_heads // hkv, units_per_cta),
         seq_q=seq_q,
         seq_k=seq_k,
         num_qo_heads=num_qo_heads,

@@ -240,10 +240,10 @@ class _BlockSparseBase:
         # The plan and its GPU checks are committed together: a plan() that raised above left
         # the wrapper as it was (its previous plan, and that plan's checks).
         self._plan = plan
-        if errors is None or errors.device.type == "cpu":
+        if plan.errors is None:
             self._checks.clear()
         else:
-            self._checks.start(errors, selection.source, num_col_blocks)
+            self._checks.start(plan.errors, selection.source, num_col_blocks)
 
     def _run(self, q, k, v, out, lse, return_lse: bool, enable_pdl):
         reject("enable_pdl", enable_pdl, (None, False), "is not supported (no PDL launches)")
@@ -445,18 +445,18 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         check_index_tensor("block_col_sz", block_col_sz, (num_kv_heads, nb), torch.int32, device)
         # The sizes fix the sequence lengths, so the host needs their values: read once per
         # GPU size tensor (one synchronisation), then reused while it is unmodified.
-        host_rows, row_values, stale_rows = self._host_sizes(block_row_sz)
+        host_rows, row_values, check_rows = self._host_sizes(block_row_sz)
         if block_col_sz is block_row_sz:  # one tensor for both: read and checked once
-            host_cols, col_values, stale_cols = host_rows, row_values, None
+            host_cols, col_values, check_cols = host_rows, row_values, None
         else:
-            host_cols, col_values, stale_cols = self._host_sizes(block_col_sz)
+            host_cols, col_values, check_cols = self._host_sizes(block_col_sz)
         selection = sparsity.from_block_mask_map(
             block_mask_map=block_mask_map,
             block_row_sz=row_values,
             block_col_sz=col_values,
             host_rows=host_rows,
             host_cols=host_cols,
-            stale=[bits for bits in (stale_rows, stale_cols) if bits is not None],
+            size_checks=[pair for pair in (check_rows, check_cols) if pair is not None],
             num_kv_heads=num_kv_heads,
             device=device,
             non_blocking=non_blocking,
@@ -478,12 +478,12 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
 
     def _host_sizes(self, sizes: torch.Tensor):
         """(host values of a block-size tensor, the same values as int64 on its device,
-        error bits or None). A GPU tensor is read once and both copies reused while it is
-        the same tensor at the same version, which keeps plan() free of host
-        synchronisation; because a write that bypasses the version counter (through .data,
-        or by another library's kernel) would leave the copies stale, each reuse also
-        compares the tensor with the values read, on the GPU, and sets ERR_STALE_SIZES
-        (raised by check_plan() / run()) if they differ (for a tensor made under
+        (tensor, values) to recheck or None). A GPU tensor is read once and both copies
+        reused while it is the same tensor at the same version, which keeps plan() free of
+        host synchronisation; because a write that bypasses the version counter (through
+        .data, or by another library's kernel) would leave the copies stale, each reuse also
+        has the plan compare the tensor with the values read, on the GPU, and set
+        ERR_STALE_SIZES (raised by check_plan() / run()) if they differ (for a tensor made under
         torch.inference_mode(), which has no version counter, that comparison is the only
         check)."""
         if sizes.device.type == "cpu":
@@ -493,7 +493,7 @@ class VariableBlockSparseAttentionWrapper(_BlockSparseBase):
         if cached is not None:
             ref, version, host, values = cached
             if ref() is sizes and version == planner.tensor_version(sizes):
-                return host, values, sparsity.stale_sizes_errors(sizes, values)
+                return host, values, (sizes, values)
         host = sizes.to("cpu", torch.int64)
         values = sizes.to(torch.int64)
         if len(self._size_cache) > 8:

@@ -44,6 +44,10 @@ class Selection:
     seq_k: int
     errors: torch.Tensor | None  # int32 scalar of ERR_* bits (host or device), None: no checks
     source: str  # the arguments the bits are about, for the error message
+    # (size tensor as the caller holds it, int32; its values as plan() read them earlier,
+    # int64) pairs, on the plan's device, that must still agree (ERR_STALE_SIZES); checked
+    # by the plan (dispatch.size_errors)
+    size_checks: tuple = ()
     kv_block_lens: torch.Tensor | None = None  # (NB,) int32 on the plan's device
     kv_block_size: int | None = None  # tokens per key block kv_block_lens refers to
 
@@ -263,14 +267,14 @@ def from_block_mask_map(
     block_col_sz,
     host_rows,
     host_cols,
-    stale=(),
+    size_checks=(),
     num_kv_heads,
     device,
     non_blocking,
 ) -> Selection:
     """The VariableBlockSparseAttentionWrapper's form; host_rows / host_cols are the host
-    values of the size tensors (the caller reads them once and caches them), `stale` the
-    error bits of the checks that those values still hold (stale_sizes_errors)."""
+    values of the size tensors (the caller reads them once and caches them), `size_checks`
+    the (tensor, values read) pairs whose agreement the plan checks (Selection)."""
 
     def lengths(sizes):  # (least block size, each head's total), asked once per tensor
         return host_fact(sizes, "lengths", lambda: (int(sizes.min()), sizes.sum(-1).tolist()))
@@ -291,6 +295,7 @@ def from_block_mask_map(
         host_col_sizes=host_cols,
         seq_q=seq_q[0],
         seq_k=seq_k[0],
-        errors=functools.reduce(combine_errors, stale, None),
+        errors=None,
+        size_checks=tuple(size_checks),
         source="block_mask_map / block_row_sz / block_col_sz",
     )

@@ -9,6 +9,8 @@ below it in its word. group_union_masks (keys of a token group) and msa_sparse_a
 import cutlass
 import cutlass.cute as cute
 
+from generator.kernels.common.block_scan import exclusive_scan
+
 
 @cute.jit
 def add_member(sBits, p):
@@ -25,33 +27,9 @@ def rank(sBits, sBase, p):
 
 @cute.jit
 def popcount_scan(sBits, sBase, sWarpSums, words, tidx, num_threads: cutlass.Constexpr):
-    """sBase[w] = the set bits of words 0 .. w-1; returns the total (every thread).
-    Thread t owns a run of consecutive words: its sum, a warp scan of the sums, a scan of
-    the warps' totals (sWarpSums: one slot per warp), then the run again writing the bases.
-    Ends with a barrier, so sBase is ready for every thread."""
-    per_thread = cute.ceil_div(words, num_threads)
-    begin = cutlass.min(tidx * per_thread, words)
-    end = cutlass.min(begin + per_thread, words)
-    own = cutlass.Int32(0)
-    for w in cutlass.range(begin, end, unroll=1):
-        own = own + cute.arch.popc(sBits[w])
-    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-    inclusive = own
-    for shift in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
-        if lane >= (1 << shift):
-            inclusive = inclusive + other
-    if lane == 31:
-        sWarpSums[warp] = inclusive
-    cute.arch.sync_threads()
-    before = inclusive - own
-    total = cutlass.Int32(0)
-    for other_warp in cutlass.range_constexpr(num_threads // 32):
-        if other_warp < warp:
-            before = before + sWarpSums[other_warp]
-        total = total + sWarpSums[other_warp]
-    for w in cutlass.range(begin, end, unroll=1):
-        sBase[w] = before
-        before = before + cute.arch.popc(sBits[w])
-    cute.arch.sync_threads()
-    return total
+    """sBase[w] = the set bits of words 0 .. w-1; returns the total (every thread). Ends with
+    a barrier, so sBase is ready for every thread."""
+    return exclusive_scan(
+        lambda w: cutlass.Int32(cute.arch.popc(sBits[w])), sBase, sWarpSums, words, tidx,
+        num_threads,
+    )  # fmt: skip
