@@ -6,7 +6,7 @@ from generator.family import ALL_ARCHS, Family, Template
 
 # Counts of listed tiles the kernel orders: below this (a shared-memory histogram of this
 # many int32); planner.longest_first orders longer lists in torch.
-MAX_COUNT = 8192
+MAX_COUNT = 4096
 
 
 def abi(head_dim=None):
