@@ -166,6 +166,37 @@ def _scalar_word(spec: dict, value) -> int:
     return int(value)
 
 
+_layouts: dict[tuple[int, int], tuple] = {}
+
+
+def _leading_layout(kernel: Kernel, num_dynamic: int) -> tuple:
+    """(output positions, dynamic modes, words, packer, address words) of a kernel's first
+    `num_dynamic` (leading) arguments, worked out once per variant (plan() binds on every
+    call):
+    - dynamic modes: per leading tensor, the modes whose extents and strides are run-time
+      words, as read from the tensor itself ([False]) or from its (1, 0)-transposed view
+      ([True]), with its name and alignment;
+    - words: how many the leading tensors take, packed by one C call per run;
+    - address words: the word index of each leading tensor's address (its shape and stride
+      words follow)."""
+    key = (kernel.entry, num_dynamic)
+    if key not in _layouts:
+        leading = kernel.abi[:num_dynamic]
+        outputs = [i for i, spec in enumerate(leading) if spec.get("output")]
+        swap = lambda modes: [{0: 1, 1: 0}.get(i, i) for i in modes]  # noqa: E731
+        modes = {False: [], True: []}
+        addresses, words = [], 0
+        for spec in leading:
+            shape = [i for i, s in enumerate(spec["shape"]) if s is None]
+            stride = [i for i, s in enumerate(spec["stride"]) if s is None]
+            modes[False].append((shape, stride, spec["name"], spec["align"]))
+            modes[True].append((swap(shape), swap(stride), spec["name"], spec["align"]))
+            addresses.append(words)
+            words += 1 + len(shape) + len(stride)
+        _layouts[key] = (outputs, modes, words, struct.Struct(f"<{words}q").pack_into, addresses)
+    return _layouts[key]
+
+
 _bound_launches: weakref.WeakValueDictionary[int, BoundLaunch] = weakref.WeakValueDictionary()
 _launch_ids = itertools.count()
 
@@ -187,40 +218,23 @@ class BoundLaunch:
         self.launch_id = next(_launch_ids)
         _bound_launches[self.launch_id] = self
         self.num_dynamic = len(kernel.abi) - len(static_args)
-        self.output_positions = [
-            i for i, spec in enumerate(kernel.abi[: self.num_dynamic]) if spec.get("output")
-        ]
-        # Per leading tensor: the modes whose extents and strides are run-time words, as read
-        # from the tensor itself ([False]) or from its (1, 0)-transposed view ([True]).
-        swap = lambda modes: [{0: 1, 1: 0}.get(i, i) for i in modes]  # noqa: E731
-        self.dynamic_modes = {False: [], True: []}
-        for spec in kernel.abi[: self.num_dynamic]:
-            shape = [i for i, s in enumerate(spec["shape"]) if s is None]
-            stride = [i for i, s in enumerate(spec["stride"]) if s is None]
-            self.dynamic_modes[False].append((shape, stride, spec["name"], spec["align"]))
-            self.dynamic_modes[True].append(
-                (swap(shape), swap(stride), spec["name"], spec["align"])
-            )
+        (
+            self.output_positions,
+            self.dynamic_modes,
+            self.dynamic_len,
+            self.pack_dynamic,
+            self.address_words,
+        ) = _leading_layout(kernel, self.num_dynamic)
         static_words = []
         for spec, value in zip(kernel.abi[self.num_dynamic :], static_args, strict=True):
             if spec["kind"] == "scalar":
                 static_words.append(_scalar_word(spec, value))
             else:
                 static_words.extend(_tensor_words(spec, value))
-        self.dynamic_len = sum(
-            1 + len(shape) + len(stride) for shape, stride, _, _ in self.dynamic_modes[False]
-        )
-        self.pack_dynamic = struct.Struct(f"<{self.dynamic_len}q").pack_into  # one C call per run
         self.words = (ctypes.c_int64 * (self.dynamic_len + len(static_words)))()
         self.words[self.dynamic_len :] = static_words
         self.static_args = static_args  # keeps the plan tensors alive while bound
         self.static_tensors = tuple(a for a in static_args if hasattr(a, "data_ptr"))
-        # Word index of each leading tensor's address (its shape and stride words follow).
-        self.address_words = []
-        position = 0
-        for shape, stride, _, _ in self.dynamic_modes[False]:
-            self.address_words.append(position)
-            position += 1 + len(shape) + len(stride)
         self.layout_packed = None  # swap01 of the layout call_same_layout() packed, if any
 
     def split(self, tensors) -> tuple[list, list]:

@@ -139,17 +139,9 @@ def choose(
                 f"SPARSEFORGE_VARIANT={forced.name} failed its self-check on this GPU: {why}"
             )
         return forced
-    order = spec(family).templates.get(arch, ())
-    if portable:
-        order = tuple(t for t in order if t in spec(family).portable_templates)
     failed = []
-    for template in order:
-        candidates = [
-            k
-            for k in built
-            if k.template == template and _matches(k, params) and fits(k.units_per_cta)
-        ]
-        for kernel in sorted(candidates, key=lambda k: -k.units_per_cta):
+    for kernel in _preferred(family, arch, portable, tuple(sorted(params.items()))):
+        if fits(kernel.units_per_cta):
             why = self_check(kernel, arch)
             if why is None:
                 return kernel
@@ -160,7 +152,30 @@ def choose(
             + "; ".join(failed)
             + "); SPARSEFORGE_SELFTEST=0 runs them unchecked"
         )
+    order = _templates(family, arch, portable)
     raise _not_built(family, arch, [k for k in built if k.template in order], params)
+
+
+def _templates(family: str, arch: str, portable: bool) -> tuple[str, ...]:
+    order = spec(family).templates.get(arch, ())
+    if portable:
+        order = tuple(t for t in order if t in spec(family).portable_templates)
+    return order
+
+
+@functools.cache
+def _preferred(family: str, arch: str, portable: bool, params: tuple) -> tuple:
+    """The built variants with these parameters in choose()'s order: by template preference,
+    then most units per CTA first (found once: plan() asks on every call)."""
+    built = _library.kernels(family, arch)
+    return tuple(
+        kernel
+        for template in _templates(family, arch, portable)
+        for kernel in sorted(
+            (k for k in built if k.template == template and _matches(k, dict(params))),
+            key=lambda k: -k.units_per_cta,
+        )
+    )
 
 
 def runtime_modules() -> dict:

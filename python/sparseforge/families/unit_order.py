@@ -12,7 +12,7 @@ from sparseforge import families, planner, sparsity
 from sparseforge.arch import arch_for_device
 
 FAMILIES = ("unit_order",)
-CONSTANTS = (("unit_order", "max_count"),)
+CONSTANTS = ("max_count",)
 CONSTRAINTS = ()
 
 
