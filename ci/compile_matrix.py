@@ -7,10 +7,13 @@ ELF images (64-bit ELF, e_machine 190 = EM_CUDA, SM number in bits 8-15 of e_fla
 image is attributed to a template by its kernel class (manifest.json), whose name is in the
 image's kernel symbol. Prints one row per template with the number of cubins per SM; exits 1
 unless the cubins match the manifest and every family has code for each arch it requires
-(manifest.json, from its spec in generator/families/), if ptxas serialized the wgmma of a
-Hopper kernel, or if an image lacks the tensor-core instructions its template declares
-(Template.mma: "wgmma" needs HGMMA / QGMMA, "mma.sync" HMMA / QMMA / IMMA) - a kernel built
-for an arch no machine here runs still shows that it multiplies on the tensor cores.
+(manifest.json, from its spec in generator/families/), if an image was compiled for
+another target than its SM's arch (the options ptxas records in it: sm_100a code runs only
+on compute capability 10.0, the sm_100f the build names on 10.0 and 10.3), if ptxas
+serialized the wgmma of a Hopper kernel, or if an image lacks the tensor-core instructions
+its template declares (Template.mma: "wgmma" needs HGMMA / QGMMA, "mma.sync" HMMA / QMMA /
+IMMA) - a kernel built for an arch no machine here runs still shows that it multiplies on
+the tensor cores.
 
 Serialized wgmma (ptxas advisory C7512, e.g. when a change needs more registers than the
 CTAs-per-SM bound leaves) still computes the right answer but waits for every MMA before
@@ -32,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 EM_CUDA = 190
-ARCH_SM = {"sm_90a": 90, "sm_100a": 100, "sm_120a": 120}
+ARCH_SM = {"sm_90a": 90, "sm_100f": 100, "sm_120f": 120}
 
 
 def cuda_elf_images(data: bytes) -> list[tuple[int, bytes]]:
@@ -77,6 +80,25 @@ def matrix(library: Path, manifest: dict) -> Counter:
     return Counter(
         (template_of(image, classes), sm) for sm, image in cuda_elf_images(library.read_bytes())
     )
+
+
+def compile_target(image: bytes) -> str | None:
+    """The target ptxas compiled an image for, as the image's recorded options say
+    ("-arch sm_100f")."""
+    found = re.search(rb"-arch (sm_[0-9]+[af]?)\b", image)
+    return found.group(1).decode() if found else None
+
+
+def wrong_targets(library: Path, manifest: dict) -> list[str]:
+    """'target on sm_N' of the images not compiled for the build's arch of their SM: an
+    arch-specific target (sm_100a) runs on exactly its compute capability (10.0), the
+    family one the build names (sm_100f) on the family's (10.0 and 10.3)."""
+    want = {ARCH_SM[arch]: arch for arch in manifest["archs"]}
+    return [
+        f"{compile_target(image)} on sm_{sm}"
+        for sm, image in cuda_elf_images(library.read_bytes())
+        if compile_target(image) != want.get(sm)
+    ]
 
 
 def nvdisasm() -> str | None:
@@ -164,6 +186,12 @@ def main(argv=None) -> int:
             print(f"{family}: no code for {', '.join(f'sm_{m}' for m in missing)}")
             ok = False
     print("compile matrix OK" if ok else "compile matrix MISMATCH (see manifest.json)")
+    wrong = wrong_targets(library, manifest)
+    if wrong:
+        print(f"{len(wrong)} images compiled for another target: {sorted(set(wrong))}")
+        ok = False
+    else:
+        print(f"every image compiled for its arch ({', '.join(manifest['archs'])})")
     tool = nvdisasm()
     if not tool:
         print(

@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ALL_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
+# The build's targets: sm_90a (wgmma is arch-specific; Hopper is 9.0 only) and the Blackwell
+# family targets, whose code runs on every compute capability of the family (sm_100f: 10.0
+# B200 and 10.3 B300; sm_120f: 12.0 and 12.1 DGX Spark); sm_100a / sm_120a code would load on
+# 10.0 / 12.0 only. Their kernels compile to the same SASS either way (mma.sync, TMA).
+ALL_ARCHS = ("sm_90a", "sm_100f", "sm_120f")
 
 
 @dataclass(frozen=True)

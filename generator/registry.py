@@ -1,6 +1,6 @@
 """Emit the C registry (one uniform launcher per variant) and manifest.json.
 
-    python -m generator.registry --archs "sm_90a;sm_100a" --out DIR
+    python -m generator.registry --archs "sm_90a;sm_100f" --out DIR
     python -m generator.registry --archs ... --list          # variant names, for CMake
 
 Every launcher has the signature `int launch(const int64_t *words, cudaStream_t)`: the

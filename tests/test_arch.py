@@ -9,10 +9,10 @@ from sparseforge.errors import NoGPUError, UnsupportedArchError
     "capability, expected",
     [
         ((9, 0), "sm_90a"),
-        ((10, 0), "sm_100a"),
-        ((10, 3), "sm_100a"),
-        ((12, 0), "sm_120a"),
-        ((12, 1), "sm_120a"),
+        ((10, 0), "sm_100f"),
+        ((10, 3), "sm_100f"),
+        ((12, 0), "sm_120f"),
+        ((12, 1), "sm_120f"),
     ],
 )
 def test_arch_for_capability(capability, expected):
@@ -31,14 +31,14 @@ def test_unsupported_capability_error(capability):
 
 def test_arch_missing_from_build_error():
     with pytest.raises(UnsupportedArchError) as info:
-        arch.require_arch_in_build("sm_100a", (10, 0), ["sm_90a"])
+        arch.require_arch_in_build("sm_100f", (10, 0), ["sm_90a"])
     text = str(info.value)
     assert "this build has sm_90a only; this GPU is sm_100 (compute capability 10.0)" in text
-    assert "needs sm_100a" in text and "SPARSEFORGE_ARCHS=sm_100a pip install ." in text
+    assert "needs sm_100f" in text and "SPARSEFORGE_ARCHS=sm_100f pip install ." in text
 
 
 def test_arch_in_build_passes():
-    assert arch.require_arch_in_build("sm_90a", (9, 0), ["sm_90a", "sm_120a"]) == "sm_90a"
+    assert arch.require_arch_in_build("sm_90a", (9, 0), ["sm_90a", "sm_120f"]) == "sm_90a"
 
 
 def test_no_driver_is_no_gpu(monkeypatch):

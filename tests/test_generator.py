@@ -38,15 +38,15 @@ def test_each_arch_prefers_its_native_template():
         "tma_warp_mma",
         "warp_mma",
     ]
-    for arch in ("sm_100a", "sm_120a"):
+    for arch in ("sm_100f", "sm_120f"):
         assert [t.name for t in family.templates_for(arch)] == ["tma_warp_mma", "warp_mma"]
     logits = catalog.families()["block_sparse_fwd_logits"]
-    assert [t.name for t in logits.templates_for("sm_120a")] == ["warp_mma"]
+    assert [t.name for t in logits.templates_for("sm_120f")] == ["warp_mma"]
 
 
 def test_catalog_arch_selection():
-    only = catalog.catalog(["sm_120a"])
-    assert only and {v.arch for v in only} == {"sm_120a"}
+    only = catalog.catalog(["sm_120f"])
+    assert only and {v.arch for v in only} == {"sm_120f"}
     with pytest.raises(ValueError, match="unknown arch"):
         catalog.catalog(["sm_80"])
 
@@ -118,7 +118,7 @@ def test_dependencies_follow_the_template_import_closure():
         "aot.py",
     } <= sage_sm90
     assert "kernels/portable/block_sparse_fwd.py" not in sage_sm90
-    compact = deps("tile_compact__tile_compact__any__sm_120a")
+    compact = deps("tile_compact__tile_compact__any__sm_120f")
     assert "kernels/portable/tile_compact.py" in compact
     assert not {p for p in compact if "sm90" in p or "softmax" in p}
 

@@ -123,6 +123,19 @@ def test_runtime_finds_every_constant_and_constraint_it_reads():
     assert any("layout rule new_rule" in item for item in families.missing_requirements(renamed))
 
 
+def test_every_image_is_compiled_for_its_arch():
+    """sm_100f / sm_120f (family targets: 10.0 and 10.3, 12.0 and 12.1), not the
+    arch-specific sm_100a / sm_120a, whose code a B300 or a DGX Spark cannot load."""
+    m = _library.manifest()
+    library = _library.PACKAGE_DIR / _library.LIBRARY_NAME
+    assert compile_matrix.wrong_targets(library, m) == []
+    images = compile_matrix.cuda_elf_images(library.read_bytes())
+    assert {compile_matrix.compile_target(image) for _, image in images} == set(EXPECTED_ARCHS)
+    renamed = dict(m, archs=[a.replace("sm_100f", "sm_100a") for a in m["archs"]])
+    if "sm_100a" in renamed["archs"]:
+        assert compile_matrix.wrong_targets(library, renamed)
+
+
 def test_compile_matrix_script_passes():
     assert compile_matrix.main([str(_library.PACKAGE_DIR / _library.LIBRARY_NAME)]) == 0
 
@@ -201,7 +214,7 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
     portable = families.choose("sage_fp8_fwd", "sm_90a", portable=True, dtype="e4m3", head_dim=64)
     assert portable.template == "tma_warp_mma_fp8"
     assert (
-        families.choose("sage_fp8_fwd", "sm_120a", dtype="e4m3", head_dim=64).template
+        families.choose("sage_fp8_fwd", "sm_120f", dtype="e4m3", head_dim=64).template
         == "tma_warp_mma_fp8"
     )
     monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__warp_mma__fp16_d64__sm_90a")

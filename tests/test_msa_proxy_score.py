@@ -262,8 +262,8 @@ def test_reference_scores_blocks_whose_page_id_leaves_the_cache_minus_inf():
         ("sm_90a", "e4m3", False, "msa_proxy_score__sm90_wgmma__e4m3_d128_flat_acc_fp8__sm_90a"),
         ("sm_90a", "bf16", False, "msa_proxy_score__sm90_wgmma__bf16_d128_flat__sm_90a"),
         # No FP8-summing variant built for these: fp32 sums on mma.sync.
-        ("sm_100a", "e4m3", False, "msa_proxy_score__warp_mma__e4m3_d128_flat__sm_100a"),
-        ("sm_120a", "e4m3", True, "msa_proxy_score__warp_mma__e4m3_d128_flat__sm_120a"),
+        ("sm_100f", "e4m3", False, "msa_proxy_score__warp_mma__e4m3_d128_flat__sm_100f"),
+        ("sm_120f", "e4m3", True, "msa_proxy_score__warp_mma__e4m3_d128_flat__sm_120f"),
     ],
 )
 def test_use_fp32_acc_picks_how_e4m3_is_summed(arch, dtype, fp32_sums, name):

@@ -265,7 +265,7 @@ def test_a_forced_variant_picks_its_tile(monkeypatch):
     for name, tile in (
         ("msa_sparse_attention__wgmma__bf16_d128__sm_90a", "wgmma"),
         ("msa_sparse_attention__warp_mma__bf16_d128__sm_90a", None),
-        ("msa_sparse_attention__warp_mma_token__fp16_d128__sm_100a", "token"),
+        ("msa_sparse_attention__warp_mma_token__fp16_d128__sm_100f", "token"),
     ):
         monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
         assert family.forced_tile("16bit") == tile

@@ -90,7 +90,7 @@ def test_a_forced_variant_that_fails_raises(unrun_h200, monkeypatch):
 
 def test_a_choice_for_another_arch_checks_nothing(unrun_h200):
     checked, _ = unrun_h200
-    families.choose("block_sparse_fwd", "sm_120a", dtype="bf16", head_dim=128)
+    families.choose("block_sparse_fwd", "sm_120f", dtype="bf16", head_dim=128)
     assert checked == []
 
 
@@ -98,25 +98,25 @@ def test_may_check_only_on_a_gpu_of_the_arch_outside_capture(monkeypatch):
     monkeypatch.delenv("SPARSEFORGE_SELFTEST", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(selftest, "arch_for_device", lambda index: "sm_120a")
+    monkeypatch.setattr(selftest, "arch_for_device", lambda index: "sm_120f")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert selftest._may_check("sm_120a")
-    assert not selftest._may_check("sm_100a")
+    assert selftest._may_check("sm_120f")
+    assert not selftest._may_check("sm_100f")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not selftest._may_check("sm_120a")
+    assert not selftest._may_check("sm_120f")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not selftest._may_check("sm_120a")
+    assert not selftest._may_check("sm_120f")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     monkeypatch.setenv("SPARSEFORGE_SELFTEST", "0")
-    assert not selftest._may_check("sm_120a")
+    assert not selftest._may_check("sm_120f")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("SPARSEFORGE_SELFTEST")
-    assert not selftest._may_check("sm_120a")
+    assert not selftest._may_check("sm_120f")
 
 
 def test_the_check_runs_the_variant_case_and_restores_the_environment(monkeypatch):
-    kernel = families._library.kernels("msa_topk_select", "sm_120a")[0]
+    kernel = families._library.kernels("msa_topk_select", "sm_120f")[0]
     seen = []
 
     def fake_cases(v, small):
@@ -138,7 +138,7 @@ def test_the_check_runs_the_variant_case_and_restores_the_environment(monkeypatc
     monkeypatch.delenv("SPARSEFORGE_VARIANT")
     assert selftest._run_check(kernel) == "RuntimeError: illegal instruction"
     assert "SPARSEFORGE_VARIANT" not in selftest.os.environ
-    combine = families._library.kernels("msa_attention_combine", "sm_120a")[0]
+    combine = families._library.kernels("msa_attention_combine", "sm_120f")[0]
     assert selftest._run_check(combine) is None  # checked inside the MSA attention checks
 
 
@@ -150,7 +150,7 @@ def test_every_family_is_checked_or_named_as_not():
     assert without == {"tile_compact", "unit_order", "msa_attention_combine", "sage_quantize_kv"}
 
 
-@pytest.mark.parametrize("arch_name, told", [("sm_100a", True), ("sm_90a", False)])
+@pytest.mark.parametrize("arch_name, told", [("sm_100f", True), ("sm_90a", False)])
 def test_info_says_when_variants_check_themselves(monkeypatch, arch_name, told):
     from sparseforge import arch, info
 

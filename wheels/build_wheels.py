@@ -1,6 +1,6 @@
 """Build the fat wheel (every arch) and one wheel per arch, tagged manylinux, with an index.
 
-    python wheels/build_wheels.py [--out wheelhouse] [--archs sm_90a,sm_100a,sm_120a] [--no-fat]
+    python wheels/build_wheels.py [--out wheelhouse] [--archs sm_90a,sm_100f,sm_120f] [--no-fat]
 
 The fat wheel is `sparseforge-X.Y.Z-py3-none-manylinux_2_NN_x86_64.whl`. An arch wheel holds
 that arch's kernels only and carries it as a local version label: `sparseforge-X.Y.Z+sm90a-...`.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_index import make_index  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
+ALL_ARCHS = ("sm_90a", "sm_100f", "sm_120f")
 
 
 def build(archs: list[str], out: Path) -> Path:

@@ -10,7 +10,7 @@ wheels' sha256. The index is chosen by URL, as per-CUDA indexes are for torch:
     pip install sparseforge --index-url file:///.../wheelhouse/index/sm90a/simple    # H100/H200
 
 An arch index holds only its arch's wheels, so a plain `pip install sparseforge` against it
-cannot pick another arch's (local version labels would otherwise sort +sm90a above +sm120a).
+cannot pick another arch's (local version labels would otherwise sort +sm90a above +sm120f).
 """
 
 from __future__ import annotations

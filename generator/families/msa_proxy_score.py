@@ -110,7 +110,7 @@ FAMILIES = (
                 ),
             ),
             # mma.sync on every arch (e4m3: m16n8k32, exact products summed in fp32; on sm_90a
-            # and sm_100a through fp16 MMAs), built for sm_90a too.
+            # and sm_100f through fp16 MMAs), built for sm_90a too.
             Template(
                 "warp_mma",
                 "generator.kernels.portable.msa_proxy_score",

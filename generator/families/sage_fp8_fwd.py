@@ -84,8 +84,8 @@ FAMILIES = (
                 # the last head allocated (generator/kernels/sm90/sage_fp8_fwd.py k_tma_view).
                 layouts={"mK": "heads_in_whole_tiles"},
             ),
-            # e4m3 mma.sync: native QMMA on sm_120a; emulated through fp16 MMAs on sm_90a and
-            # sm_100a (built there to run on the H200 / for coverage). TMA-loaded K / V^T ring
+            # e4m3 mma.sync: native QMMA on sm_120f; emulated through fp16 MMAs on sm_90a and
+            # sm_100f (built there to run on the H200 / for coverage). TMA-loaded K / V^T ring
             # first; the cp.async template is what a failed first-use self-check gives way to.
             Template(
                 "tma_warp_mma_fp8",

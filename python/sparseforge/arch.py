@@ -10,13 +10,16 @@ import functools
 
 from sparseforge.errors import NoGPUError, UnsupportedArchError
 
-# compute capability -> the arch whose code runs on it
+# compute capability -> the arch whose code runs on it. Blackwell code is built for the family
+# targets: sm_100f code loads on 10.0 and 10.3, sm_120f on 12.0 and 12.1, where the
+# arch-specific sm_100a / sm_120a would load on 10.0 / 12.0 only. Hopper has one compute
+# capability, and its wgmma needs the arch-specific sm_90a.
 ARCH_FOR_CAPABILITY = {
     (9, 0): "sm_90a",
-    (10, 0): "sm_100a",
-    (10, 3): "sm_100a",
-    (12, 0): "sm_120a",
-    (12, 1): "sm_120a",
+    (10, 0): "sm_100f",
+    (10, 3): "sm_100f",
+    (12, 0): "sm_120f",
+    (12, 1): "sm_120f",
 }
 
 SUPPORTED_TEXT = (

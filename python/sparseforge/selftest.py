@@ -1,7 +1,7 @@
 """First-use self-checks of kernels built for archs our GPU suite has never run.
 
 Every variant of an arch in RUN_ON has run our whole GPU test suite (the H200 for sm_90a).
-The others (sm_100a and sm_120a today) are compiled and inspected but were never run.
+The others (sm_100f and sm_120f today) are compiled and inspected but were never run.
 Before such a variant's first launch in a process, families.choose runs its case of
 `python -m sparseforge.check` (small problems against the PyTorch reference, check.py) on
 the current GPU, once, when that GPU is of the variant's arch. A variant that fails is not

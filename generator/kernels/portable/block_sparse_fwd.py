@@ -1,6 +1,6 @@
 """Block-sparse attention forward with warp-level MMA (mma.sync m16n8k16): the portable template.
 
-Runs on every arch we build (sm_90a, sm_100a, sm_120a): cp.async loads, ldmatrix, HMMA.
+Runs on every arch we build (sm_90a, sm_100f, sm_120f): cp.async loads, ldmatrix, HMMA.
 It is the SM100/SM120 path until their native kernels land, and it is built for sm_90a
 too so that the code we ship for Blackwell is run and checked on the H200.
 

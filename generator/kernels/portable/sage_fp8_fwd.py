@@ -1,6 +1,6 @@
 """Sage FP8 block-sparse attention forward with warp-level e4m3 MMA: the portable template.
 
-mma.sync m16n8k32 e4m3 -> fp32 is native on sm_120a (SASS QMMA). sm_90a and sm_100a accept
+mma.sync m16n8k32 e4m3 -> fp32 is native on sm_120f (SASS QMMA). sm_90a and sm_100f accept
 the same PTX and emulate it with fp16 HMMA (correct, slow): the sm_90a build is there so the
 code shipped for SM120 runs and is checked on the H200.
 
@@ -22,7 +22,7 @@ of one head) and walks its list of 64-key tiles as the 16-bit portable template 
 Each barrier orders the reads of one buffer (K by S = Q K^T, V^T by P V) before the next
 cp.async into it. Shared memory (e4m3, 8 x 64-byte swizzled atoms): Q and K (64 x D each,
 contiguous: the bf16 output tile reuses both) and V^T (D x 64, keys contiguous): 12 KB
-(D = 64) or 24 KB (D = 128). Registers on sm_120a (ptxas, no launch bounds): 168 at D = 64
+(D = 64) or 24 KB (D = 128). Registers on sm_120f (ptxas, no launch bounds): 168 at D = 64
 (3 CTAs per SM), 254 at D = 128 (2 CTAs per SM: O and the per-tile P V accumulator are 64
 fp32 registers each), no spills. Not yet timed on an SM120 GPU.
 

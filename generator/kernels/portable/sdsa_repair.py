@@ -38,10 +38,10 @@ WARPS = 16
 CHUNK_KEYS = WARPS * WARP_KEYS  # scored per step, a thread per key
 ROWS_PER_CLUSTER = WARPS * 32  # a thread each finds whether it needs repair
 # CTAs per row (a cluster), by arch; SM120 runs clusters of 1.
-PEERS = {"sm_90a": 8, "sm_100a": 8, "sm_120a": 1}
+PEERS = {"sm_90a": 8, "sm_100f": 8, "sm_120f": 1}
 # Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
 # eight CTAs hold a 131,072-key row; SM120's one CTA holds what its 99 KB allow.
-CACHED_KEYS = {"sm_90a": 16 * 1024, "sm_100a": 16 * 1024, "sm_120a": 20 * 1024}
+CACHED_KEYS = {"sm_90a": 16 * 1024, "sm_100f": 16 * 1024, "sm_120f": 20 * 1024}
 
 
 class SdsaRepair(SdsaScores):

@@ -1,5 +1,5 @@
-"""Block-sparse attention forward for SM120 (sm_120a): TMA loads into a K/V ring, warp-level
-MMA (mma.sync m16n8k16) from 128-byte-swizzled shared memory. Built for sm_90a and sm_100a
+"""Block-sparse attention forward for SM120 (sm_120f): TMA loads into a K/V ring, warp-level
+MMA (mma.sync m16n8k16) from 128-byte-swizzled shared memory. Built for sm_90a and sm_100f
 too: TMA and mma.sync exist on every arch we build, so the H200 runs and checks it, and it is
 the SM100 path until a tcgen05 kernel lands.
 
@@ -48,9 +48,9 @@ from generator.kernels.common.tile_list import unit_of_cta
 from generator.kernels.portable.block_sparse_fwd import BlockSparseFwdWarpMma
 
 TILE_N = TILE_KEYS
-# Shared memory a CTA may use, by arch: 227 KB per block on sm_90a / sm_100a, 99 KB on
-# sm_120a (and 228 / 100 KB per SM; 1 KB of each CTA's is the system's).
-SMEM_PER_SM = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_120a": 99 * 1024}
+# Shared memory a CTA may use, by arch: 227 KB per block on sm_90a / sm_100f, 99 KB on
+# sm_120f (and 228 / 100 KB per SM; 1 KB of each CTA's is the system's).
+SMEM_PER_SM = {"sm_90a": 227 * 1024, "sm_100f": 227 * 1024, "sm_120f": 99 * 1024}
 WARPS_PER_SM = 8  # two per SM sub-partition: one's softmax under the other's MMAs
 MAX_STAGES = 6
 

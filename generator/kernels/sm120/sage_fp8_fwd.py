@@ -1,5 +1,5 @@
-"""Sage FP8 block-sparse attention forward for SM120 (sm_120a): TMA loads into a K / V^T ring,
-warp-level e4m3 MMA (mma.sync m16n8k32, native QMMA on sm_120a). Built for sm_90a and sm_100a
+"""Sage FP8 block-sparse attention forward for SM120 (sm_120f): TMA loads into a K / V^T ring,
+warp-level e4m3 MMA (mma.sync m16n8k32, native QMMA on sm_120f). Built for sm_90a and sm_100f
 too, where the same PTX is emulated through fp16 HMMA (correct, slow): the H200 runs and checks
 it.
 
