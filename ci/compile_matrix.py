@@ -93,7 +93,7 @@ def wrong_targets(library: Path, manifest: dict) -> list[str]:
     """'target on sm_N' of the images not compiled for the build's arch of their SM: an
     arch-specific target (sm_100a) runs on exactly its compute capability (10.0), the
     family one the build names (sm_100f) on the family's (10.0 and 10.3)."""
-    want = {ARCH_SM[arch]: arch for arch in manifest["archs"]}
+    want = {ARCH_SM[arch]: arch for arch in manifest["archs"] if arch in ARCH_SM}
     return [
         f"{compile_target(image)} on sm_{sm}"
         for sm, image in cuda_elf_images(library.read_bytes())
