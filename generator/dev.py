@@ -3,9 +3,9 @@
     python -m generator.dev VARIANT [VARIANT ...] --out DIR
 
 compiles the named variants (CuTe DSL, ~2 s each) and the planner kernels (tile_compact,
-unit_order) of each variant's arch (attention plans need them), and links them with the C
-runtime into DIR/libsparseforge_kernels.so with DIR/manifest.json. The installed runtime
-uses them with
+unit_order, selection_mask) of each variant's arch (attention plans need them), and links
+them with the C runtime into DIR/libsparseforge_kernels.so with DIR/manifest.json. The
+installed runtime uses them with
 
     SPARSEFORGE_LIBRARY_DIR=DIR python -m sparseforge.check     # each variant vs the reference
     SPARSEFORGE_LIBRARY_DIR=DIR python -m pytest tests -m gpu ...
@@ -33,7 +33,7 @@ def variants_with_planner(names: list[str]) -> list[str]:
     extra = [
         f"{kernel}__{kernel}__any__{arch}"
         for arch in sorted(archs)
-        for kernel in ("tile_compact", "unit_order")
+        for kernel in ("tile_compact", "unit_order", "selection_mask")
     ]
     return names + [name for name in extra if name not in names]
 

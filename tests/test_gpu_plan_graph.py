@@ -280,3 +280,38 @@ def test_unit_order_kernel_rechecks_size_tensors():
     work = unit_order.order(counts, 1, tiles=4096, size_checks=pairs[:1], errors=errors)
     assert int(errors) == stale
     assert torch.equal(work.cpu(), planner.longest_first(counts.cpu(), 1))
+
+
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_selection_mask_kernel_matches_the_torch_build(with_counts):
+    """Masks and error bits as sparsity.selection_block_mask: clean rows, an index out of
+    range, a repeated block (used or past the count), counts outside [0, topk], a strided
+    head view (GQA's first heads), and masks wider than the kernel's bitmap (torch)."""
+    from sparseforge import sparsity
+    from sparseforge.families import selection_mask
+
+    gen = torch.Generator().manual_seed(11)
+    for heads, rows, topk, nb in ((4, 33, 8, 40), (2, 5, 70, 300), (1, 3, 4, 5000)):
+        idx = torch.stack([torch.randperm(nb, generator=gen)[:topk] for _ in range(heads * rows)])
+        idx = idx.view(heads, rows, topk).to(torch.int32)
+        num = torch.randint(0, topk + 1, (heads, rows), generator=gen, dtype=torch.int32)
+        cases = [idx]
+        for r, value in ((1, nb), (2, -1)):  # out of range
+            bad = idx.clone()
+            bad[0, r, 0] = value
+            cases.append(bad)
+        repeated = idx.clone()
+        repeated[-1, -1, 1] = repeated[-1, -1, 0]
+        cases.append(repeated)
+        for sel in cases:
+            counts = None
+            if with_counts:
+                counts = num.clone()
+                counts[-1, 0] = topk + 1 if sel is repeated else counts[-1, 0]
+                counts[0, -1] = -1 if sel is cases[1] else counts[0, -1]
+            want_mask, want_errors = sparsity.selection_block_mask(sel, counts, nb)
+            for view in (lambda t: t, lambda t: t.repeat_interleave(2, 0)[::2]):
+                on_gpu = [None if t is None else view(t.to(DEV)) for t in (sel, counts)]
+                got_mask, got_errors = selection_mask.selection_block_mask(*on_gpu, nb)
+                assert torch.equal(got_mask.cpu(), want_mask)
+                assert int(got_errors) == int(want_errors)

@@ -851,8 +851,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # The families with checks of their own. The others: tile_compact and unit_order run in
-# every attention plan, msa_attention_combine in the decode checks (their small batches split), the
-# sage_quantize_stats check launches sage_quantize_kv too.
+# every attention plan, selection_mask in those of q2k_indices (GPU tests compare it with
+# sparsity.selection_block_mask), msa_attention_combine in the decode checks (their small
+# batches split), the sage_quantize_stats check launches sage_quantize_kv too.
 CHECKED_FAMILIES = (
     *ATTENTION_FAMILIES,
     QUANTIZER_FAMILY,

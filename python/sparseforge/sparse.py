@@ -46,7 +46,7 @@ from sparseforge.checks import (
     reject,
 )
 from sparseforge.dtypes import as_dtype
-from sparseforge.families import sage_fp8_fwd
+from sparseforge.families import sage_fp8_fwd, selection_mask
 from sparseforge.plan import NO_LOGIT_OPTIONS, LogitOptions, Plan
 
 BACKENDS = dispatch.BACKENDS
@@ -357,6 +357,7 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
             num_kv_heads=num_kv_heads,
             device=self._device,
             non_blocking=non_blocking,
+            mask_of_selections=selection_mask.selection_block_mask,
         )
         mask_bits = _mask_bits(mask, packed_mask, indptr, indices, M, N, R, C)
         if mask_bits is not None:

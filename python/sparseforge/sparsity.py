@@ -179,9 +179,11 @@ def from_bsr_wrapper(
     num_kv_heads,
     device,
     non_blocking,
+    mask_of_selections=None,
 ) -> Selection:
     """The BlockSparseAttentionWrapper's forms: direct selections, a block mask, or BSR
-    (in that order of precedence; mixing q2k with the others is an error)."""
+    (in that order of precedence; mixing q2k with the others is an error).
+    mask_of_selections: as selection_block_mask (its default), e.g. the GPU kernel's."""
     mb, nb = -(-M // R), -(-N // C)  # the wrapper asks N % C == 0; VSA has a ragged last tile
     group = num_qo_heads // num_kv_heads
     if kv_block_lens is not None:
@@ -204,7 +206,7 @@ def from_bsr_wrapper(
                 "q2k_num", q2k_num, (num_qo_heads, mb), torch.int32, q2k_indices.device
             )
         # GQA: the first query head of each group selects for the group; the others must agree.
-        mask, errors = selection_block_mask(
+        mask, errors = (mask_of_selections or selection_block_mask)(
             q2k_indices[::group], None if q2k_num is None else q2k_num[::group], nb
         )
         if group > 1:

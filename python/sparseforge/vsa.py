@@ -25,6 +25,7 @@ import torch
 
 from sparseforge import sparsity
 from sparseforge.checks import check_tensor, positive_int
+from sparseforge.families import selection_mask
 from sparseforge.reference import VSA_TILE as TILE
 from sparseforge.reference import coarse_logits, select_tiles, tile_means
 from sparseforge.sparse import BlockSparseAttentionWrapper
@@ -85,6 +86,7 @@ def video_sparse_attention(
         indptr=None, indices=None, block_mask=None, q2k_indices=q2k, q2k_num=None,
         kv_block_lens=None, M=s, N=s, R=TILE, C=TILE, num_qo_heads=heads[0],
         num_kv_heads=heads[1], device=q.device, non_blocking=True,
+        mask_of_selections=selection_mask.selection_block_mask,
     )  # fmt: skip
     wrapper._plan_attention(
         selection, *heads, d, scale, q_data_type, None, None, scales, hnd=False,
