@@ -88,11 +88,19 @@ class Plan:
 
     @functools.cached_property
     def contiguous_layouts(self) -> tuple:
-        """(shape, strides) of q (and out), of k and v, and of lse as contiguous tensors."""
+        """(shape, strides, dtype, bytes) of q, k, v, out and lse as contiguous tensors."""
         layouts = []
-        for shape in (self.q_shape, self.kv_shape, self.lse_shape):
-            strides = [1]
+        for shape, dtype in (
+            (self.q_shape, self.dtype),
+            (self.kv_shape, self.dtype),
+            (self.kv_shape, self.dtype),
+            (self.q_shape, self.out_dtype),
+            (self.lse_shape, torch.float32),
+        ):
+            strides, size = [1], 1
             for extent in reversed(shape[1:]):
                 strides.insert(0, strides[0] * extent)
-            layouts.append((shape, tuple(strides)))
+            for extent in shape:
+                size *= extent
+            layouts.append((shape, tuple(strides), dtype, size * dtype.itemsize))
         return tuple(layouts)
