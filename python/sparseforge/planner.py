@@ -14,7 +14,6 @@ ordered longest list first. No Python loop over heads or rows.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,6 +118,26 @@ def rows_fit_units(row_sizes: torch.Tensor, units: int, unit_rows: int) -> bool:
     return sizes_tile_aligned(row_sizes, unit_rows * units)
 
 
+_device_constants: dict[tuple, torch.Tensor] = {}
+
+
+def device_constant(key: tuple, device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make(), a tensor on a GPU that plans only read, made once per key and device: each
+    fill is a launch of plan()'s host time. Made afresh on the host, and during a CUDA
+    graph capture (which would record the fill instead of running it)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    entry = (key, device.index)
+    if entry not in _device_constants:
+        if len(_device_constants) > 64:
+            _device_constants.clear()
+        _device_constants[entry] = make()
+    return _device_constants[entry]
+
+
 def block_of_position(sizes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Index of the block (per row of `sizes`, (H, B)) that contains each position (P,)."""
     ends = torch.cumsum(sizes, dim=-1)
@@ -135,9 +154,11 @@ def tile_lengths(
     valid keys b*C .. b*C + len_b - 1.
     """
     if kv_block_lens is None and seq_k % tile == 0:
-        if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            return _whole_tiles(seq_k // tile, tile, torch.device(device))
-        return torch.full((seq_k // tile,), tile, device=device, dtype=torch.int32)
+        return device_constant(
+            ("whole tiles", seq_k, tile),
+            device,
+            lambda: torch.full((seq_k // tile,), tile, device=device, dtype=torch.int32),
+        )
     start = torch.arange(num_tiles(seq_k, tile), device=device, dtype=torch.int64) * tile
     length = (seq_k - start).clamp(0, tile)
     if kv_block_lens is not None:
@@ -146,14 +167,6 @@ def tile_lengths(
         valid_end = block * kv_block_size + lens[block]
         length = torch.minimum(length, (valid_end - start).clamp(0, tile))
     return length.to(torch.int32)
-
-
-@functools.lru_cache(maxsize=16)
-def _whole_tiles(count: int, tile: int, device: torch.device) -> torch.Tensor:
-    """tile_lengths of a sequence of whole tiles, made once (plans only read it; a fill is
-    a launch of plan()'s host time). Not made during a graph capture, which would record
-    the fill instead of running it."""
-    return torch.full((count,), tile, device=device, dtype=torch.int32)
 
 
 def compact_rows(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseforge.checks import check_index_tensor
-from sparseforge.planner import host_fact
+from sparseforge.planner import device_constant, host_fact
 
 # Error bits of the checks done with torch ops (on the device of the index tensors).
 ERR_INDEX_RANGE = 1
@@ -59,11 +59,16 @@ def _flag(condition: torch.Tensor, bit: int) -> torch.Tensor:
 
 def uniform_sizes(total: int, block: int, device=None) -> torch.Tensor:
     """(ceil(total / block),) int64 sizes of `block`-token blocks, the last one short; built
-    on `device` without a host-to-device copy."""
-    n = -(-total // block)
-    sizes = torch.full((n,), block, device=device, dtype=torch.int64)
-    sizes[-1:].fill_(total - block * (n - 1))
-    return sizes
+    on `device` without a host-to-device copy, once per shape on a GPU (read-only:
+    planner.device_constant)."""
+
+    def make():
+        n = -(-total // block)
+        sizes = torch.full((n,), block, device=device, dtype=torch.int64)
+        sizes[-1:].fill_(total - block * (n - 1))
+        return sizes
+
+    return device_constant(("uniform sizes", total, block), device or "cpu", make)
 
 
 @functools.lru_cache(maxsize=32)
