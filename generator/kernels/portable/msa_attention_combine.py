@@ -13,8 +13,8 @@ import cutlass.cute as cute
 
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.softmax import LN_2, LOG2_E, saturated
+from generator.kernels.common.warp_rows import launch_warp_rows, warp_row
 
-WARPS_PER_CTA = 4
 NEG_INF = -cutlass.Float32.inf
 
 
@@ -24,20 +24,12 @@ class MsaAttentionCombine:
 
     @cute.jit
     def launch(self, args, stream):
-        rows = args.mO.shape[0] * args.mO.shape[1]
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
-            block=[32 * WARPS_PER_CTA, 1, 1],
-            stream=stream,
-        )
+        launch_warp_rows(self.kernel(args), args.mO.shape[0] * args.mO.shape[1], stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
+        row, lane, _ = warp_row()
         heads = args.mO.shape[1]
-        row = bidx * WARPS_PER_CTA + tidx // 32
         if row < args.mO.shape[0] * heads:
             token = row // heads
             head = row - token * heads

@@ -13,8 +13,8 @@ import cutlass
 import cutlass.cute as cute
 
 from generator.families.selection_mask import MAX_COLUMNS
+from generator.kernels.common.warp_rows import WARPS_PER_CTA, launch_warp_rows, warp_row
 
-WARPS_PER_CTA = 4
 WORDS = MAX_COLUMNS // 32  # of a warp's bitmap
 
 
@@ -22,23 +22,16 @@ class SelectionMask:
     @cute.jit
     def launch(self, args, stream):
         rows = args.mIndices.shape[0] * args.mIndices.shape[1]
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
-            block=[32 * WARPS_PER_CTA, 1, 1],
-            stream=stream,
-        )
+        launch_warp_rows(self.kernel(args), rows, stream)
 
     @cute.kernel
     def kernel(self, args):
         mIndices, mMask = args.mIndices, args.mMask
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane, warp = cute.arch.lane_idx(), tidx // 32
+        row, lane, warp = warp_row()
         smem = cutlass.memory.SmemAllocator()
         sBits = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WORDS, WARPS_PER_CTA)), 16)
         row_blocks, topk = mIndices.shape[1], mIndices.shape[2]
         columns = mMask.shape[2]
-        row = bidx * WARPS_PER_CTA + warp
         if row < mIndices.shape[0] * row_blocks:
             head = row // row_blocks
             block = row - head * row_blocks

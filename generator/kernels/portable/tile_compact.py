@@ -10,26 +10,18 @@ tile) in torch (see CONTRIBUTING.md, plan() timings).
 import cutlass
 import cutlass.cute as cute
 
-WARPS_PER_CTA = 4
+from generator.kernels.common.warp_rows import launch_warp_rows, warp_row
 
 
 class TileCompact:
     @cute.jit
     def launch(self, args, stream):
-        rows = args.mListed.shape[0] * args.mListed.shape[1]
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
-            block=[32 * WARPS_PER_CTA, 1, 1],
-            stream=stream,
-        )
+        launch_warp_rows(self.kernel(args), args.mListed.shape[0] * args.mListed.shape[1], stream)
 
     @cute.kernel
     def kernel(self, args):
         mListed, mTileIdx, mTileCnt = args.mListed, args.mTileIdx, args.mTileCnt
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        row = bidx * WARPS_PER_CTA + tidx // 32
+        row, lane, _ = warp_row()
         units, tiles = mListed.shape[1], mListed.shape[2]
         if row < mListed.shape[0] * units:
             head = row // units
