@@ -249,3 +249,13 @@ def test_host_size_facts_of_inference_tensors():
         assert not planner.sizes_are_tiles(sizes, 64)
     assert planner.sizes_tile_aligned(sizes, 64)
     assert planner.tensor_version(torch.zeros(1)) == 0
+
+
+def test_size_checks_errors_flag_a_size_tensor_that_changed():
+    rows = torch.full((2, 4), 64, dtype=torch.int32)
+    cols = torch.full((2, 6), 64, dtype=torch.int32)
+    pairs = ((rows, rows.to(torch.int64)), (cols, cols.to(torch.int64)))
+    assert sparsity.size_checks_errors(()) is None
+    assert int(sparsity.size_checks_errors(pairs)) == 0
+    cols[1, 5] = 32  # written in place after plan() read it
+    assert int(sparsity.size_checks_errors(pairs)) == sparsity.ERR_STALE_SIZES

@@ -266,12 +266,11 @@ def _reference(plan: Plan, q, k, v):
 
 
 def _reference_plan(selection: Selection, logits: LogitOptions, common: dict) -> Plan:
-    stale = [sparsity.stale_sizes_errors(now, read) for now, read in selection.size_checks]
     return Plan(
         path="torch",
         token_mask=_token_mask(selection, logits),
         logits=logits,
-        errors=_device_errors(selection, functools.reduce(sparsity.combine_errors, stale, None)),
+        errors=_device_errors(selection, sparsity.size_checks_errors(selection.size_checks)),
         **common,
     )
 

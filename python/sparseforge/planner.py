@@ -194,7 +194,7 @@ def plan_tiles(
     blocks_are_tiles: bool = False,
     units_per_cta: int = 1,
     compact: Callable = compact_rows,
-    order: Callable = None,
+    order: Callable | None = None,
 ) -> TilePlan:
     """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
 

@@ -46,7 +46,7 @@ class Selection:
     source: str  # the arguments the bits are about, for the error message
     # (size tensor as the caller holds it, int32; its values as plan() read them earlier,
     # int64) pairs, on the plan's device, that must still agree (ERR_STALE_SIZES); checked
-    # by the plan (dispatch.size_errors)
+    # by the plan (in unit_order's launch, or size_checks_errors)
     size_checks: tuple = ()
     kv_block_lens: torch.Tensor | None = None  # (NB,) int32 on the plan's device
     kv_block_size: int | None = None  # tokens per key block kv_block_lens refers to
@@ -148,6 +148,13 @@ def sorted_selections(q2k_indices, q2k_num) -> torch.Tensor:
 def stale_sizes_errors(sizes: torch.Tensor, values_read: torch.Tensor) -> torch.Tensor:
     """ERR_STALE_SIZES when a size tensor no longer holds the values plan() read earlier."""
     return _flag(sizes != values_read, ERR_STALE_SIZES)
+
+
+def size_checks_errors(size_checks) -> torch.Tensor | None:
+    """ERR_STALE_SIZES when any (size tensor, values read) pair of a Selection's
+    size_checks differs, with torch ops; None without pairs."""
+    stale = [stale_sizes_errors(now, read) for now, read in size_checks]
+    return functools.reduce(combine_errors, stale, None)
 
 
 def kv_block_lens_errors(kv_block_lens, block: int) -> torch.Tensor:

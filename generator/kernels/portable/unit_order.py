@@ -161,11 +161,16 @@ class UnitOrder:
         return keys
 
     @cute.jit
+    def warp_uniform(self, value):
+        """True in every lane when all the warp's lanes hold lane 0's value."""
+        return cute.arch.vote_all_sync(value == cute.arch.shuffle_sync(value, 0))
+
+    @cute.jit
     def peers(self, key):
         """The lanes holding this lane's key. match.any is slow, and the warps of a plan
         mostly hold one count: a vote answers those."""
         peers = cutlass.Int32(-1)  # every lane
-        if not cute.arch.vote_all_sync(key == cute.arch.shuffle_sync(key, 0)):
+        if not self.warp_uniform(key):
             peers = cutlass.Int32(cute.arch.match_sync(FULL_MASK, key))
         return peers
 
@@ -173,7 +178,7 @@ class UnitOrder:
     def add_to(self, sCounts, entry, lane):
         """sCounts[entry] += 1 for each lane with entry >= 0: one atomic where the warp holds
         one entry, else one a lane (few collide when entries differ)."""
-        if cute.arch.vote_all_sync(entry == cute.arch.shuffle_sync(entry, 0)):
+        if self.warp_uniform(entry):
             if lane == 0 and entry >= 0:
                 cute.arch.atomic_add(sCounts.iterator + entry, cutlass.Int32(32))
         elif entry >= 0:

@@ -38,6 +38,6 @@ def selection_block_mask(q2k_indices, q2k_num, num_col_blocks: int):
     errors = torch.zeros((), dtype=torch.int32, device=device)
     counts = q2k_indices[..., 0] if q2k_num is None else q2k_num  # not read without q2k_num
     _launch(device.index, q2k_num is not None)(
-        (q2k_indices, counts.to(device), mask.view(torch.uint8), errors.view(1))
+        (q2k_indices, counts, mask.view(torch.uint8), errors.view(1))
     )
     return mask, errors

@@ -48,8 +48,7 @@ def order(
     are ordered, and the sizes checked, with torch ops."""
     if tiles >= families.spec(FAMILIES[0]).constant("max_count"):
         if size_checks:
-            stale = [sparsity.stale_sizes_errors(now, read) for now, read in size_checks]
-            errors.copy_(functools.reduce(sparsity.combine_errors, stale))
+            errors.copy_(sparsity.size_checks_errors(size_checks))
         return planner.longest_first(tile_cnt, group, units_per_cta)
     index = tile_cnt.device.index
     n = units_per_cta
