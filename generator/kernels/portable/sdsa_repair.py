@@ -24,6 +24,7 @@ to 131,072 keys on SM90 is read once; on SM120, 20 Ki keys of it).
 import cutlass
 import cutlass.cute as cute
 
+from generator.kernels.common.block_scan import exclusive_scan
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.radix_select import (
     float_bits,
@@ -36,7 +37,7 @@ from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 
 WARPS = 16
 CHUNK_KEYS = WARPS * WARP_KEYS  # scored per step, a thread per key
-ROWS_PER_CLUSTER = WARPS * 32  # a thread each finds whether it needs repair
+ROWS_PER_CLUSTER = WARPS * 32  # a thread each finds whether it needs repair (and lists it)
 # CTAs per row (a cluster), by arch; SM120 runs clusters of 1.
 PEERS = {"sm_90a": 8, "sm_100f": 8, "sm_120f": 1}
 # Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
@@ -70,6 +71,8 @@ class SdsaRepair(SdsaScores):
         sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(2), 16)
         sScores = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.cached_keys), 16)
         sRepair = smem.allocate_tensor(cutlass.Int32, cute.make_layout(ROWS_PER_CLUSTER), 16)
+        sRows = smem.allocate_tensor(cutlass.Int32, cute.make_layout(ROWS_PER_CLUSTER), 16)
+        sWarpSums = smem.allocate_tensor(cutlass.Int32, cute.make_layout(WARPS), 16)
         # A thread a row: a row that fits gets its ranges now, the others are marked. Every
         # CTA of the cluster reads the same counters, so all mark the same rows.
         repair = 0
@@ -80,12 +83,20 @@ class SdsaRepair(SdsaScores):
                     self.write_ranges(args, row)
             else:
                 repair = 1
+        # The rows to repair listed in row order (a scan of the flags), so that the walk
+        # below costs what the repaired rows cost: testing all 512 flags one after the
+        # other took ~50 us a wave of clusters when every row fit.
         sRepair[tidx] = repair
-        # (Every CTA has read the counters before any row's reset in repair_row.)
+        repairs = exclusive_scan(
+            lambda i: sRepair[i], sRepair, sWarpSums, ROWS_PER_CLUSTER, tidx, ROWS_PER_CLUSTER
+        )
+        if repair != 0:
+            sRows[sRepair[tidx]] = tidx
+        # (Every CTA has read the counters before any row's reset in repair_row, and every
+        # CTA lists the same rows: they read the same counters.)
         self.cluster_sync()
-        for i in cutlass.range(rows, unroll=1):
-            if sRepair[i] != 0:  # the same in every thread of the cluster
-                self.repair_row(args, atom, first_row + i, rank, tidx, sHist, sState, sScores)
+        for i in cutlass.range(repairs, unroll=1):
+            self.repair_row(args, atom, first_row + sRows[i], rank, tidx, sHist, sState, sScores)
 
     @cute.jit
     def fits(self, args, row):

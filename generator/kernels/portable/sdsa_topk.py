@@ -1,8 +1,9 @@
 """sdsa_topk: each row's exact top-K keys from the candidates and ties the threshold select
 stored in its range of slots (top_k_from_candidates).
 
-One CTA per row. With at most K pairs in [ranges[0, r], ranges[1, r]) the row's keys are
-copied in slot order and the rest of its K columns set to -1. Otherwise a radix select
+A CTA per row (up to CTAS of them, each then walking several rows). With at most K pairs in
+[ranges[0, r], ranges[1, r]) the row's keys are copied in slot order and the rest of its K
+columns set to -1. Otherwise a radix select
 (generator/kernels/common/radix_select.py) finds the K-th largest stored value in the
 float-bit order (a positive NaN above +inf); the keys above it take the first columns and
 the tied ones the rest, up to K, each position from a shared-memory counter (so their order
@@ -12,34 +13,70 @@ is unspecified).
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.common.radix_select import BINS, order_key, radix_select
+from generator.kernels.common.radix_select import histogram_words, order_key, radix_select
 
 THREADS = 256
+# CTAs of the launch at most. A decode batch gives each request a 128-row tile of which one
+# row (or a few) has candidates, so a CTA per row spent most of the launch starting up for
+# empty rows (82 us for 16,384 rows). Instead CTA b walks rows b, b + CTAS, ...: a prime
+# stride, so that rows at a fixed period (a tile's first rows) spread over the CTAs rather
+# than all landing on a few (with 1024, CTA 0 took every 1024th row: all tiles' first rows).
+CTAS = 1021
 
 
 class SdsaTopK:
     @cute.jit
     def launch(self, args, stream):
+        rows = args.mTopKeys.shape[0]
         self.kernel(args).launch(
-            grid=[args.mTopKeys.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[cutlass.min(rows, CTAS), 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, args):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        rows = args.mTopKeys.shape[0]
         smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(BINS), 16)
+        sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(histogram_words(1)), 16)
         sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
+        # The ranges of THREADS of the CTA's rows at a time, loaded together (a thread a
+        # row), so that an empty row costs its stores, not a round trip for its range.
+        sRanges = smem.allocate_tensor(
+            cutlass.Int32, cute.make_layout((2, THREADS), stride=(THREADS, 1)), 16
+        )
+        own = cute.ceil_div(rows - bidx, grid)
+        for batch in cutlass.range(0, own, THREADS, unroll=1):
+            if batch + tidx < own:
+                row = bidx + (batch + tidx) * grid
+                sRanges[0, tidx] = args.mRanges[0, row]
+                sRanges[1, tidx] = args.mRanges[1, row]
+            cute.arch.sync_threads()
+            for i in cutlass.range(cutlass.min(own - batch, THREADS), unroll=1):
+                first = sRanges[0, i]
+                self.top_k_of_row(
+                    args, bidx + (batch + i) * grid, first, sRanges[1, i] - first, tidx, sHist,
+                    sState,
+                )  # fmt: skip
+            cute.arch.sync_threads()  # sRanges is the next batch's
+
+    @cute.jit
+    def top_k_of_row(self, args, row, first, count, tidx, sHist, sState):
+        """Row `row`'s top-K from its `count` pairs from slot `first` (every thread)."""
         k = args.mTopKeys.shape[1]
-        first = args.mRanges[0, row]
-        count = args.mRanges[1, row] - first
         if count <= k:
-            for i in cutlass.range(tidx, k, THREADS, unroll=1):
+            # The row's addresses once (per element they cost ~20 instructions of 64-bit
+            # arithmetic: the fill of empty rows was bound by issue).
+            keys = cute.make_tensor(
+                args.mCandidates[row, first, None].iterator, cute.make_layout(count, stride=2)
+            )
+            out = cute.make_tensor(args.mTopKeys[row, None].iterator, cute.make_layout(k))
+            for i in cutlass.range(tidx, k, THREADS, unroll=4):
                 key = cutlass.Int32(-1)
                 if i < count:
-                    key = args.mCandidates[row, first + i, 0]
-                args.mTopKeys[row, i] = key
+                    key = keys[i]
+                out[i] = key
         else:
             values = args.mCandidates[row, None, 1]
             prefix, wanted = radix_select(
@@ -66,6 +103,8 @@ class SdsaTopK:
                     at = cute.arch.atomic_add(sState.iterator + 3, cutlass.Int32(1))
                     if at < wanted:
                         args.mTopKeys[row, above_total + at] = args.mCandidates[row, first + i, 0]
+            # The counters and histogram are the next row's.
+            cute.arch.sync_threads()
 
 
 def make_kernel(variant):
