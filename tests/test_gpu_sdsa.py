@@ -1,9 +1,10 @@
 """sparseforge.sdsa on the GPU against the PyTorch reference: the NVFP4 quantizer byte for
 byte (scale range, saturation, zero / NaN / midpoint groups, skipped slots and rows, the
 cache and its scales as views of one allocation), no rows at all, CUDA-graph replay; scores
-over paged BF16 and NVFP4 keys (groups of 1, 4, 8 rows, an empty request, untouched
+over paged BF16 and NVFP4 keys (groups of 1-5 and 8 rows, an empty request, untouched
 entries); the key sample; the thresholds from a sample (NaN and -1 positions); the top-K
-from candidates (ties, infinities, NaNs; K 1, 32, 200); the threshold select (counters,
+from candidates (ties, infinities, NaNs; K 1, 32, 200; rows enough for each CTA to walk
+more than 256); the threshold select (counters,
 slots, stored values; +inf, -inf and NaN thresholds) and its repair mode (every row fits,
 its exact top-K); the whole pipeline from the quantizer to token-sparse slot lists."""
 
@@ -58,7 +59,7 @@ def test_graph_replay_writes_what_eager_writes():
 
 
 @pytest.mark.parametrize("nvfp4", [False, True])
-@pytest.mark.parametrize("rows_per_group", [1, 4, 8])
+@pytest.mark.parametrize("rows_per_group", [1, 2, 3, 4, 5, 8])
 def test_scores_match_fp32_dot_products(nvfp4, rows_per_group):
     lengths = [1000, 0, 64, 4097]
     cache, key_scales, table = sdsa_paged_keys(lengths, nvfp4, device="cuda")
@@ -161,6 +162,39 @@ def test_top_k_from_candidates():
         sdsa.top_k_from_candidates(candidates, ranges, top_keys=got)
         reference.top_k_from_candidates(candidates, ranges, top_keys=want)
         assert same_top_k(got, want, candidates, ranges), k
+
+
+def test_top_k_walks_many_rows_per_cta():
+    """The launch runs at most 1021 CTAs, each walking rows at that stride and loading their
+    ranges 256 at a time: 257 x 1021 + 3 rows, each with 0-2 pairs (K = 2: copied, then -1)
+    but every 97th with 3 (radix select), checked whole."""
+    rows, k = 257 * 1021 + 3, 2
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 3, (rows,), generator=gen, dtype=torch.int32)
+    counts[::97] = 3
+    first = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int32)
+    candidates = torch.stack(
+        [
+            torch.randint(0, 1 << 20, (rows, 5), generator=gen, dtype=torch.int32),
+            torch.randn(rows, 5, generator=gen).view(torch.int32),
+        ],
+        dim=2,
+    ).cuda()
+    ranges = torch.stack([first, first + counts]).cuda()
+    got = torch.full((rows, k), -9, dtype=torch.int32, device="cuda")
+    sdsa.top_k_from_candidates(candidates, ranges, top_keys=got)
+    counts, first = counts.cuda(), first.cuda()
+    column = torch.arange(k, device="cuda")
+    copied = candidates[
+        torch.arange(rows, device="cuda")[:, None], (first[:, None] + column).clamp(max=4), 0
+    ]
+    copied = torch.where(column < counts[:, None], copied, -1)
+    few = counts <= k
+    assert torch.equal(got[few], copied[few])
+    many = (~few).nonzero().flatten()
+    want = torch.full((many.numel(), k), -9, dtype=torch.int32, device="cuda")
+    reference.top_k_from_candidates(candidates[many], ranges[:, many], top_keys=want)
+    assert same_top_k(got[many], want, candidates[many], ranges[:, many])
 
 
 @pytest.mark.parametrize("nvfp4", [False, True])
