@@ -53,3 +53,14 @@ def f16x2_broadcast(word, high: bool, *, loc=None, ip=None):
     half = "h" if high else "l"
     asm = f"{{ .reg .b16 l, h; mov.b32 {{l, h}}, $1; mov.b32 $0, {{{half}, {half}}}; }}"
     return inline_ptx(cutlass.Int32, [cutlass.Int32(word)], asm, "=r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def opaque_int32(value, *, loc=None, ip=None):
+    """value, through an asm move the optimizer may not look through or move: what is
+    computed from it stays where it is written (e.g. loads of read-only memory that would
+    otherwise be hoisted out of a loop, and their registers kept live across it)."""
+    operands = [cutlass.Int32(value)]
+    return inline_ptx(
+        cutlass.Int32, operands, "mov.b32 $0, $1;", "=r,r", side_effects=True, loc=loc, ip=ip
+    )

@@ -6,16 +6,18 @@ MMA tiles, loaded into registers as sdsa_scores loads them (those below the end 
 any row sees: table entries past a request's keys need not be pages). The tile's live
 rows (those that see some key of the CTA; a decode tile often has a few of 128) are listed
 once in shared memory (a thread per row; their order is free); the warps walk them 8 at a
-time as the MMA's columns, each row's 32 channels a lane straight from global memory into
-the B values. Every score (row, key) with key < min(row_end, max_context) is classified
-against the row's threshold (classify: candidates and ties counted by atomics, stored
-while there is room), with the bits sdsa_scores computes for it.
+time as the MMA's columns (the keys loaded again for each 8), each row's 32 channels a lane
+straight from global memory into the B values. Every score (row, key) with key <
+min(row_end, max_context) is classified against the row's threshold (classify: candidates
+and ties counted by atomics, stored while there is room), with the bits sdsa_scores
+computes for it.
 """
 
 import cutlass
 import cutlass.cute as cute
 
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.radix_select import float_bits
 from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, WARP_KEYS, WARPS, SdsaScores
 
@@ -56,26 +58,23 @@ class SdsaSelect(SdsaScores):
         warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
         if warp_key < keys_end:  # the same for the whole warp
             request = args.mTileRequests[tile]
-            # The first 8 live rows' operand is kept over the chunks (a decode tile has a
-            # few live rows); further groups of 8 are loaded again for each chunk.
-            first_group = self.row_group(args, sLive, first_row, live, 0, g, q)
-            self.for_each_chunk(
-                args, request, warp_key, keys_end, g, q,
-                lambda keys, first_key: self.classify_chunk(
-                    atom, args, keys, first_key, first_group, sLive, first_row, live, g, q
-                ),
-            )  # fmt: skip
-
-    @cute.jit
-    def classify_chunk(
-        self, atom, args, keys, first_key, first_group, sLive, first_row, live, g, q
-    ):
-        """Every score of the warp's 32 keys from first_key against each live row, classified:
-        the first 8 rows' operand given, the others loaded 8 at a time."""
-        self.classify_group(atom, args, keys, first_key, first_group, g)
-        for m in cutlass.range(1, cute.ceil_div(live, MMA_ROWS), unroll=1):
-            group = self.row_group(args, sLive, first_row, live, m, g, q)
-            self.classify_group(atom, args, keys, first_key, group, g)
+            # A group of 8 live rows at a time, the warp's keys loaded again for each (a
+            # decode tile has one group). Keys kept over the groups and queries reloaded per
+            # chunk held 166 registers (3 CTAs an SM); this loop's body holds ~107.
+            for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
+                group = self.row_group(args, sLive, first_row, live, m, g, q)
+                # The key loads' inputs made opaque per group: else what is computed from
+                # them, the same for every group, is hoisted out of the loop and held
+                # across it (168 registers against 128).
+                request_m, warp_key_m, end_m, g_m, q_m = (
+                    opaque_int32(v) for v in (request, warp_key, keys_end, g, q)
+                )
+                self.for_each_chunk(
+                    args, request_m, warp_key_m, end_m, g_m, q_m,
+                    lambda keys, first_key, group=group: self.classify_group(
+                        atom, args, keys, first_key, group, g
+                    ),
+                )  # fmt: skip
 
     @cute.jit
     def row_group(self, args, sLive, first_row, live, m, g, q):
@@ -140,4 +139,7 @@ def classify(args, row, key, score, threshold, cap):
 
 def make_kernel(variant):
     dtype = variant.params["dtype"]
-    return SdsaSelect(element_type(dtype), nvfp4=dtype == "u8")
+    nvfp4 = dtype == "u8"
+    # NVFP4: 118 registers, no spills, at 4 CTAs an SM (128 uncapped); BF16 keys hold two
+    # chunks' 16-bit operands (202 registers) and spill under any cap that adds a CTA.
+    return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=4 if nvfp4 else 1)
