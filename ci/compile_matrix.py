@@ -12,8 +12,8 @@ another target than its SM's arch (the options ptxas records in it: sm_100a code
 on compute capability 10.0, the sm_100f the build names on 10.0 and 10.3), if ptxas
 serialized the wgmma of a Hopper kernel, or if an image lacks the tensor-core instructions
 its template declares (Template.mma: "wgmma" needs HGMMA / QGMMA, "mma.sync" HMMA / QMMA /
-IMMA) - a kernel built for an arch no machine here runs still shows that it multiplies on
-the tensor cores.
+IMMA, "tcgen05" UTCHMMA / UTCQMMA) - a kernel built for an arch no machine here runs still
+shows that it multiplies on the tensor cores.
 
 Serialized wgmma (ptxas advisory C7512, e.g. when a change needs more registers than the
 CTAs-per-SM bound leaves) still computes the right answer but waits for every MMA before
@@ -117,7 +117,11 @@ def nvdisasm() -> str | None:
 
 
 # SASS opcodes a template's declared tensor-core instructions compile to.
-MMA_SASS = {"wgmma": re.compile(r"\b[HQ]GMMA\b"), "mma.sync": re.compile(r"\b[HQI]MMA\b")}
+MMA_SASS = {
+    "wgmma": re.compile(r"\b[HQ]GMMA\b"),
+    "mma.sync": re.compile(r"\b[HQI]MMA\b"),
+    "tcgen05": re.compile(r"\bUTC[HQ]MMA\b"),
+}
 
 
 def disassembled(library: Path, manifest: dict, tool: str):

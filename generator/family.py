@@ -34,9 +34,10 @@ class Template:
     # Operand layouts this template needs beyond its ABI, by argument name; the family's
     # runtime module knows how to meet each rule (sparseforge/families/).
     layouts: dict = field(default_factory=dict)
-    # The tensor-core instructions every image of it must contain, "wgmma" or "mma.sync"
-    # (None: CUDA cores only); ci/compile_matrix.py finds them in the SASS, so a kernel
-    # compiled for an arch it cannot run on here still shows that it multiplies on them.
+    # The tensor-core instructions every image of it must contain, "wgmma", "mma.sync" or
+    # "tcgen05" (None: CUDA cores only); ci/compile_matrix.py finds them in the SASS, so a
+    # kernel compiled for an arch it cannot run on here still shows that it multiplies on
+    # them.
     mma: str | None = None
 
 

@@ -38,8 +38,12 @@ def test_each_arch_prefers_its_native_template():
         "tma_warp_mma",
         "warp_mma",
     ]
-    for arch in ("sm_100f", "sm_120f"):
-        assert [t.name for t in family.templates_for(arch)] == ["tma_warp_mma", "warp_mma"]
+    assert [t.name for t in family.templates_for("sm_100f")] == [
+        "sm100_tcgen05",
+        "tma_warp_mma",
+        "warp_mma",
+    ]
+    assert [t.name for t in family.templates_for("sm_120f")] == ["tma_warp_mma", "warp_mma"]
     logits = catalog.families()["block_sparse_fwd_logits"]
     assert [t.name for t in logits.templates_for("sm_120f")] == ["warp_mma"]
 

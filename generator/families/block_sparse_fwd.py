@@ -29,6 +29,8 @@ WARPGROUPS_D256 = (1, 2)
 # tma_warp_mma: units per CTA (config key "warpgroups"), 64 query rows each. Its warps own 32
 # rows each up to head_dim 128 (two or four warps), 16 at 256 (four warps: one unit).
 TMA_WARP_MMA_UNITS = {64: (1, 2), 128: (1, 2), 256: (1,)}
+# sm100_tcgen05: units per CTA (1 or 2: its MMA tile is 128 rows, accumulators in TMEM).
+TCGEN05_UNITS = (1, 2)
 
 
 def plan_args():
@@ -120,12 +122,25 @@ def templates(logits: bool):
                 for w in (WARPGROUPS_D256 if d == 256 else WARPGROUPS)
             ),
         ),
-        # TMA + mma.sync: the SM120 kernel (and SM100's until a tcgen05 one lands), built
-        # for sm_90a too so that the code shipped for Blackwell runs on the H200.
+        # tcgen05 (SM100's tensor cores, accumulators in tensor memory); then TMA +
+        # mma.sync: the SM120 kernel (and SM100's where a tcgen05 variant fails its
+        # first-use self-check), built for sm_90a too so that it runs on the H200.
         *(
             ()
             if logits
             else (
+                Template(
+                    "sm100_tcgen05",
+                    "generator.kernels.sm100.block_sparse_fwd",
+                    mma="tcgen05",
+                    archs=("sm_100f",),
+                    configs=tuple(
+                        dict(dtype=t, head_dim=d, warpgroups=units)
+                        for t in DTYPES
+                        for d in HEAD_DIMS
+                        for units in TCGEN05_UNITS
+                    ),
+                ),
                 Template(
                     "tma_warp_mma",
                     "generator.kernels.sm120.block_sparse_fwd",

@@ -32,11 +32,19 @@ def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
-def quad_allreduce(val, op):
-    """Reduce over the four threads that share a row (butterfly, result in all four)."""
-    for offset in (2, 1):
+def row_allreduce(val, op, lanes: int = 4):
+    """Reduce over the `lanes` adjacent threads that share a row (butterfly, result in all):
+    four for mma.sync and wgmma fragments, one (nothing to do) where a thread holds whole rows
+    (tcgen05's accumulators loaded from tensor memory a row a thread)."""
+    offset = lanes // 2
+    while offset >= 1:
         val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset, mask=-1, mask_and_clamp=31))
+        offset //= 2
     return val
+
+
+def quad_allreduce(val, op):
+    return row_allreduce(val, op, 4)
 
 
 def quad_max(val):
@@ -107,10 +115,14 @@ def softmax_update(
     acc_s_mn: cute.Tensor,
     acc_o_mn: cute.Tensor,
     p_offset: cutlass.Constexpr = 0.0,
+    lanes: cutlass.Constexpr = 4,
+    corrections=None,
 ):
     """Online softmax step, in the log2 domain: scores become probabilities (in place),
     times 2^-p_offset (probability_offset), and the output rows are rescaled when the
-    running max moves (RESCALE_THRESHOLD).
+    running max moves (RESCALE_THRESHOLD). `lanes`: threads that share a row
+    (row_allreduce). Where the output is not in registers (tensor memory), acc_o_mn is None
+    and each row's factor goes into `corrections` (1 where the max held) for the caller.
 
     Rows that have seen no valid key keep max = -inf; they use 0 as the exponent base so
     that no exp2(-inf - -inf) = NaN appears, and end with output 0 and LSE -inf. Rows
@@ -125,7 +137,11 @@ def softmax_update(
     any_huge = False
     for r in cutlass.range_constexpr(rows):
         prev_max[r] = row_max[r]
-        tile_max = quad_max(acc_s_mn[r, None].load().reduce(cute.ReductionOp.MAX, row_max[r], 0))
+        tile_max = row_allreduce(
+            acc_s_mn[r, None].load().reduce(cute.ReductionOp.MAX, row_max[r], 0),
+            cute.arch.fmax,
+            lanes,
+        )
         # The difference first: at huge maxima fl(m * c) + 8 would round back to fl(m * c).
         if (tile_max - row_max[r]) * scale_log2 > RESCALE_THRESHOLD:
             row_max[r] = tile_max
@@ -153,7 +169,10 @@ def softmax_update(
             cute.ReductionOp.ADD, cutlass.Float32.zero, 0
         )
         acc_s_mn[r, None] = probs
-        rescale_rows(acc_o_mn, r, correction)
+        if cutlass.const_expr(acc_o_mn is not None):
+            rescale_rows(acc_o_mn, r, correction)
+        if cutlass.const_expr(corrections is not None):
+            corrections[r] = correction
 
 
 @cute.jit
@@ -184,13 +203,17 @@ def softmax_finalize(
     lse: cute.Tensor,
     p_offset: cutlass.Constexpr = 0.0,
     column_scale=None,
+    lanes: cutlass.Constexpr = 4,
+    inverses=None,
 ):
     """Normalise the output rows, then scale their columns by `column_scale` (a register
     tensor, one value per column of this thread: Sage's per-channel V scales, applied after
     the normalisation so that a large scale cannot overflow the unnormalised sum); write each
-    row's natural-log LSE (p_offset added back) into `lse`."""
+    row's natural-log LSE (p_offset added back) into `lse`. `lanes` as in softmax_update;
+    where the output is not in registers, acc_o_mn is None and each row's factor (1 / sum,
+    0 for a row that saw no key) goes into `inverses`."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        total = quad_sum(row_sum[r])
+        total = row_allreduce(row_sum[r], lambda a, b: a + b, lanes)
         inv = cutlass.Float32(0.0)
         row_lse = -cutlass.Float32.inf
         if total > 0.0:
@@ -200,10 +223,13 @@ def softmax_finalize(
                 log_total = log_total + p_offset
             row_lse = (row_max[r] * scale_log2 + log_total) * LN_2
         lse[r] = row_lse
-        if cutlass.const_expr(column_scale is None):
-            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
-        else:
-            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv * column_scale.load()
+        if cutlass.const_expr(inverses is not None):
+            inverses[r] = inv
+        if cutlass.const_expr(acc_o_mn is not None):
+            if cutlass.const_expr(column_scale is None):
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
+            else:
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv * column_scale.load()
 
 
 @cute.jit
