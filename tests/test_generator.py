@@ -44,6 +44,12 @@ def test_each_arch_prefers_its_native_template():
         "warp_mma",
     ]
     assert [t.name for t in family.templates_for("sm_120f")] == ["tma_warp_mma", "warp_mma"]
+    sage = catalog.families()["sage_fp8_fwd"]
+    assert [t.name for t in sage.templates_for("sm_100f")] == [
+        "sm100_tcgen05_fp8",
+        "tma_warp_mma_fp8",
+        "warp_mma_fp8",
+    ]
     logits = catalog.families()["block_sparse_fwd_logits"]
     assert [t.name for t in logits.templates_for("sm_120f")] == ["warp_mma"]
 

@@ -235,8 +235,8 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
     "capability, native",
     [
         ((9, 0), ("sm90_wgmma", "sm90_sage_fp8")),
-        ((10, 0), ("sm100_tcgen05", "tma_warp_mma_fp8")),
-        ((10, 3), ("sm100_tcgen05", "tma_warp_mma_fp8")),
+        ((10, 0), ("sm100_tcgen05", "sm100_tcgen05_fp8")),
+        ((10, 3), ("sm100_tcgen05", "sm100_tcgen05_fp8")),
         ((12, 0), ("tma_warp_mma", "tma_warp_mma_fp8")),
         ((12, 1), ("tma_warp_mma", "tma_warp_mma_fp8")),
     ],

@@ -5,7 +5,13 @@ k_scale[key // 16] * sm_scale; the output is (P V8) * v_scale[channel].
 """
 
 from generator.abi import TensorArg
-from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS, WARPGROUPS, plan_args
+from generator.families.block_sparse_fwd import (
+    TCGEN05_UNITS,
+    TILE_KEYS,
+    UNIT_ROWS,
+    WARPGROUPS,
+    plan_args,
+)
 from generator.families.sage_quantize import KEYS_PER_SCALE
 from generator.family import ALL_ARCHS, Family, Template
 
@@ -83,6 +89,19 @@ FAMILIES = (
                 # whole number of 64-key tiles after the one before, with the padding after
                 # the last head allocated (generator/kernels/sm90/sage_fp8_fwd.py k_tma_view).
                 layouts={"mK": "heads_in_whole_tiles"},
+            ),
+            # tcgen05 kind::f8f6f4 on SM100 (a 128-row tile of one or two units).
+            Template(
+                "sm100_tcgen05_fp8",
+                "generator.kernels.sm100.sage_fp8_fwd",
+                mma="tcgen05",
+                archs=("sm_100f",),
+                configs=tuple(
+                    dict(dtype=t, head_dim=d, warpgroups=units)
+                    for t in DTYPES
+                    for d in HEAD_DIMS
+                    for units in TCGEN05_UNITS
+                ),
             ),
             # e4m3 mma.sync: native QMMA on sm_120f; emulated through fp16 MMAs on sm_90a and
             # sm_100f (built there to run on the H200 / for coverage). TMA-loaded K / V^T ring

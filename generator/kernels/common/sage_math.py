@@ -30,7 +30,7 @@ from generator.kernels.common.softmax import (
     is_huge,
     mask_columns,
     new_softmax_state,
-    quad_max,
+    row_allreduce,
 )
 
 P_EXP2_OFFSET = 8.0  # P8 row max = 2^8 = 256 <= 448, e4m3's largest finite value
@@ -90,11 +90,14 @@ def sage_softmax_step(
     alpha,
     beta,
     key_of_column=None,
+    lanes: cutlass.Constexpr = 4,
 ):
     """Scale and mask one tile's scores, update (row_max, row_sum), leave P8 (as fp32, in
-    (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring).
+    (0, 256]) in acc_s_mn and each row's alpha and beta (see the module docstring). `lanes`:
+    threads that share a row (softmax.row_allreduce).
 
-    Column j of a thread's row lies in the 16-key group j // 4 (8-key chunks, 2 keys each).
+    Column j of a thread's row lies in the 16-key group j // (columns / groups): j // 4 for
+    fragments of four threads a row (8-key chunks, 2 keys each), j // 16 for a thread a row.
     The scale c of a score is row_scale * key_scale of its group; with c >= 0 the row max
     of c * s is the max over groups of c times the group's max of s, so each score costs
     one max and one fused multiply-add (exp2(s * c - base)) instead of a multiply, a max
@@ -112,7 +115,7 @@ def sage_softmax_step(
         for g in cutlass.range_constexpr(groups):
             scale[r, g] = row_scale[r] * key_scale[g]
     if (
-        tile_len < cute.size(coord_mn, mode=[1]) * 4
+        tile_len < cute.size(coord_mn, mode=[1]) * lanes
         or row_scale[0] < 0.0
         or row_scale[rows - 1] < 0.0
     ):
@@ -135,7 +138,7 @@ def sage_softmax_step(
             for i in cutlass.range_constexpr(1, per_group):
                 group_max = cute.arch.fmax(group_max, acc_s_mn[r, g * per_group + i])
             scaled_max = cute.arch.fmax(scaled_max, group_max * scale[r, g])
-        tile_max[r] = quad_max(scaled_max)
+        tile_max[r] = row_allreduce(scaled_max, cute.arch.fmax, lanes)
         # A row with no valid key so far keeps -inf; finite exponent bases keep NaN out
         # (exp2 of -inf minus a finite base is 0). One FMNMX each, not a compare and select.
         offset[r] = P_EXP2_OFFSET - cute.arch.fmax(tile_max[r], FINITE_FLOOR)

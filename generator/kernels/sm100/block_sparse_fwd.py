@@ -60,11 +60,12 @@ SMEM_BYTES = 227 * 1024
 MAX_STAGES = 8
 
 
-def tmem_columns(head_dim: int) -> tuple[int, int, int, int]:
-    """(O, first S buffer, P, columns to allocate: a power of two) offsets."""
-    s_col = head_dim
+def tmem_columns(head_dim: int, o_buffers: int, p_width: int) -> tuple[int, int, int, int]:
+    """(first O buffer, first S buffer, P, columns to allocate: a power of two) of
+    `o_buffers` O buffers, two S buffers and P of `p_width`-bit values (32-bit columns)."""
+    s_col = o_buffers * head_dim
     p_col = s_col + S_BUFFERS * TILE_KEYS
-    used = p_col + TILE_KEYS // 2
+    used = p_col + TILE_KEYS * p_width // 32
     alloc = 32
     while alloc < used:
         alloc *= 2
@@ -72,11 +73,19 @@ def tmem_columns(head_dim: int) -> tuple[int, int, int, int]:
 
 
 class BlockSparseFwdTcgen05:
+    # O in TMEM: one accumulator over all tiles (Sage's subclass: two, one tile's P V each).
+    O_BUFFERS = 1
+    # V as the P V MMA's B operand: the head dimension contiguous (Sage: V^T, keys contiguous).
+    V_MAJOR = tcgen05.OperandMajorMode.MN
+
     def __init__(self, dtype, head_dim: int, units: int):
         self.dtype = dtype
         self.head_dim = head_dim
         self.units = units
-        self.o_col, self.s_col, self.p_col, self.tmem_alloc = tmem_columns(head_dim)
+        self.mma_k = 256 // dtype.width  # K of one MMA instruction: 32 bytes
+        self.o_col, self.s_col, self.p_col, self.tmem_alloc = tmem_columns(
+            head_dim, self.O_BUFFERS, dtype.width
+        )
         tile_bytes = TILE_KEYS * head_dim * dtype.width // 8
         q_bytes = TILE_M * head_dim * dtype.width // 8
         self.kv_stages = min(MAX_STAGES, (SMEM_BYTES - 1024 - q_bytes) // tile_bytes)
@@ -90,7 +99,7 @@ class BlockSparseFwdTcgen05:
 
     def tiled_mmas(self):
         """(S = Q K^T: both operands from shared memory, K-major; O += P V: P from TMEM,
-        V from shared memory with the head dimension contiguous, MN-major)."""
+        V from shared memory, V_MAJOR)."""
         d = self.head_dim
         qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype,
@@ -105,7 +114,7 @@ class BlockSparseFwdTcgen05:
             self.dtype,
             self.dtype,
             tcgen05.OperandMajorMode.K,
-            tcgen05.OperandMajorMode.MN,
+            self.V_MAJOR,
             cutlass.Float32,
             tcgen05.CtaGroup.ONE,
             (TILE_M, d),
@@ -145,7 +154,7 @@ class BlockSparseFwdTcgen05:
         )
         tma_v, mV_tma = cute.nvgpu.make_tiled_tma_atom_B(
             tma_op,
-            self.d_seq_heads(args.mV),
+            self.v_tensor(args),
             cute.slice_(v_layout, (None, None, None, 0)),
             pv_tiler,
             pv_mma,
@@ -171,10 +180,10 @@ class BlockSparseFwdTcgen05:
         )
 
     def rows_by_k(self, rows: int):
-        """(rows, D) -> the A layout's ((128, 16), 1, D / 16) domain, colexicographic: row r,
-        column k at r + 128 (k % 16) + 2048 (k // 16)."""
-        d = self.head_dim
-        return cute.make_layout((rows, (16, d // 16)), stride=(1, (TILE_M, TILE_M * 16)))
+        """(rows, D) -> the A layout's ((128, K), 1, D / K) domain (K = mma_k),
+        colexicographic: row r, column k at r + 128 (k % K) + 128 K (k // K)."""
+        d, k = self.head_dim, self.mma_k
+        return cute.make_layout((rows, (k, d // k)), stride=(1, (TILE_M, TILE_M * k)))
 
     def seq_d_heads(self, m):
         """A (seq, heads, D) tensor as (seq, D, heads): K-major rows for TMA."""
@@ -185,8 +194,9 @@ class BlockSparseFwdTcgen05:
             ),
         )
 
-    def d_seq_heads(self, m):
-        """A (seq, heads, D) tensor as (D, seq, heads): V as the P V MMA's MN-major B."""
+    def v_tensor(self, args):
+        """V (seq, heads, D) as (D, seq, heads): the P V MMA's (N, K) B operand."""
+        m = args.mV
         return cute.make_tensor(
             m.iterator,
             cute.make_layout(
@@ -265,7 +275,7 @@ class BlockSparseFwdTcgen05:
         if warp_idx < SOFTMAX_WARPS:
             self.softmax(
                 qk_mma, pv_mma, tStS, tOtO, sV, storage, s_pipe, p_pipe, args, heads, chunks,
-                tile_ids, num_tiles, tidx,
+                kv_head, tile_ids, num_tiles, tidx,
             )  # fmt: skip
         # The MMA warp last: its MMAs' accumulate flags are set inside its branch, which
         # would leave the tiled MMAs' values unusable after it.
@@ -428,15 +438,25 @@ class BlockSparseFwdTcgen05:
                 )
             p_handle = p_consumer.wait_and_advance()
             v_handle = kv_consumer.wait_and_advance()
-            pv_mma.set(tcgen05.Field.ACCUMULATE, j > 0)
+            tOtO_j = self.pv_target(tOtO, j)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, self.pv_accumulates(j))
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 if cutlass.const_expr(k > 0):
                     pv_mma.set(tcgen05.Field.ACCUMULATE, True)
                 cute.gemm(
-                    pv_mma, tOtO, tOrP[None, None, k], tOrV[None, None, k, v_handle.index], tOtO
-                )
+                    pv_mma, tOtO_j, tOrP[None, None, k], tOrV[None, None, k, v_handle.index],
+                    tOtO_j,
+                )  # fmt: skip
             v_handle.release()
             p_handle.release()
+
+    def pv_target(self, tOtO, j):
+        """The TMEM accumulator of P V(j): O itself."""
+        return tOtO
+
+    def pv_accumulates(self, j):
+        """Whether P V(j) adds to its accumulator: from the second tile on."""
+        return j > 0
 
     @cute.jit
     def issue_scores(self, qk_mma, tSrQ, tSrK, tStS, kv_consumer, s_producer, s_stride):
@@ -458,34 +478,12 @@ class BlockSparseFwdTcgen05:
     @cute.jit
     def softmax(
         self, qk_mma, pv_mma, tStS, tOtO, sV, storage, s_pipe, p_pipe, args, heads, chunks,
-        tile_ids, num_tiles, tidx,
+        kv_head, tile_ids, num_tiles, tidx,
     ):  # fmt: skip
         """Warps 0-3, thread t = row t (module docstring)."""
         s_consumer = s_pipe.make_participants()[1]
         p_producer = p_pipe.make_participants()[0]
-
-        s_load = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(TILE_KEYS)), cutlass.Float32),
-            tStS,
-        ).get_slice(tidx)
-        # Register shapes come from coordinate tensors partitioned as the MMA's C.
-        cS = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_KEYS)))
-        tScS = s_load.partition_D(cS)
-        # P's columns as fp32 words: (128, 32), two 16-bit values each.
-        tStP = cute.make_tensor(
-            tStS.iterator + (self.p_col - self.s_col),
-            cute.composition(tStS.layout, cute.make_layout((TILE_M, TILE_KEYS // 2))),
-        )
-        p_store = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(
-                tcgen05.St32x32bOp(tcgen05.Repetition(TILE_KEYS // 2)), cutlass.Float32
-            ),
-            tStP,
-        ).get_slice(tidx)
-        tStP_dst = p_store.partition_D(tStP)
-        p_shape = p_store.partition_S(
-            cute.make_tensor(cS.iterator, cute.composition(cS.layout, tStP.layout))
-        ).shape
+        s_load, tScS, p_store, tStP, p_shape = self.score_copies(qk_mma, tStS, tidx)
         o_load, o_store, tOtO_chunks, chunk_shape = self.output_copies(pv_mma, tOtO, tidx)
 
         row_max, row_sum = new_softmax_state(1)
@@ -497,16 +495,10 @@ class BlockSparseFwdTcgen05:
             tile_len = next_len
             next_len = args.mTileLen[tile_ids[cutlass.min(j + 1, num_tiles - 1)]]
             s_handle = s_consumer.wait_and_advance()
-            rS = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
-            tStS_i = s_load.partition_S(
-                cute.make_tensor(tStS.iterator + s_handle.index * TILE_KEYS, tStS.layout)
-            )
-            cute.copy(s_load, tStS_i, rS)
-            cute.arch.fence_view_async_tmem_load()
+            rS = self.load_scores(s_load, tStS, tScS, s_handle.index)
             s_handle.release()
-
             # A 32x32b load gives the thread its row's columns in order: register c = key c.
-            rS_mn = cute.make_tensor(rS.iterator, cute.make_layout((1, cute.size(rS))))
+            rS_mn = cute.make_tensor(rS.iterator, cute.make_layout((1, TILE_KEYS)))
             if tile_len < TILE_KEYS:
                 mask_columns(rS_mn, cute.make_identity_tensor((1, TILE_KEYS)), tile_len)
                 self.zero_keys_from(sV, storage, j, num_tiles, tile_len, tidx)
@@ -514,9 +506,7 @@ class BlockSparseFwdTcgen05:
                 row_max, row_sum, args.scale_log2, rS_mn, None, self.p_offset, lanes=1,
                 corrections=correction,
             )  # fmt: skip
-            rP = cute.make_rmem_tensor(p_shape, cutlass.Float32)
-            rP_16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), rS.layout)
-            rP_16.store(rS.load().to(self.dtype))
+            rP = self.probabilities(rS, p_shape)
 
             p_handle = p_producer.acquire_and_advance()  # P V(j - 1) is done
             # tcgen05.ld / st are warp-wide: the warp rescales its 32 rows if any moved (not
@@ -524,7 +514,7 @@ class BlockSparseFwdTcgen05:
             if j > 0:
                 if cute.arch.vote_any_sync(correction[0] != 1.0):
                     self.rescale_output(o_load, o_store, tOtO_chunks, chunk_shape, correction[0])
-            cute.copy(p_store, rP, tStP_dst)
+            cute.copy(p_store, rP, p_store.partition_D(tStP))
             cute.arch.fence_view_async_tmem_store()
             p_handle.commit()
 
@@ -533,6 +523,50 @@ class BlockSparseFwdTcgen05:
         self.epilogue(
             o_load, tOtO_chunks, chunk_shape, row_max, row_sum, args, heads, chunks, num_tiles, tidx
         )
+
+    def score_copies(self, qk_mma, tStS, tidx):
+        """(S load: TMEM -> registers, S's register coordinates, P store: registers -> TMEM,
+        P's TMEM columns as 32-bit words, the register shape of P's words) of this thread's
+        row."""
+        s_load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(TILE_KEYS)), cutlass.Float32),
+            tStS,
+        ).get_slice(tidx)
+        # Register shapes come from coordinate tensors partitioned as the MMA's C.
+        cS = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_KEYS)))
+        tScS = s_load.partition_D(cS)
+        # P's columns as 32-bit words: (128, 64 x width / 32).
+        words = TILE_KEYS * self.dtype.width // 32
+        tStP = cute.make_tensor(
+            tStS.iterator + (self.p_col - self.s_col),
+            cute.composition(tStS.layout, cute.make_layout((TILE_M, words))),
+        )
+        p_store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(words)), cutlass.Float32),
+            tStP,
+        ).get_slice(tidx)
+        p_shape = p_store.partition_S(
+            cute.make_tensor(cS.iterator, cute.composition(cS.layout, tStP.layout))
+        ).shape
+        return s_load, tScS, p_store, tStP, p_shape
+
+    @cute.jit
+    def load_scores(self, s_load, tStS, tScS, buffer):
+        """This thread's row of S buffer `buffer` (TMEM) in registers."""
+        rS = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)
+        src = cute.make_tensor(tStS.iterator + buffer * TILE_KEYS, tStS.layout)
+        cute.copy(s_load, s_load.partition_S(src), rS)
+        cute.arch.fence_view_async_tmem_load()
+        return rS
+
+    @cute.jit
+    def probabilities(self, rS, p_shape):
+        """The row's probabilities (rS) in the operand type, packed in 32-bit words as the P
+        store takes them (column c: keys c * 32 / width ..., the first in the low bits)."""
+        rP = cute.make_rmem_tensor(p_shape, cutlass.Float32)
+        packed = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), rS.layout)
+        packed.store(rS.load().to(self.dtype))
+        return rP
 
     def output_copies(self, pv_mma, tOtO, tidx):
         """(TMEM -> register copy, register -> TMEM copy, O cut in OUT_CHUNK-column chunks,
@@ -571,17 +605,22 @@ class BlockSparseFwdTcgen05:
         n = self.v_load_index(j, num_tiles)
         stage = n % self.kv_stages
         cute.arch.mbarrier_wait(storage.kv_barriers.data_ptr() + stage, (n // self.kv_stages) % 2)
-        d = self.head_dim
-        # V's stage as (key, channel): the B layout's ((D, 16), 1, 4) domain.
+        d, k = self.head_dim, self.mma_k
+        # V's stage as (key, channel): the B layout's ((D, K), 1, 64 / K) domain, as integers
+        # of the element's width (zero bits are 0.0; 8-bit floats have no scalar stores).
+        bits = cutlass.Uint8 if self.dtype.width == 8 else cutlass.Uint16
+        stage_tensor = sV[None, None, None, stage]
         sV_keys = cute.composition(
-            sV[None, None, None, stage],
-            cute.make_layout(((16, TILE_KEYS // 16), d), stride=((d, d * 16), 1)),
+            cute.make_tensor(
+                cute.recast_ptr(stage_tensor.iterator, dtype=bits), stage_tensor.layout
+            ),
+            cute.make_layout(((k, TILE_KEYS // k), d), stride=((d, d * k), 1)),
         )
         for i in cutlass.range_constexpr(d * TILE_KEYS // (32 * SOFTMAX_WARPS)):
             flat = tidx + i * 32 * SOFTMAX_WARPS
             key = flat // d
             if key >= first_key:
-                sV_keys[key, flat - key * d] = self.dtype(0.0)
+                sV_keys[key, flat - key * d] = bits(0)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
@@ -591,23 +630,13 @@ class BlockSparseFwdTcgen05:
     ):  # fmt: skip
         """Normalise this thread's row, write its LSE and its O (16-byte stores)."""
         mO, mLSE = args.mO, args.mLSE
-        out_dtype = mO.element_type
         lse = cute.make_rmem_tensor(1, cutlass.Float32)
         inverse = cute.make_rmem_tensor(1, cutlass.Float32)
         softmax_finalize(
             row_max, row_sum, args.scale_log2, None, lse, self.p_offset, lanes=1,
             inverses=inverse,
         )  # fmt: skip
-        half = tidx // UNIT_ROWS
-        head = heads[0]
-        q_row = chunks[0] * UNIT_ROWS + tidx - half * UNIT_ROWS
-        if cutlass.const_expr(self.units == 2):
-            if half == 1:
-                head = heads[1]
-                q_row = chunks[1] * UNIT_ROWS + tidx - UNIT_ROWS
-        writes = q_row < mO.shape[0]
-        if cutlass.const_expr(self.units == 1):
-            writes = writes & (half == 0)
+        head, q_row, writes = self.row_of_thread(heads, chunks, mO.shape[0], tidx)
         src = o_load.partition_S(tOtO_chunks)
         for c in cutlass.range_constexpr(self.head_dim // OUT_CHUNK):
             rO = cute.make_rmem_tensor(chunk_shape, cutlass.Float32)
@@ -617,13 +646,37 @@ class BlockSparseFwdTcgen05:
                 rO.store(rO.load() * inverse[0])
             else:
                 rO.fill(0.0)
-            out = cute.make_rmem_tensor(rO.shape, out_dtype)
-            out.store(saturated(rO.load(), out_dtype).to(out_dtype))
             if writes:
-                gO = cute.local_tile(mO[q_row, head, None], (OUT_CHUNK,), (c,))
-                cute.autovec_copy(out, cute.make_tensor(gO.iterator, out.layout))
+                self.write_output(mO, q_row, head, c, rO.load())
         if writes:
             mLSE[q_row, head] = lse[0]
+
+    @cute.jit
+    def row_of_thread(self, heads, chunks, num_rows, tidx):
+        """(head, query row, whether to write it) of this thread's row: rows 64.. are the
+        second unit's, or with one unit a copy of the first's rows whose results are
+        dropped."""
+        half = tidx // UNIT_ROWS
+        head = heads[0]
+        q_row = chunks[0] * UNIT_ROWS + tidx - half * UNIT_ROWS
+        if cutlass.const_expr(self.units == 2):
+            if half == 1:
+                head = heads[1]
+                q_row = chunks[1] * UNIT_ROWS + tidx - UNIT_ROWS
+        writes = q_row < num_rows
+        if cutlass.const_expr(self.units == 1):
+            writes = writes & (half == 0)
+        return head, q_row, writes
+
+    @cute.jit
+    def write_output(self, mO, q_row, head, c, values):
+        """OUT_CHUNK output columns from column c * OUT_CHUNK of a row (fp32 values, saturated
+        into mO's type)."""
+        out_dtype = mO.element_type
+        out = cute.make_rmem_tensor(OUT_CHUNK, out_dtype)
+        out.store(saturated(values, out_dtype).to(out_dtype))
+        gO = cute.local_tile(mO[q_row, head, None], (OUT_CHUNK,), (c,))
+        cute.autovec_copy(out, cute.make_tensor(gO.iterator, out.layout))
 
 
 def make_kernel(variant):
