@@ -75,9 +75,9 @@ def test_manifest_carries_each_family_spec():
     assert sage["templates"]["sm_90a"] == ["sm90_sage_fp8", "tma_warp_mma_fp8", "warp_mma_fp8"]
     assert sage["constants"] == {"unit_rows": 64, "tile_keys": 64, "keys_per_scale": 16}
     v = next(
-        v for v in m["variants"] if v["name"] == "sage_fp8_fwd__sm90_sage_fp8__e4m3_d128_w4__sm_90a"
+        v for v in m["variants"] if v["name"] == "sage_fp8_fwd__sm90_sage_fp8__e4m3_d128__sm_90a"
     )
-    assert v["constraints"] == {"units_per_cta": 4, "layouts": {"mK": "heads_in_whole_tiles"}}
+    assert v["constraints"] == {"units_per_cta": 1, "layouts": {"mK": "heads_in_whole_tiles"}}
     assert v["kernel_class"] == "SageFp8FwdSm90"
     assert [a["name"] for a in v["abi"] if a.get("output")] == ["mO", "mLSE"]
 

@@ -9,7 +9,6 @@ from generator.families.block_sparse_fwd import (
     TCGEN05_UNITS,
     TILE_KEYS,
     UNIT_ROWS,
-    WARPGROUPS,
     plan_args,
 )
 from generator.families.sage_quantize import KEYS_PER_SCALE
@@ -79,12 +78,11 @@ FAMILIES = (
                 "generator.kernels.sm90.sage_fp8_fwd",
                 mma="wgmma",
                 archs=("sm_90a",),
-                configs=tuple(
-                    dict(dtype=t, head_dim=d, warpgroups=w)
-                    for t in DTYPES
-                    for d in HEAD_DIMS
-                    for w in WARPGROUPS
-                ),
+                # One unit a CTA: the kernel is bound by instruction issue, and warpgroups
+                # sharing a ring (GQA) run their softmax in step; F3 1.06-1.07x cuDNN against
+                # 0.98-0.99 at four a CTA and 1.01 at two
+                # (bench/results/2026-12-04_1701517_h200_gqa_units_per_cta.md).
+                configs=tuple(dict(dtype=t, head_dim=d) for t in DTYPES for d in HEAD_DIMS),
                 # All heads' keys are TMA-loaded through one view, so each head must start a
                 # whole number of 64-key tiles after the one before, with the padding after
                 # the last head allocated (generator/kernels/sm90/sage_fp8_fwd.py k_tma_view).

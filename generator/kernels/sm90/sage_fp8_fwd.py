@@ -14,12 +14,11 @@ Sage FP8) with few eligible warps, so it runs four warpgroups per SM (one per CT
 registers each and a 40 KB ring, five stages at head_dim 128). Against
 three CTAs with a producer warp and an 8-stage ring: F1 574/575 vs 569/569, F3 587/582 vs
 578/578 TFLOPS (bench/results/2026-11-30_5e9155c+4cta_h200_sage_four_ctas_ab.md).
-Two or four warpgroups whose units list the same tiles (GQA heads, 64-row units of a 128- or
-256-row block) may share a CTA and its ring (the same bytes and registers per warpgroup):
-F3 602 TFLOPS against 575 for 2-CTA clusters sharing tiles by multicast
-(bench/results/2026-11-30_19c5b7a+w4_h200_shared_ring_interleaved_ab.md); after the
-instruction diet of 5c61fd7 four per CTA beat two, median 645 vs 628
-(bench/results/2026-11-30_sage_w4_h200_F3_ab.md).
+One unit a CTA, GQA included: units that list the same tiles (a kv head's query heads) share
+K/V through the L2. Two or four of them as warpgroups of one CTA on one ring (as the 16-bit
+kernel runs GQA) were 5-9% slower on F3: the kernel is issue-bound, not byte-bound, and
+warpgroups waiting on one ring run their softmax in step
+(bench/results/2026-12-04_1701517_h200_gqa_units_per_cta.md).
 """
 
 import cutlass
@@ -54,12 +53,11 @@ PV_SLICE = 64
 
 
 class SageFp8FwdSm90(BlockSparseFwdSm90):
-    def __init__(self, head_dim: int, warpgroups: int = 1):
-        super().__init__(cutlass.Float8E4M3FN, head_dim, warpgroups)
+    def __init__(self, head_dim: int):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, 1)
         self.v_major = OperandMajorMode.K
-        # Warpgroups sharing a CTA pool their rings: the same bytes per SM.
-        self.kv_stages = RING_BYTES * warpgroups // (TILE_N * head_dim)  # e4m3: a byte each
-        self.ctas_per_sm = CTAS_PER_SM // warpgroups
+        self.kv_stages = RING_BYTES // (TILE_N * head_dim)  # e4m3: a byte each
+        self.ctas_per_sm = CTAS_PER_SM
         self.pv_slice = min(head_dim, PV_SLICE)
 
     def k_tma_view(self, mK):
@@ -332,8 +330,6 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
         tOcO_mn = acc_mn_view(pv_thr.partition_C(cute.make_identity_tensor((TILE_M, d))))
         channel_scale = cute.make_fragment_like(acc_O_mn[0, None], cutlass.Float32)
         load_channel_scales(mVScale, kv_head, tOcO_mn, channel_scale)
-        if cutlass.const_expr(self.warpgroups > 1):  # the output tiles reuse the shared ring
-            cute.arch.sync_threads()
         # Scores are already in log2 units (scale_log2 is inside row_scale).
         self.finish(
             pv_mma,
@@ -372,4 +368,4 @@ def make_kernel(variant):
     p = variant.params
     if p["dtype"] != "e4m3" or not SageFp8FwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: {p['dtype']} head_dim {p['head_dim']} not supported")
-    return SageFp8FwdSm90(p["head_dim"], p["warpgroups"])
+    return SageFp8FwdSm90(p["head_dim"])
