@@ -18,3 +18,15 @@ def unit_of_cta(args, queries, num_kv_heads, tile_m: int, units_per_cta=1, index
     chunk = unit - head * num_chunks
     kv_head = head // (num_qo_heads // num_kv_heads)
     return head, chunk, kv_head, args.mTileIdx[kv_head, chunk, None], args.mTileCnt[kv_head, chunk]
+
+
+def stacked_units_of_cta(args, queries, num_kv_heads, tile_m: int, units_per_cta: int):
+    """(heads, chunks, kv head, tile list, its length) of all `units_per_cta` units of this
+    CTA, stacked over one tile list (the planner groups units that list the same tiles):
+    heads and chunks as lists, unit by unit (unit_of_cta)."""
+    units = [
+        unit_of_cta(args, queries, num_kv_heads, tile_m, units_per_cta, u)
+        for u in range(units_per_cta)
+    ]
+    _, _, kv_head, tile_ids, num_tiles = units[0]
+    return [unit[0] for unit in units], [unit[1] for unit in units], kv_head, tile_ids, num_tiles

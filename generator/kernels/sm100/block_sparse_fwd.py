@@ -47,7 +47,7 @@ from generator.kernels.common.softmax import (
     softmax_finalize,
     softmax_update,
 )
-from generator.kernels.common.tile_list import unit_of_cta
+from generator.kernels.common.tile_list import stacked_units_of_cta
 
 TILE_M = 128  # rows of the MMA tile: two units
 SOFTMAX_WARPS = 4
@@ -240,13 +240,9 @@ class BlockSparseFwdTcgen05:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        units = [
-            unit_of_cta(args, args.mO, mK_tma.shape[2], UNIT_ROWS, self.units, u)
-            for u in range(self.units)
-        ]
-        heads = [unit[0] for unit in units]
-        chunks = [unit[1] for unit in units]
-        _, _, kv_head, tile_ids, num_tiles = units[0]
+        heads, chunks, kv_head, tile_ids, num_tiles = stacked_units_of_cta(
+            args, args.mO, mK_tma.shape[2], UNIT_ROWS, self.units
+        )
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)

@@ -44,7 +44,7 @@ from generator.kernels.common.softmax import (
     softmax_finalize,
     softmax_update,
 )
-from generator.kernels.common.tile_list import unit_of_cta
+from generator.kernels.common.tile_list import stacked_units_of_cta
 from generator.kernels.portable.block_sparse_fwd import BlockSparseFwdWarpMma
 
 TILE_N = TILE_KEYS
@@ -204,13 +204,9 @@ class BlockSparseFwdTmaWarpMma:
         bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         d = self.head_dim
         # Every unit's (head, chunk); the tile list is the same for all of them.
-        units = [
-            unit_of_cta(args, args.mO, mK_tma.shape[2], UNIT_ROWS, self.units, u)
-            for u in range(self.units)
-        ]
-        heads = [unit[0] for unit in units]
-        chunks = [unit[1] for unit in units]
-        _, _, kv_head, tile_ids, num_tiles = units[0]
+        heads, chunks, kv_head, tile_ids, num_tiles = stacked_units_of_cta(
+            args, args.mO, mK_tma.shape[2], UNIT_ROWS, self.units
+        )
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ_tma = storage.sQ.get_tensor(tma_q_layout.outer, swizzle=tma_q_layout.inner)
