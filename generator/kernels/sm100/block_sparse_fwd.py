@@ -48,6 +48,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
 )
 from generator.kernels.common.tile_list import stacked_units_of_cta
+from generator.kernels.common.tma_views import seq_d_heads
 
 TILE_M = 128  # rows of the MMA tile: two units
 SOFTMAX_WARPS = 4
@@ -143,11 +144,11 @@ class BlockSparseFwdTcgen05:
             cute.slice_(q_layout, (None, None, None, 0)), self.rows_by_k(UNIT_ROWS)
         )
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
-            tma_op, self.seq_d_heads(args.mQ), q_half, (UNIT_ROWS, d)
+            tma_op, seq_d_heads(args.mQ, self.head_dim), q_half, (UNIT_ROWS, d)
         )
         tma_k, mK_tma = cute.nvgpu.make_tiled_tma_atom_B(
             tma_op,
-            self.seq_d_heads(args.mK),
+            seq_d_heads(args.mK, self.head_dim),
             cute.slice_(k_layout, (None, None, None, 0)),
             qk_tiler,
             qk_mma,
@@ -184,15 +185,6 @@ class BlockSparseFwdTcgen05:
         colexicographic: row r, column k at r + 128 (k % K) + 128 K (k // K)."""
         d, k = self.head_dim, self.mma_k
         return cute.make_layout((rows, (k, d // k)), stride=(1, (TILE_M, TILE_M * k)))
-
-    def seq_d_heads(self, m):
-        """A (seq, heads, D) tensor as (seq, D, heads): K-major rows for TMA."""
-        return cute.make_tensor(
-            m.iterator,
-            cute.make_layout(
-                (m.shape[0], self.head_dim, m.shape[1]), stride=(m.stride[0], 1, m.stride[1])
-            ),
-        )
 
     def v_tensor(self, args):
         """V (seq, heads, D) as (D, seq, heads): the P V MMA's (N, K) B operand."""

@@ -45,6 +45,7 @@ from generator.kernels.common.softmax import (
     softmax_update,
 )
 from generator.kernels.common.tile_list import stacked_units_of_cta
+from generator.kernels.common.tma_views import seq_d_heads
 from generator.kernels.portable.block_sparse_fwd import BlockSparseFwdWarpMma
 
 TILE_N = TILE_KEYS
@@ -128,7 +129,10 @@ class BlockSparseFwdTmaWarpMma:
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         atoms = [
             cpasync.make_tiled_tma_atom(
-                tma_op, self.seq_d_heads(m), cute.slice_(layout, (None, None, 0)), (rows, d)
+                tma_op,
+                seq_d_heads(m, self.head_dim),
+                cute.slice_(layout, (None, None, 0)),
+                (rows, d),
             )
             for m, layout, rows in (
                 (args.mQ, tma_q_layout, UNIT_ROWS),
@@ -154,15 +158,6 @@ class BlockSparseFwdTmaWarpMma:
             tile_bytes,
             SharedStorage,
         ).launch(**self.launch_options(args.mWork, SharedStorage, stream))
-
-    def seq_d_heads(self, m):
-        """A (seq, heads, D) tensor as TMA loads it: (seq, D, heads)."""
-        return cute.make_tensor(
-            m.iterator,
-            cute.make_layout(
-                (m.shape[0], self.head_dim, m.shape[1]), stride=(m.stride[0], 1, m.stride[1])
-            ),
-        )
 
     def shared_storage(self, q_layout, kv_layout):
         """The shared-memory struct: the two pipelines' barriers, the Q tiles and the ring."""

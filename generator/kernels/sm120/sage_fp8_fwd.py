@@ -31,6 +31,7 @@ from generator.kernels.common.sage_math import (
 )
 from generator.kernels.common.softmax import acc_mn_view
 from generator.kernels.common.tile_list import unit_of_cta
+from generator.kernels.common.tma_views import seq_d_heads
 from generator.kernels.portable.block_sparse_fwd import TILE_M, TILE_N, BlockSparseFwdWarpMma
 from generator.kernels.portable.sage_fp8_fwd import SageFp8FwdWarpMma
 from generator.kernels.sm120.block_sparse_fwd import BlockSparseFwdTmaWarpMma, ring_shape
@@ -77,10 +78,10 @@ class SageFp8FwdTmaWarpMma(BlockSparseFwdTmaWarpMma):
         d = self.head_dim
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(
-            tma_op, self.seq_d_heads(args.mQ), cute.slice_(q_layout, (None, None, 0)), (TILE_M, d)
+            tma_op, seq_d_heads(args.mQ, d), cute.slice_(q_layout, (None, None, 0)), (TILE_M, d)
         )
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(
-            tma_op, self.seq_d_heads(args.mK), cute.slice_(k_layout, (None, None, 0)), (TILE_N, d)
+            tma_op, seq_d_heads(args.mK, d), cute.slice_(k_layout, (None, None, 0)), (TILE_N, d)
         )
         tma_v, mVt_tma = cpasync.make_tiled_tma_atom(
             tma_op, args.mVt, cute.slice_(vt_layout, (None, None, 0)), (d, TILE_N)
