@@ -186,6 +186,12 @@ class BlockSparseFwdTcgen05:
         d, k = self.head_dim, self.mma_k
         return cute.make_layout((rows, (k, d // k)), stride=(1, (TILE_M, TILE_M * k)))
 
+    def keys_by_channel(self):
+        """(64 keys, D) -> the P V MMA's B layout's ((D, K), 1, 64 / K) domain (K = mma_k),
+        colexicographic: key j, channel c at c + D (j % K) + D K (j // K)."""
+        d, k = self.head_dim, self.mma_k
+        return cute.make_layout(((k, TILE_KEYS // k), d), stride=((d, d * k), 1))
+
     def v_tensor(self, args):
         """V (seq, heads, D) as (D, seq, heads): the P V MMA's (N, K) B operand."""
         m = args.mV
@@ -593,16 +599,16 @@ class BlockSparseFwdTcgen05:
         n = self.v_load_index(j, num_tiles)
         stage = n % self.kv_stages
         cute.arch.mbarrier_wait(storage.kv_barriers.data_ptr() + stage, (n // self.kv_stages) % 2)
-        d, k = self.head_dim, self.mma_k
-        # V's stage as (key, channel): the B layout's ((D, K), 1, 64 / K) domain, as integers
-        # of the element's width (zero bits are 0.0; 8-bit floats have no scalar stores).
+        d = self.head_dim
+        # V's stage as (key, channel), as integers of the element's width (zero bits are 0.0;
+        # 8-bit floats have no scalar stores).
         bits = cutlass.Uint8 if self.dtype.width == 8 else cutlass.Uint16
         stage_tensor = sV[None, None, None, stage]
         sV_keys = cute.composition(
             cute.make_tensor(
                 cute.recast_ptr(stage_tensor.iterator, dtype=bits), stage_tensor.layout
             ),
-            cute.make_layout(((k, TILE_KEYS // k), d), stride=((d, d * k), 1)),
+            self.keys_by_channel(),
         )
         for i in cutlass.range_constexpr(d * TILE_KEYS // (32 * SOFTMAX_WARPS)):
             flat = tidx + i * 32 * SOFTMAX_WARPS
