@@ -64,7 +64,7 @@ def video_sparse_attention(
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    q_tiles, k_tiles, v_tiles = tile_means(q), tile_means(k), tile_means(v)
+    q_tiles, k_tiles = tile_means(q), tile_means(k)
     logits = coarse_logits(q_tiles, k_tiles, scale)
     selected = select_tiles(logits, hkv, topk)  # (B, Hkv, T, k)
     # Batch folded into the heads: (b, h) -> b * H + h keeps every query head's kv head.
@@ -95,7 +95,7 @@ def video_sparse_attention(
     out = wrapper.run(*(t.transpose(0, 1) for t in tokens)).transpose(0, 1)  # NHD views
     out = out.unflatten(0, (b, hq))
     if gate is not None:
-        coarse = torch.softmax(logits, -1) @ v_tiles.repeat_interleave(hq // hkv, 1)
+        coarse = torch.softmax(logits, -1) @ tile_means(v).repeat_interleave(hq // hkv, 1)
         sizes = torch.full((coarse.shape[2],), TILE, device=q.device)
         sizes[-1] = s - (coarse.shape[2] - 1) * TILE
         per_token = coarse.repeat_interleave(sizes, dim=2, output_size=s)
