@@ -246,6 +246,11 @@ class BlockSparseFwdTcgen05:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sKV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sKV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        # V as integers of its width, for zeroing keys past a short tile (zero bits are 0.0;
+        # 8-bit floats have no scalar stores). Made here, with the swizzle: a pointer recast
+        # to another type drops it.
+        bits = cutlass.Uint8 if self.dtype.width == 8 else cutlass.Uint16
+        sV_bits = storage.sKV.get_tensor(v_layout.outer, swizzle=v_layout.inner, dtype=bits)
 
         all_threads = pipeline.NamedBarrier(barrier_id=1, num_threads=NUM_THREADS)
         tmem = TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=all_threads)
@@ -268,7 +273,7 @@ class BlockSparseFwdTcgen05:
         tmem.relinquish_alloc_permit()
         if warp_idx < SOFTMAX_WARPS:
             self.softmax(
-                qk_mma, pv_mma, tStS, tOtO, sV, storage, s_pipe, p_pipe, args, heads, chunks,
+                qk_mma, pv_mma, tStS, tOtO, sV_bits, storage, s_pipe, p_pipe, args, heads, chunks,
                 kv_head, tile_ids, num_tiles, tidx,
             )  # fmt: skip
         # The MMA warp last: its MMAs' accumulate flags are set inside its branch, which
@@ -471,7 +476,7 @@ class BlockSparseFwdTcgen05:
 
     @cute.jit
     def softmax(
-        self, qk_mma, pv_mma, tStS, tOtO, sV, storage, s_pipe, p_pipe, args, heads, chunks,
+        self, qk_mma, pv_mma, tStS, tOtO, sV_bits, storage, s_pipe, p_pipe, args, heads, chunks,
         kv_head, tile_ids, num_tiles, tidx,
     ):  # fmt: skip
         """Warps 0-3, thread t = row t (module docstring)."""
@@ -495,7 +500,7 @@ class BlockSparseFwdTcgen05:
             rS_mn = cute.make_tensor(rS.iterator, cute.make_layout((1, TILE_KEYS)))
             if tile_len < TILE_KEYS:
                 mask_columns(rS_mn, cute.make_identity_tensor((1, TILE_KEYS)), tile_len)
-                self.zero_keys_from(sV, storage, j, num_tiles, tile_len, tidx)
+                self.zero_keys_from(sV_bits, storage, j, num_tiles, tile_len, tidx)
             softmax_update(
                 row_max, row_sum, args.scale_log2, rS_mn, None, self.p_offset, lanes=1,
                 corrections=correction,
@@ -592,7 +597,7 @@ class BlockSparseFwdTcgen05:
             cute.copy(o_store, rO, dst[None, None, c])
 
     @cute.jit
-    def zero_keys_from(self, sV, storage, j, num_tiles, first_key, tidx):
+    def zero_keys_from(self, sV_bits, storage, j, num_tiles, first_key, tidx):
         """Zero keys first_key..63 of V(j) in its ring stage, once its load has landed (rare:
         tiles shorter than 64 keys). The MMA reads the stage only after this thread's P
         commit, which follows the fence that orders these stores before the async proxy."""
@@ -600,21 +605,13 @@ class BlockSparseFwdTcgen05:
         stage = n % self.kv_stages
         cute.arch.mbarrier_wait(storage.kv_barriers.data_ptr() + stage, (n // self.kv_stages) % 2)
         d = self.head_dim
-        # V's stage as (key, channel), as integers of the element's width (zero bits are 0.0;
-        # 8-bit floats have no scalar stores).
-        bits = cutlass.Uint8 if self.dtype.width == 8 else cutlass.Uint16
-        stage_tensor = sV[None, None, None, stage]
-        sV_keys = cute.composition(
-            cute.make_tensor(
-                cute.recast_ptr(stage_tensor.iterator, dtype=bits), stage_tensor.layout
-            ),
-            self.keys_by_channel(),
-        )
+        # V's stage as (key, channel).
+        sV_keys = cute.composition(sV_bits[None, None, None, stage], self.keys_by_channel())
         for i in cutlass.range_constexpr(d * TILE_KEYS // (32 * SOFTMAX_WARPS)):
             flat = tidx + i * 32 * SOFTMAX_WARPS
             key = flat // d
             if key >= first_key:
-                sV_keys[key, flat - key * d] = bits(0)
+                sV_keys[key, flat - key * d] = sV_bits.element_type(0)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit

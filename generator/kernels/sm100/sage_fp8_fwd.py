@@ -46,7 +46,7 @@ class SageFp8FwdTcgen05(BlockSparseFwdTcgen05):
 
     @cute.jit
     def softmax(
-        self, qk_mma, pv_mma, tStS, tOtO, sV, storage, s_pipe, p_pipe, args, heads, chunks,
+        self, qk_mma, pv_mma, tStS, tOtO, sV_bits, storage, s_pipe, p_pipe, args, heads, chunks,
         kv_head, tile_ids, num_tiles, tidx,
     ):  # fmt: skip
         """Warps 0-3, thread t = row t: the Sage softmax of each tile, P8 into TMEM, the
@@ -79,7 +79,7 @@ class SageFp8FwdTcgen05(BlockSparseFwdTcgen05):
             # A 32x32b load gives the thread its row's columns in order: register c = key c.
             rS_mn = cute.make_tensor(rS.iterator, cute.make_layout((1, TILE_KEYS)))
             if tile_len < TILE_KEYS:
-                self.zero_keys_from(sV, storage, j, num_tiles, tile_len, tidx)
+                self.zero_keys_from(sV_bits, storage, j, num_tiles, tile_len, tidx)
             sage_softmax_step(
                 rS_mn, row_scale, key_scale, cute.make_identity_tensor((1, TILE_KEYS)),
                 tile_len, row_max, row_sum, alpha, beta, lanes=1,
