@@ -49,3 +49,25 @@ def test_16_bit_views_follow_the_mma_partitions(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_e4m3_views_follow_the_mma_partitions(head_dim):
     assert views_agree(SageFp8FwdTcgen05(head_dim, 2)) == []
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [BlockSparseFwdTcgen05(cutlass.BFloat16, d, u) for d in (64, 128, 256) for u in (1, 2)]
+    + [SageFp8FwdTcgen05(d, u) for d in (64, 128) for u in (1, 2)],
+    ids=lambda k: f"{type(k).__name__}_d{k.head_dim}_u{k.units}",
+)
+def test_tensor_memory_and_shared_memory_fit(kernel):
+    """TMEM: O buffers, two S buffers and P side by side in a power-of-two allocation of at
+    most the SM's 512 columns. Shared memory: the Q tile and the ring (at least two stages)
+    within a CTA's 227 KB, with 2 KB for the barriers and the 1 KB alignments."""
+    d = kernel.head_dim
+    o_end = kernel.o_col + kernel.O_BUFFERS * d
+    s_end = kernel.s_col + 2 * TILE_KEYS
+    p_end = kernel.p_col + TILE_KEYS * kernel.dtype.width // 32
+    assert kernel.o_col == 0 and o_end <= kernel.s_col and s_end <= kernel.p_col
+    assert p_end <= kernel.tmem_alloc <= 512
+    assert kernel.tmem_alloc & (kernel.tmem_alloc - 1) == 0
+    q_bytes = TILE_M * d * kernel.dtype.width // 8
+    assert kernel.kv_stages >= 2
+    assert q_bytes + kernel.kv_stages * kernel.tile_bytes + 2048 <= 227 * 1024
