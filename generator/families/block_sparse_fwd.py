@@ -33,6 +33,16 @@ TMA_WARP_MMA_UNITS = {64: (1, 2), 128: (1, 2), 256: (1,)}
 TCGEN05_UNITS = (1, 2)
 
 
+def tcgen05_configs(dtypes, head_dims) -> tuple[dict, ...]:
+    """The config grid of a tcgen05 template (this family's and Sage FP8's)."""
+    return tuple(
+        dict(dtype=t, head_dim=d, warpgroups=units)
+        for t in dtypes
+        for d in head_dims
+        for units in TCGEN05_UNITS
+    )
+
+
 def plan_args():
     """The plan's tensors and scale, shared by every attention family over units and tiles:
     mWork      (U,)          unit ids h * R + r in launch order (longest rows first)
@@ -134,12 +144,7 @@ def templates(logits: bool):
                     "generator.kernels.sm100.block_sparse_fwd",
                     mma="tcgen05",
                     archs=("sm_100f",),
-                    configs=tuple(
-                        dict(dtype=t, head_dim=d, warpgroups=units)
-                        for t in DTYPES
-                        for d in HEAD_DIMS
-                        for units in TCGEN05_UNITS
-                    ),
+                    configs=tcgen05_configs(DTYPES, HEAD_DIMS),
                 ),
                 Template(
                     "tma_warp_mma",

@@ -6,10 +6,10 @@ k_scale[key // 16] * sm_scale; the output is (P V8) * v_scale[channel].
 
 from generator.abi import TensorArg
 from generator.families.block_sparse_fwd import (
-    TCGEN05_UNITS,
     TILE_KEYS,
     UNIT_ROWS,
     plan_args,
+    tcgen05_configs,
 )
 from generator.families.sage_quantize import KEYS_PER_SCALE
 from generator.family import ALL_ARCHS, Family, Template
@@ -94,12 +94,7 @@ FAMILIES = (
                 "generator.kernels.sm100.sage_fp8_fwd",
                 mma="tcgen05",
                 archs=("sm_100f",),
-                configs=tuple(
-                    dict(dtype=t, head_dim=d, warpgroups=units)
-                    for t in DTYPES
-                    for d in HEAD_DIMS
-                    for units in TCGEN05_UNITS
-                ),
+                configs=tcgen05_configs(DTYPES, HEAD_DIMS),
             ),
             # e4m3 mma.sync: native QMMA on sm_120f; emulated through fp16 MMAs on sm_90a and
             # sm_100f (built there to run on the H200 / for coverage). TMA-loaded K / V^T ring

@@ -43,16 +43,12 @@ def row_allreduce(val, op, lanes: int = 4):
     return val
 
 
-def quad_allreduce(val, op):
-    return row_allreduce(val, op, 4)
-
-
 def quad_max(val):
-    return quad_allreduce(val, cute.arch.fmax)
+    return row_allreduce(val, cute.arch.fmax)
 
 
 def quad_sum(val):
-    return quad_allreduce(val, lambda a, b: a + b)
+    return row_allreduce(val, lambda a, b: a + b)
 
 
 def new_softmax_state(num_rows: int):
