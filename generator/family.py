@@ -80,6 +80,8 @@ class Variant:
             config += f"_w{p['warpgroups']}"
         if p.get("key_layout"):
             config += f"_{p['key_layout']}"
+        if p.get("shard_rows"):
+            config += f"_r{p['shard_rows']}"
         if p.get("accumulate", "fp32") != "fp32":
             config += f"_acc_{p['accumulate']}"
         if p.get("logits"):

@@ -30,7 +30,10 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
 - msa_topk_select: tied, -inf and NaN scores, forced blocks and per-token valid pages, ids
   equal to the reference's;
 - token_sparse_kv_indices / group_union_masks: ragged rows, -1 rows and repeated or
-  out-of-range positions, every output buffer (poisoned) equal to the reference's.
+  out-of-range positions, every output buffer (poisoned) equal to the reference's;
+- msa_icp_score / msa_icp_select / msa_icp_merge: ragged prefill sequences sharded over two
+  or four ranks against reference_icp.rank_scores; carrier rows and merged ids word for word
+  equal to reference_icp's (ties, NaN, -0, forced blocks, nvp 0 and past 8192).
 
 One line per case; exit status 1 if any fails. `--small` shrinks the problems (for
 compute-sanitizer, and for the first-use self-checks of selftest.py, which run a variant's
@@ -47,7 +50,7 @@ import sys
 
 import torch
 
-from sparseforge import _library, reference
+from sparseforge import _library, reference, reference_icp
 from sparseforge.arch import arch_for_device
 from sparseforge.dtypes import BY_NAME
 from sparseforge.families import sdsa as sdsa_family
@@ -69,6 +72,8 @@ MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention_nvfp4",
 )
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
+ICP_FAMILIES = ("msa_icp_score", "msa_icp_select", "msa_icp_merge")
+ICP_HEADS, ICP_TOPK, ICP_WORDS = 4, 16, 33  # index heads, top-16, carrier row words
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
 TOLERANCE = {"block_sparse_fwd": 5e-3, "block_sparse_fwd_logits": 5e-3, "sage_fp8_fwd": 3e-2}
@@ -845,6 +850,152 @@ def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     return "ids vs the reference", same
 
 
+def icp_e4m3(*shape, generator, scale=2.0):
+    return (torch.randn(*shape, generator=generator) * scale).to(torch.float8_e4m3fn)
+
+
+def icp_sharded_problem(keys, queries, world, page, seed, q_offsets=None, spare_pages=3):
+    """Sequences of `keys` keys and `queries` query tokens (the last ones of each sequence,
+    unless q_offsets), sharded over `world` ranks in pages of `page` keys: physical pages out
+    of order, unused pages and rows past a sequence's end filled with large garbage, one
+    table entry past the shard (its keys: none). A dict (CPU tensors): per sequence its
+    keys, e4m3 queries, query offset and positions; the block table, every rank's shard."""
+    g = torch.Generator().manual_seed(seed)
+    rows = page // world
+    pages = [-(-n // page) for n in keys]
+    physical = torch.randperm(sum(pages) + spare_pages, generator=g).int()
+    width = max(pages) + 1
+    table = torch.full((len(keys), width), 10**6, dtype=torch.int32)  # past the shard
+    shards = [icp_e4m3(len(physical), rows, 128, generator=g, scale=40.0) for _ in range(world)]
+    seqs, first = [], 0
+    for b, (n, t) in enumerate(zip(keys, queries, strict=True)):
+        table[b, : pages[b]] = physical[first : first + pages[b]]
+        first += pages[b]
+        k = icp_e4m3(n, 128, generator=g)
+        q = icp_e4m3(t, ICP_HEADS, 128, generator=g)
+        offset = n - t if q_offsets is None else q_offsets[b]
+        for r in range(world):
+            held = reference_icp.shard_keys(n, world, r, page)  # (pages, rows) global keys
+            for c in range(pages[b]):
+                live = held[c] < n
+                shards[r][table[b, c], live] = k[held[c][live]]
+        seqs.append(dict(k=k.float(), q=q, offset=offset, positions=offset + torch.arange(t)))
+    return dict(seqs=seqs, table=table, shards=shards, pages=pages, world=world, page=page)
+
+
+def icp_expected_rank_scores(p, rank, compact, width):
+    """(T, 4, width) the rank's scores per the contract (-inf where no page fills)."""
+    out = []
+    for s, n_pages in zip(p["seqs"], p["pages"], strict=True):
+        scores = reference_icp.key_scores(s["q"].float(), s["k"])
+        local = reference_icp.rank_scores(scores, s["positions"], p["world"], rank, p["page"])
+        plane = torch.full((local.shape[0], ICP_HEADS, width), -math.inf)
+        if p["page"] == 256 and not compact:
+            ids = reference_icp.block_ids(s["k"].shape[0], p["world"], rank, p["page"])
+            plane[..., ids] = local
+        else:
+            plane[..., :n_pages] = local
+        out.append(plane)
+    return torch.cat(out)
+
+
+def icp_close_scores(got, want) -> bool:
+    """Finite scores within the FP8 wgmma accumulator's error of the fp64 ones (2e-3 of the
+    largest; a GPU test of msa_proxy_score read 4.2e-4 with it), -inf exactly where the
+    reference has -inf."""
+    if not torch.equal(torch.isinf(got), torch.isinf(want)):
+        return False
+    finite = ~torch.isinf(want)
+    if not finite.any():
+        return True
+    err = (got[finite] - want[finite]).abs().max().item()
+    return err <= 2e-3 * want[finite].abs().max().item() + 1e-3
+
+
+def icp_random_scores(tokens, columns, seed):
+    """Scores with many exact ties, NaN, -0, +0 and -inf."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-6, 7, (tokens, ICP_HEADS, columns), generator=g).float() / 4
+    u = torch.rand(s.shape, generator=g)
+    s[u < 0.03] = math.nan
+    s[(u >= 0.03) & (u < 0.06)] = -0.0
+    s[(u >= 0.06) & (u < 0.1)] = -math.inf
+    return s
+
+
+def icp_random_carriers(world, tokens, blocks, seed):
+    """(W, hpr, T, 33) exchanged carrier rows: ascending ids (some repeated across ranks,
+    some past nvp or 8192), -1 padding, NaN and -0 scores."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.empty(world, ICP_HEADS // world, tokens, ICP_WORDS, dtype=torch.int32)
+    for index in range(world * (ICP_HEADS // world) * tokens):
+        count = int(torch.randint(0, ICP_TOPK + 1, (1,), generator=g))
+        ids = torch.randperm(blocks, generator=g)[:count].sort().values
+        scores = torch.randint(-3, 4, (count,), generator=g).float()
+        scores[torch.rand(count, generator=g) < 0.1] = math.nan
+        scores[torch.rand(count, generator=g) < 0.1] = -0.0
+        row = rows.view(-1, ICP_WORDS)[index]
+        row[:ICP_TOPK] = torch.full((ICP_TOPK,), -math.inf).view(torch.int32)
+        row[ICP_TOPK : 2 * ICP_TOPK] = -1
+        row[:count] = scores.view(torch.int32)
+        row[ICP_TOPK : ICP_TOPK + count] = ids.int()
+        row[-1] = 1
+    return rows
+
+
+def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    """msa_icp_score: ragged prefill sequences against rank_scores (W = 2, P128); the select
+    and the merge: tied, NaN, -0 and -inf scores, forced blocks, nvp 0 and past 8192, word
+    for word against local_top16 and merge."""
+    from sparseforge import msa_icp
+
+    family, gen = v["family"], torch.Generator().manual_seed(seed)
+    if family == "msa_icp_score":
+        # The layouts with the variant's rows a page: P128 over 4 / 2 ranks, P256 over 2.
+        world, page = {32: (4, 128), 64: (2, 128), 128: (2, 256)}[v["params"]["shard_rows"]]
+        keys = [300, 900] if small else [700, 5000]
+        p = icp_sharded_problem(keys, [40, 100], world, page, seed)
+        same = True
+        for rank in range(world):
+            seqs = p["seqs"]
+            plan = msa_icp.msa_icp_index_score_sharded_plan(
+                torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32),
+                torch.tensor(keys, dtype=torch.int32), 4,
+                qo_offset=torch.tensor([s["offset"] for s in seqs], dtype=torch.int32),
+            )  # fmt: skip
+            q = torch.cat([s["q"] for s in seqs]).cuda()
+            width = msa_icp.msa_icp_index_score_columns(max(keys), page)
+            out = torch.full((q.shape[0], ICP_HEADS, width), math.nan, device="cuda")
+            msa_icp.msa_icp_index_score_sharded(
+                q, p["shards"][rank].cuda(), p["table"].cuda(), plan, rank=rank, max_score=out,
+                tp=world, compact=True,
+            )  # fmt: skip
+            want = icp_expected_rank_scores(p, rank, True, width)
+            same = same and icp_close_scores(out.cpu(), want)
+        return "scores vs the reference", same
+    tokens = 9 if small else 300
+    nvp = torch.randint(0, 9000, (tokens,), generator=gen, dtype=torch.int32)
+    nvp[0] = 0
+    if family == "msa_icp_select":
+        scores = icp_random_scores(tokens, 4600 if small else 9000, seed)
+        ids = torch.arange(scores.shape[2]) * 2 + 1
+        carrier = torch.full((ICP_HEADS, tokens, ICP_WORDS), -7, dtype=torch.int32, device="cuda")
+        msa_icp.msa_icp_topk_select_prefill(
+            scores.cuda(), nvp.cuda(), carrier, force_begin_blocks=2, force_end_blocks=1,
+            index_scale=2, index_offset=1,
+        )  # fmt: skip
+        want = reference_icp.local_top16(scores, ids, nvp, 2, 1).transpose(0, 1)
+        return "carrier rows vs the reference", torch.equal(carrier.cpu(), want)
+    rows = icp_random_carriers(4, tokens, 9000, seed)
+    out = torch.full((tokens, 1, ICP_TOPK), -7, dtype=torch.int32, device="cuda")
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    msa_icp.msa_icp_merge_candidates(
+        rows.cuda(), nvp.cuda(), out, errors, init_blocks=1, local_blocks=2, prefill=True
+    )
+    want = reference_icp.merge(rows, nvp, 1, 2)
+    return "merged ids vs the reference", torch.equal(out.cpu(), want) and errors.item() == 0
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """e4m3 codes as bytes (NaN codes compare equal), others as they are."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -865,6 +1016,7 @@ CHECKED_FAMILIES = (
     *MSA_ATTENTION_FAMILIES,
     *TOKEN_SPARSE_FAMILIES,
     ROPE_FAMILY,
+    *ICP_FAMILIES,
 )
 
 
@@ -889,6 +1041,8 @@ def check_variant(v: dict, small: bool) -> list[tuple[str, bool]]:
         return [check_token_sparse(v, small)]
     if family == ROPE_FAMILY:
         return [check_rope(v, small)]
+    if family in ICP_FAMILIES:
+        return [check_icp(v, small)]
     return [check_attention(v, block, small) for block in (64, 128)]
 
 

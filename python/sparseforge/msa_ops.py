@@ -36,6 +36,25 @@ from sparseforge.families import msa_sparse_attention as attention_family
 from sparseforge.families import msa_topk_select as topk_family
 from sparseforge.families import nvfp4_kv_write as nvfp4_family
 
+# The MiniMax-M3 ICP indexer (its own module) is part of this surface, as in flashinfer.
+from sparseforge.msa_icp import (  # noqa: F401
+    MSAIcpComm,
+    MSAIcpIndexerPlan,
+    MSAIcpScorePlan,
+    msa_icp_comm_layout,
+    msa_icp_decode_index_score_sharded,
+    msa_icp_decode_score_columns,
+    msa_icp_index_score_columns,
+    msa_icp_index_score_plan_storage,
+    msa_icp_index_score_sharded,
+    msa_icp_index_score_sharded_plan,
+    msa_icp_index_score_sharded_plan_device,
+    msa_icp_merge_candidates,
+    msa_icp_topk_select_prefill,
+    msa_icp_topk_select_publish,
+    prepare_msa_icp_indexer,
+)
+
 
 def msa_proxy_score(
     q,

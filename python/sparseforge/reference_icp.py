@@ -16,6 +16,7 @@ numbers and the merge can be compared id for id.
     publish / collect                                    the same through receive rows (decode)
     merge(received, ...)                                 the owner's top-16 (T, heads / rank, 16)
     global_top16(key_scores, ...)                        what the merge must reproduce
+    top16_of_maxima(maxima, nvp, ...)                    the same from given block maxima
     tag_rows / untag_rows                                generation-tagged rows (decode)
 
 Choices where the contract is silent (kept consistent with msa_topk_select): a block whose
@@ -257,7 +258,20 @@ def global_top16(
 ) -> torch.Tensor:
     """(T, HEADS, 16) int32: the single-GPU top-16 of the global block maxima, ranked as
     local_top16 ranks, ascending, -1 tail; what the ICP merge reproduces."""
-    maxima = global_block_max(scores, positions)
+    return top16_of_maxima(
+        global_block_max(scores, positions), nvp, force_begin, force_end, max_blocks
+    )
+
+
+def top16_of_maxima(
+    maxima: torch.Tensor,
+    nvp: torch.Tensor,
+    force_begin: int = 0,
+    force_end: int = 0,
+    max_blocks: int = MAX_BLOCKS,
+) -> torch.Tensor:
+    """(T, HEADS, 16) int32: the top-16 of block maxima (T, HEADS, blocks), column = block id,
+    ranked as local_top16 ranks; ascending, -1 tail."""
     t, h, n = maxima.shape
     ids = torch.arange(n).expand(t, h, n)
     out, _ = _rank16(maxima, ids, nvp, force_begin, force_end, max_blocks)

@@ -118,6 +118,14 @@ def float_bits(value):
 
 
 @cute.jit
+def float_of_bits(bits):
+    """The Float32 whose bits are the Int32 `bits`."""
+    word = cute.make_rmem_tensor((1,), cutlass.Int32)
+    word[0] = bits
+    return cute.recast_tensor(word, cutlass.Float32)[0]
+
+
+@cute.jit
 def float_of_order_key(key):
     """The float whose order key is `key` (order_key's inverse)."""
     flip = cutlass.Uint32(0xFFFFFFFF)

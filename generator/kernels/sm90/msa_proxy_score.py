@@ -70,17 +70,28 @@ class MsaProxyScoreSm90:
             self.ctas_per_sm = 2
             self.producer_warp = consumer_threads // 32
         self.num_threads = self.producer_warp * 32 + 32
+        self.tile_keys = BLOCK_KEYS  # keys of a scored block (the MMA's N)
+        self.rows_per_position = 1  # query rows of one token
 
     @cute.jit
     def launch(self, args, stream):
         mQ, mK = args.mQ, args.mK
-        d = HEAD_DIM
         # TMA views: (rows, D, heads) for Q and flat K; paged K as (128, D, pages * Hkv).
         q_view = rows_d_heads(mQ, mQ.shape[0], mQ.shape[1], mQ.stride[0], mQ.stride[1])
         if cutlass.const_expr(self.paged):
             k_view = rows_d_heads(mK, BLOCK_KEYS, mK.shape[0], mK.stride[1], mK.stride[0])
         else:
             k_view = rows_d_heads(mK, mK.shape[0], mK.shape[1], mK.stride[0], mK.stride[1])
+        # Heads first, then query tiles from the last (causal: the longest first), then
+        # sequences; with reduce_heads one CTA walks every head.
+        heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, mQ.shape[1]))
+        grid = [heads, cute.ceil_div(args.max_seqlen_q, CTA_ROWS), args.mCuQ.shape[0] - 1]
+        self.launch_grid(args, q_view, k_view, grid, stream)
+
+    @cute.jit
+    def launch_grid(self, args, q_view, k_view, grid, stream):
+        """The kernel over `grid`, Q and K loaded by TMA from the (rows, D, heads) views."""
+        d = HEAD_DIM
         mma = sm90_utils.make_trivial_tiled_mma(
             self.mma_dtype,
             self.mma_dtype,
@@ -88,9 +99,9 @@ class MsaProxyScoreSm90:
             OperandMajorMode.K,
             cutlass.Float32,
             (1, 1, 1),
-            (WG_ROWS, BLOCK_KEYS),
+            (WG_ROWS, self.tile_keys),
         )
-        tile_mnk = (WG_ROWS, BLOCK_KEYS, d)
+        tile_mnk = (WG_ROWS, self.tile_keys, d)
         # The MMA's operands; converting, TMA fills raw e4m3 tiles of the same shapes.
         sQ_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, tile_mnk, self.mma_dtype, CONSUMERS
@@ -111,17 +122,14 @@ class MsaProxyScoreSm90:
             tma_op, q_view, cute.slice_(loaded_q, (None, None, 0)), (WG_ROWS, d)
         )
         tma_k, tma_k_tensor = cpasync.make_tiled_tma_atom(
-            tma_op, k_view, cute.slice_(loaded_k, (None, None, 0)), (BLOCK_KEYS, d)
+            tma_op, k_view, cute.slice_(loaded_k, (None, None, 0)), (self.tile_keys, d)
         )
         SharedStorage = self.shared_storage(sQ_layout, sK_layout, loaded_q, loaded_k)
-        # Heads first, then query tiles from the last (causal: the longest first), then
-        # sequences; with reduce_heads one CTA walks every head.
-        heads = cutlass.Int32(cutlass.select_(args.reduce_heads != 0, 1, mQ.shape[1]))
         self.kernel(
             mma, tma_q, tma_q_tensor, tma_k, tma_k_tensor, args, sQ_layout, sK_layout, loaded_q,
             loaded_k, SharedStorage,
         ).launch(
-            grid=[heads, cute.ceil_div(args.max_seqlen_q, CTA_ROWS), args.mCuQ.shape[0] - 1],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -176,48 +184,61 @@ class MsaProxyScoreSm90:
         q_start = args.mCuQ[batch]
         rows_left = args.mCuQ[batch + 1] - q_start - chunk * CTA_ROWS
         if rows_left > 0:
-            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            rawQ, rawK = sQ, sK  # what TMA fills
-            if cutlass.const_expr(self.convert):
-                rawQ = storage.rawQ.get_tensor(loaded_q.outer, swizzle=loaded_q.inner)
-                rawK = storage.rawK.get_tensor(loaded_k.outer, swizzle=loaded_k.inner)
-            pipes = self.pipelines(storage, loaded_q, loaded_k)
-
             seqlen_k, first_pos, blocks = scored_blocks(
                 args, self.paged, batch, args.mCuQ[batch + 1] - q_start, chunk * CTA_ROWS,
                 cutlass.min(rows_left, CTA_ROWS),
             )  # fmt: skip
-
             hq = args.mQ.shape[1]
             head_begin, head_end, out_row = head_x, head_x + 1, head_x
             if args.reduce_heads != 0:
                 head_begin, head_end, out_row = cutlass.Int32(0), hq, cutlass.Int32(0)
             first_token = q_start + chunk * CTA_ROWS
             if blocks > 0:
-                if warp == self.producer_warp:
-                    self.produce(
-                        args, tma_q, mQ_tma, tma_k, mK_tma, rawQ, rawK, pipes["load_q"],
-                        pipes["load_k"], batch, first_token, head_begin, head_end, blocks,
-                    )  # fmt: skip
-                elif warp < CONSUMERS * CONSUMER_THREADS // 32:
-                    self.consume(
-                        args, mma, sQ, sK, pipes["read_q"], pipes["read_k"], tidx, warp // 4, batch,
-                        first_token, first_pos, rows_left, seqlen_k, head_begin, head_end,
-                        out_row, blocks,
-                    )  # fmt: skip
-                elif cutlass.const_expr(self.convert):
-                    self.convert_tiles(
-                        pipes["raw_q"], pipes["raw_k"], pipes["fill_q"], pipes["fill_k"], rawQ,
-                        rawK, sQ, sK, tidx % CONVERTER_THREADS, head_end - head_begin, blocks,
-                    )  # fmt: skip
+                self.run_roles(
+                    args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
+                    loaded_k, SharedStorage, tidx, warp, batch, first_token, first_pos,
+                    rows_left, seqlen_k, head_begin, head_end, out_row, blocks,
+                )  # fmt: skip
             # Blocks no row sees: -inf (the same for every head).
             width = args.mOut.shape[1]
             for i in cutlass.range(tidx, (width - blocks) * CTA_ROWS, self.num_threads, unroll=1):
                 row = i % CTA_ROWS
                 if row < rows_left:
                     args.mOut[out_row, blocks + i // CTA_ROWS, first_token + row] = NEG_INF
+
+    @cute.jit
+    def run_roles(
+        self, args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q, loaded_k,
+        SharedStorage: cutlass.Constexpr, tidx, warp, batch, first_token, first_pos, rows_left,
+        seqlen_k, head_begin, head_end, out_row, blocks,
+    ):  # fmt: skip
+        """The CTA's shared memory and pipelines, then each warp's role: the producer, the
+        consumer warpgroups and (converting) the converter, over `blocks` blocks of the
+        rows from first_token (query rows of the Q view) on, per head in [begin, end)."""
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        rawQ, rawK = sQ, sK  # what TMA fills
+        if cutlass.const_expr(self.convert):
+            rawQ = storage.rawQ.get_tensor(loaded_q.outer, swizzle=loaded_q.inner)
+            rawK = storage.rawK.get_tensor(loaded_k.outer, swizzle=loaded_k.inner)
+        pipes = self.pipelines(storage, loaded_q, loaded_k)
+        if warp == self.producer_warp:
+            self.produce(
+                args, tma_q, mQ_tma, tma_k, mK_tma, rawQ, rawK, pipes["load_q"],
+                pipes["load_k"], batch, first_token, head_begin, head_end, blocks,
+            )  # fmt: skip
+        elif warp < CONSUMERS * CONSUMER_THREADS // 32:
+            self.consume(
+                args, mma, sQ, sK, pipes["read_q"], pipes["read_k"], tidx, warp // 4, batch,
+                first_token, first_pos, rows_left, seqlen_k, head_begin, head_end, out_row,
+                blocks,
+            )  # fmt: skip
+        elif cutlass.const_expr(self.convert):
+            self.convert_tiles(
+                pipes["raw_q"], pipes["raw_k"], pipes["fill_q"], pipes["fill_k"], rawQ, rawK,
+                sQ, sK, tidx % CONVERTER_THREADS, head_end - head_begin, blocks,
+            )  # fmt: skip
 
     def pipelines(self, storage, loaded_q, loaded_k) -> dict:
         """The pipelines' ends by role: load_q / load_k (the producer's TMA) and read_q /
@@ -281,9 +302,8 @@ class MsaProxyScoreSm90:
         d = HEAD_DIM
         cpasync.prefetch_descriptor(tma_q)
         cpasync.prefetch_descriptor(tma_k)
-        hq = args.mQ.shape[1]
         for head in cutlass.range(head_begin, head_end, unroll=1):
-            kv_head = head // (hq // args.kv_heads)
+            kv_head = self.kv_head_of(args, head)
             gQ = cute.local_tile(
                 cute.domain_offset((first_token, 0), mQ_tma[None, None, head]), (WG_ROWS, d),
                 (None, 0),
@@ -297,7 +317,7 @@ class MsaProxyScoreSm90:
             else:
                 gK = cute.local_tile(
                     cute.domain_offset((args.mCuK[batch], 0), mK_tma[None, None, kv_head]),
-                    (BLOCK_KEYS, d),
+                    (self.tile_keys, d),
                     (None, 0),
                 )
             tKsK, tKgK = cpasync.tma_partition(
@@ -351,16 +371,17 @@ class MsaProxyScoreSm90:
         thr = mma.get_slice(tidx)
         tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, wg]
         tSrK = thr.make_fragment_B(thr.partition_B(sK))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((WG_ROWS, BLOCK_KEYS)), cutlass.Float32)
+        tile = (WG_ROWS, self.tile_keys)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C(tile), cutlass.Float32)
         acc_mn = acc_mn_view(acc)
-        tScS_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK_KEYS))))
+        tScS_mn = acc_mn_view(thr.partition_C(cute.make_identity_tensor(tile)))
         rows = cute.size(tScS_mn, mode=[0])
-        wg_pos = first_pos + wg * WG_ROWS  # position of the warpgroup's first row
+        # Position of the warpgroup's first row (rows_per_position query rows a token).
+        wg_pos = first_pos + wg * (WG_ROWS // self.rows_per_position)
         wg_rows_left = rows_left - wg * WG_ROWS
-        hq = args.mQ.shape[1]
         row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
         for head in cutlass.range(head_begin, head_end, unroll=1):
-            kv_head = head // (hq // args.kv_heads)
+            kv_head = self.kv_head_of(args, head)
             q_handle = q_consumer.wait_and_advance()
             for u in cutlass.range(blocks, unroll=1):
                 k_handle = k_consumer.wait_and_advance()
@@ -374,15 +395,8 @@ class MsaProxyScoreSm90:
                             acc,
                         )  # fmt: skip
                     warpgroup.commit_group()
-                    # Under the MMA: how many keys of the block exist (none past a page id
-                    # outside the cache), and whether some row of the warpgroup sees fewer.
-                    keys = seqlen_k - u * BLOCK_KEYS
-                    if cutlass.const_expr(self.paged):
-                        outside = self.key_tile(args, batch, kv_head, u) < 0
-                        keys = cutlass.select_(outside, cutlass.Int32(0), keys)
-                    masked = keys < BLOCK_KEYS
-                    if args.causal != 0:
-                        masked = masked | (wg_pos < u * BLOCK_KEYS + BLOCK_KEYS - 1)
+                    # Under the MMA: which keys of the block the rows may see.
+                    keys, masked = self.block_keys(args, batch, kv_head, u, seqlen_k, wg_pos)
                     warpgroup.wait_group(0)
                     k_handle.release()
                     self.row_maxima(args, acc_mn, tScS_mn, row_max, keys, masked, wg_pos, u)
@@ -395,14 +409,37 @@ class MsaProxyScoreSm90:
             q_handle.release()
 
     @cute.jit
+    def kv_head_of(self, args, head):
+        return head // (args.mQ.shape[1] // args.kv_heads)
+
+    @cute.jit
+    def block_keys(self, args, batch, kv_head, u, seqlen_k, wg_pos):
+        """(the keys of block u that exist: none past a page id outside the cache, whether a
+        row of the warpgroup, from position wg_pos on, sees fewer than them all)."""
+        keys = seqlen_k - u * BLOCK_KEYS
+        if cutlass.const_expr(self.paged):
+            outside = self.key_tile(args, batch, kv_head, u) < 0
+            keys = cutlass.select_(outside, cutlass.Int32(0), keys)
+        masked = keys < BLOCK_KEYS
+        if args.causal != 0:
+            masked = masked | (wg_pos < u * BLOCK_KEYS + BLOCK_KEYS - 1)
+        return keys, masked
+
+    @cute.jit
+    def row_limit(self, args, keys, wg_pos, row, u):
+        """How many of block u's keys (a prefix) the warpgroup's row `row` sees."""
+        limit = keys
+        if args.causal != 0:
+            limit = cutlass.min(keys, wg_pos + row - u * BLOCK_KEYS + 1)
+        return limit
+
+    @cute.jit
     def row_maxima(self, args, acc_mn, tScS_mn, row_max, keys, masked, wg_pos, u):
-        """Each of the thread's rows' max over its columns of block u: keys from `keys` on and,
-        causal, past the row's position masked when `masked` (else a plain tree)."""
+        """Each of the thread's rows' max over its columns of block u: the keys past
+        row_limit's masked when `masked` (else a plain tree)."""
         if masked:
             for r in cutlass.range_constexpr(cute.size(row_max)):
-                limit = keys
-                if args.causal != 0:
-                    limit = cutlass.min(keys, wg_pos + tScS_mn[r, 0][0] - u * BLOCK_KEYS + 1)
+                limit = self.row_limit(args, keys, wg_pos, tScS_mn[r, 0][0], u)
                 row_max[r] = NEG_INF
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                     score = cutlass.select_(tScS_mn[r, c][1] < limit, acc_mn[r, c], NEG_INF)

@@ -1,0 +1,157 @@
+"""msa_icp_score for Hopper (sm_90a): a rank's block maxima of the raw q.k over its shard of
+FP8 index keys (generator/families/msa_icp.py has the shard's layout), with the proxy
+scorer's pipeline (generator/kernels/sm90/msa_proxy_score.py): a producer warp TMA-loads a
+CTA's 128 query rows (32 tokens x 4 heads, q as it lies in memory) and then the shard pages
+of the sequence up to the last one a row sees into a ring; two consumer warpgroups multiply
+their 64 rows by each page (FP8 wgmma m64nR, R = the shard's rows per page) and reduce S to
+one max per row, the rows a page holds past a row's position or the sequence masked.
+
+A page's rows are keys page_size * c + key_base + i * key_step, i < R: the row count a token
+sees is a prefix of them, so the masking is the proxy's with that count. The CTA then writes
+-inf to the row's columns below fill_columns that no page filled (the causal tail and, with
+global block ids for P256, the blocks of the other ranks).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from generator.families.msa_icp import HEAD_DIM, HEADS
+from generator.kernels.common.softmax import quad_max
+from generator.kernels.sm90.msa_proxy_score import (
+    CTA_ROWS,
+    NEG_INF,
+    RING_BYTES,
+    MsaProxyScoreSm90,
+    rows_d_heads,
+)
+
+MAX_STAGES = 8
+
+
+class MsaIcpScoreSm90(MsaProxyScoreSm90):
+    def __init__(self, shard_rows: int):
+        super().__init__(cutlass.Float8E4M3FN, paged=True, accumulate="fp8")
+        self.tile_keys = shard_rows
+        self.rows_per_position = HEADS
+        self.stages = min(MAX_STAGES, RING_BYTES // (shard_rows * HEAD_DIM))
+
+    @cute.jit
+    def launch(self, args, stream):
+        mQ, mK = args.mQ, args.mK
+        q_view = rows_d_heads(mQ, mQ.shape[0], 1, mQ.stride[0], mQ.stride[1])
+        k_view = rows_d_heads(mK, self.tile_keys, mK.shape[0], mK.stride[1], mK.stride[0])
+        rows = HEADS * args.max_seqlen_q
+        grid = [1, cute.ceil_div(rows, CTA_ROWS), args.mCuQ.shape[0] - 1]
+        self.launch_grid(args, q_view, k_view, grid, stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        args,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        loaded_q: cute.ComposedLayout,
+        loaded_k: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        _, chunk_y, batch = cute.arch.block_idx()
+        chunk = cute.ceil_div(HEADS * args.max_seqlen_q, CTA_ROWS) - 1 - chunk_y
+        q_start = args.mCuQ[batch]
+        rows_left = HEADS * (args.mCuQ[batch + 1] - q_start) - chunk * CTA_ROWS
+        if rows_left > 0:
+            seqlen_k = args.mSeqLenK[batch]
+            first_pos = args.mQOffset[batch] + args.position_shift + chunk * (CTA_ROWS // HEADS)
+            last_pos = first_pos + (cutlass.min(rows_left, CTA_ROWS) - 1) // HEADS
+            # The pages holding a key some row sees, at most the output's width.
+            reach = cutlass.min(last_pos, seqlen_k - 1) - args.key_base
+            pages = cutlass.Int32(0)
+            if reach >= 0:
+                pages = reach // args.page_size + 1
+            width = args.mOut.shape[1]
+            fitting = cutlass.Int32(0)
+            if width > args.column_offset:
+                fitting = cute.ceil_div(width - args.column_offset, args.column_scale)
+            pages = cutlass.min(pages, fitting)
+            first_row = HEADS * q_start + chunk * CTA_ROWS
+            if pages > 0:
+                self.run_roles(
+                    args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
+                    loaded_k, SharedStorage, tidx, warp, batch, first_row, first_pos,
+                    rows_left, seqlen_k, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0),
+                    pages,
+                )  # fmt: skip
+            # Columns below the fill bound that no page filled.
+            fill = args.fill_columns
+            if args.fill_page_multiple > 0:
+                multiple = args.fill_page_multiple
+                rounded = cute.ceil_div(cute.ceil_div(seqlen_k, args.page_size), multiple)
+                fill = cutlass.max(fill, rounded * multiple)
+            fill = cutlass.min(fill, width)
+            rows = cutlass.min(rows_left, CTA_ROWS)
+            for i in cutlass.range(tidx, fill * rows, self.num_threads, unroll=1):
+                row, column = i % rows, i // rows
+                local = column - args.column_offset
+                unscored = (
+                    (local < 0)
+                    | (local % args.column_scale != 0)
+                    | (local // args.column_scale >= pages)
+                )
+                if unscored:
+                    args.mOut[first_row + row, column] = NEG_INF
+
+    @cute.jit
+    def kv_head_of(self, args, head):
+        return 0
+
+    @cute.jit
+    def key_tile(self, args, batch, kv_head, u):
+        """Page u's id (-1, all zero fill, for an id outside the shard)."""
+        page = args.mBlockTable[batch, u]
+        if (page < 0) | (page >= args.mK.shape[0]):
+            page = cutlass.Int32(-1)
+        return page
+
+    @cute.jit
+    def rows_before(self, args, position, u):
+        """How many of page u's rows hold a key at or before `position`."""
+        reach = position - args.page_size * u - args.key_base
+        rows = cutlass.Int32(0)
+        if reach >= 0:
+            rows = cutlass.min(reach // args.key_step + 1, self.tile_keys)
+        return rows
+
+    @cute.jit
+    def block_keys(self, args, batch, kv_head, u, seqlen_k, wg_pos):
+        keys = self.rows_before(args, seqlen_k - 1, u)
+        if self.key_tile(args, batch, kv_head, u) < 0:
+            keys = cutlass.Int32(0)
+        last_key = args.page_size * u + args.key_base + (self.tile_keys - 1) * args.key_step
+        return keys, (keys < self.tile_keys) | (wg_pos < last_key)
+
+    @cute.jit
+    def row_limit(self, args, keys, wg_pos, row, u):
+        return cutlass.min(keys, self.rows_before(args, wg_pos + row // HEADS, u))
+
+    @cute.jit
+    def store(
+        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left, not_first_head
+    ):
+        """Each row's max (over its quad), written by the quad's first lane to page `block`'s
+        column of query row first_token + row."""
+        column = block * args.column_scale + args.column_offset
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            value = quad_max(row_max[r])
+            row = tScS_mn[r, 0][0]
+            if (tidx % 4 == 0) & (row < rows_left):
+                args.mOut[first_token + row, column] = value
+
+
+def make_kernel(variant):
+    return MsaIcpScoreSm90(variant.params["shard_rows"])
