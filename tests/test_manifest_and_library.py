@@ -50,6 +50,7 @@ def test_manifest_schema():
         config = f"{p['dtype']}_d{p['head_dim']}" if p.get("dtype") else "any"
         config += f"_w{p['warpgroups']}" if p.get("warpgroups", 1) > 1 else ""
         config += f"_{p['key_layout']}" if p.get("key_layout") else ""
+        config += f"_r{p['shard_rows']}" if p.get("shard_rows") else ""
         config += f"_acc_{p['accumulate']}" if p.get("accumulate", "fp32") != "fp32" else ""
         config += f"_{p['logits']}" if p.get("logits") else ""
         assert v["name"] == f"{v['family']}__{v['template']}__{config}__{v['arch']}"

@@ -929,6 +929,130 @@ def sdsa_times(iters: int = 20) -> list[str]:
     return lines
 
 
+def icp_times(iters: int = 20) -> list[str]:
+    """The ICP indexer's chains (P128, W = 2 and 4) with the ranks simulated on one GPU: their
+    kernels one after the other on one stream, the exchange a same-GPU publish (decode) or a
+    copy (prefill's all-to-all), so no NVLink time is in them. Decode: one layer (every
+    rank's score plane and select + publish, then every owner's merge) at 64 and 256 requests
+    x 32,768 tokens, one query token each; the score plane alone beside the HBM floor of its
+    shard's key bytes. Prefill: one 8192-token window at the end of a 65,536-token sequence
+    (score, select, all-to-all, merge). Per rank: the simulated chain's time / W."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lines = []
+    for world in (2, 4):
+        for requests in (64, 256):
+            lines.append(icp_decode_line(world, requests, 32768, gen, iters))
+        lines.append(icp_prefill_line(world, 65536, 8192, gen, iters))
+    return lines
+
+
+def icp_fp8(gen, *shape):
+    return torch.randn(*shape, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+
+
+def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) -> str:
+    from sparseforge import msa_icp
+
+    page, hpr, device = 128, 4 // world, torch.device("cuda")
+    pages = context // page
+    table = torch.randperm(requests * pages, device=device, generator=gen)
+    table = table.int().view(requests, pages)
+    shards = [icp_fp8(gen, requests * pages, page // world, 128) for _ in range(world)]
+    q = icp_fp8(gen, requests, 4, 128)
+    seq_lens = torch.full((requests,), context, dtype=torch.int32, device=device)
+    nvp = torch.full((requests,), context // 128, dtype=torch.int32, device=device)
+    comms = msa_icp.MSAIcpComm.simulated(world, requests, device)
+    columns = msa_icp.msa_icp_decode_score_columns(context, page)
+    scores = [torch.empty(requests, 4, columns, device=device) for _ in range(world)]
+    outs = [torch.empty(requests, hpr, 16, dtype=torch.int32, device=device) for _ in comms]
+    slot = [0]
+
+    def score(r):
+        msa_icp.msa_icp_decode_index_score_sharded(
+            q, shards[r], table, seq_lens, scores[r], rank=r, world_size=world,
+            page_size=page, decode_query_len=1, max_decode_query_len=1,
+        )  # fmt: skip
+
+    def layer():
+        s = slot[0]
+        slot[0] = (s + 1) % 3
+        for r in range(world):
+            score(r)
+            msa_icp.msa_icp_topk_select_publish(
+                scores[r], nvp, comms[r].legacy_bases, comms[r].errors, slot=s, rank=r,
+                world_size=world, heads_per_rank=hpr, capacity=requests,
+                force_begin_blocks=1, force_end_blocks=2,
+            )  # fmt: skip
+        for r in range(world):
+            msa_icp.msa_icp_merge_candidates(
+                comms[r].legacy[s], nvp, outs[r], comms[r].errors, init_blocks=1,
+                local_blocks=2,
+            )  # fmt: skip
+
+    chain = cuda_time_ms(layer, iters=iters) * 1e3 / world
+    plane = cuda_time_ms(lambda: score(0), iters=iters) * 1e3
+    assert all(c.errors.item() == 0 for c in comms)
+    key_bytes = requests * context // world * 128
+    return (
+        f"ICP decode P128 W={world}, {requests} requests x {context} tokens: chain "
+        f"{chain:.1f} us a rank (score plane {plane:.1f} us = "
+        f"{key_bytes / plane / 1e6 / HBM_TBPS:.0%} of HBM on {key_bytes / 1e6:.0f} MB of "
+        "keys; select, publish and merge the rest)"
+    )
+
+
+def icp_prefill_line(world: int, context: int, window: int, gen, iters: int) -> str:
+    from sparseforge import msa_icp
+
+    page, hpr, device = 128, 4 // world, torch.device("cuda")
+    pages = context // page
+    table = torch.randperm(pages, device=device, generator=gen).int().view(1, pages)
+    shards = [icp_fp8(gen, pages, page // world, 128) for _ in range(world)]
+    q = icp_fp8(gen, window, 4, 128)
+    plan = msa_icp.msa_icp_index_score_sharded_plan(
+        torch.tensor([window], dtype=torch.int32), torch.tensor([context], dtype=torch.int32),
+        4, qo_offset=torch.tensor([context - window], dtype=torch.int32), device=device,
+    )  # fmt: skip
+    columns = msa_icp.msa_icp_index_score_columns(context, page)
+    positions = torch.arange(context - window, context, device=device)
+    nvp = (positions // 128 + 1).int()
+    scores = [torch.empty(window, 4, columns, device=device) for _ in range(world)]
+    carriers = [torch.empty(4, window, 33, dtype=torch.int32, device=device) for _ in scores]
+    received = torch.empty(world, world, hpr, window, 33, dtype=torch.int32, device=device)
+    outs = [torch.empty(window, hpr, 16, dtype=torch.int32, device=device) for _ in scores]
+    errors = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def score(r):
+        msa_icp.msa_icp_index_score_sharded(
+            q, shards[r], table, plan, rank=r, max_score=scores[r], tp=world
+        )
+
+    def prefill():
+        for r in range(world):
+            score(r)
+            msa_icp.msa_icp_topk_select_prefill(
+                scores[r], nvp, carriers[r], force_begin_blocks=1, force_end_blocks=2
+            )
+        for owner in range(world):
+            for r in range(world):
+                received[owner, r].copy_(carriers[r][owner * hpr : (owner + 1) * hpr])
+        for owner in range(world):
+            msa_icp.msa_icp_merge_candidates(
+                received[owner], nvp, outs[owner], errors, init_blocks=1, local_blocks=2,
+                prefill=True,
+            )  # fmt: skip
+
+    chain = cuda_time_ms(prefill, iters=iters) / world
+    scored = cuda_time_ms(lambda: score(0), iters=iters)
+    assert errors.item() == 0
+    flops = 2 * 128 * 4 * float((positions + 1).sum()) / world  # a rank's visible keys
+    return (
+        f"ICP prefill P128 W={world}, a {window}-token window at the end of {context} tokens: "
+        f"chain {chain:.2f} ms a rank ({window / chain / 1e3:.2f} M tokens/s; score "
+        f"{scored:.2f} ms = {flops / scored / 1e9:.0f} TFLOPS of FP8 q.k)"
+    )
+
+
 def sdsa_query(q: torch.Tensor, fmt: str):
     """(query, query_scales) of fp32 rows in the key format."""
     if fmt == "bf16":
@@ -1170,6 +1294,11 @@ def main(argv=None) -> int:
         help="also time the SDSA indexer (SD1 scores, SD2 threshold select + top-K)",
     )
     parser.add_argument(
+        "--icp",
+        action="store_true",
+        help="also time the ICP indexer's chains (decode and prefill, ranks simulated on one GPU)",
+    )
+    parser.add_argument(
         "--options",
         action="store_true",
         help="also time W1 with plan()'s options (mask, soft cap, ALiBi, causal)",
@@ -1233,6 +1362,8 @@ def main(argv=None) -> int:
         report += "\n" + "\n".join(msa_attention_times())
     if args.sdsa:
         report += "\n" + "\n".join(sdsa_times())
+    if args.icp:
+        report += "\n" + "\n".join(icp_times())
     if args.options:
         report += "\n" + "\n".join(logit_options_times())
     print(report)

@@ -1,0 +1,393 @@
+"""The ICP indexer's kernels and chains (sparseforge.msa_icp) against the PyTorch reference
+(sparseforge.reference_icp), on the GPU.
+
+The scorer against rank_scores (W = 2, 4; P128, P256 compact and not; ragged prefill with
+query offsets, decode with 1 to 8 query tokens, pages out of order, an id outside the
+shard); the select against local_top16 word for word (ties, NaN, -0, -inf, ids past 8192,
+nvp 0, forced blocks); the merge against merge (duplicates, ids out of range); the W-rank
+simulation of both chains on one GPU, id for id against the top-16 of the global block
+maxima; legacy and tagged publishes over 10,000 decode steps; a wait that times out; CUDA
+graph replay; with 2 or 4 GPUs, the chains across them (tests/icp_torchrun.py).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from sparseforge import check, msa_icp
+from sparseforge import reference_icp as ref
+from sparseforge.msa_icp import MSAIcpComm
+
+pytestmark = pytest.mark.gpu
+HEADS, TOPK, WORDS = 4, 16, 33
+
+
+# ---- problems ------------------------------------------------------------------------------
+
+
+def assert_close_scores(got, want):
+    assert check.icp_close_scores(got, want), "scores differ from the reference"
+
+
+def prefill_inputs(p, rank):
+    seqs = p["seqs"]
+    q = torch.cat([s["q"] for s in seqs]).cuda()
+    lens_q = torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32)
+    lens_k = torch.tensor([s["k"].shape[0] for s in seqs], dtype=torch.int32)
+    offsets = torch.tensor([s["offset"] for s in seqs], dtype=torch.int32)
+    plan = msa_icp.msa_icp_index_score_sharded_plan(
+        lens_q, lens_k, 4, qo_offset=offsets, device="cuda"
+    )
+    return q, p["shards"][rank].cuda(), p["table"].cuda(), plan
+
+
+# ---- GPU: the kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world, page, compact",
+    [(2, 128, False), (4, 128, False), (2, 256, True), (4, 256, True), (4, 256, False)],
+)
+def test_prefill_scores_match_the_reference(world, page, compact):
+    p = check.icp_sharded_problem(
+        [700, 1500, 129], [100, 37, 129], world, page, seed=world + page + compact
+    )
+    width = msa_icp.msa_icp_index_score_columns(1500, page if compact else 128) + 2
+    for rank in range(world):
+        q, k, table, plan = prefill_inputs(p, rank)
+        out = torch.full((q.shape[0], HEADS, width), 7.0, device="cuda")
+        msa_icp.msa_icp_index_score_sharded(
+            q, k, table, plan, rank=rank, max_score=out, tp=world, compact=compact
+        )
+        assert_close_scores(out.cpu(), check.icp_expected_rank_scores(p, rank, compact, width))
+
+
+def test_prefill_scores_without_initialize_leave_unfilled_columns():
+    p = check.icp_sharded_problem([300], [40], 2, 128, seed=3, q_offsets=[10])
+    q, k, table, plan = prefill_inputs(p, 1)
+    out = torch.full((40, HEADS, 8), 7.0, device="cuda")
+    msa_icp.msa_icp_index_score_sharded(q, k, table, plan, rank=1, max_score=out, initialize=False)
+    want = check.icp_expected_rank_scores(p, 1, False, 8)
+    # Token i (position 10 + i) sees pages up to its block; a later column keeps its value
+    # or is -inf (the page of a later token of the same CTA: the true score there).
+    for i in range(40):
+        seen = (10 + i) // 128 + 1
+        assert_close_scores(out[i, :, :seen].cpu(), want[i, :, :seen])
+        rest = out[i, :, seen:]
+        assert bool(((rest == 7.0) | (rest == -math.inf)).all())
+
+
+@pytest.mark.parametrize("world, page", [(2, 128), (4, 128), (2, 256), (4, 256)])
+@pytest.mark.parametrize("dql", [1, 3, 8])
+def test_decode_scores_match_the_reference(world, page, dql):
+    lengths = [1, 200, 1300, 4 * page + 5]
+    p = check.icp_sharded_problem(lengths, [dql] * len(lengths), world, page, seed=dql)
+    cols = msa_icp.msa_icp_decode_score_columns(max(lengths), page) + 4
+    for rank in range(world):
+        q = torch.cat([s["q"] for s in p["seqs"]]).cuda()
+        out = torch.full((q.shape[0], HEADS, cols), 7.0, device="cuda")
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        msa_icp.msa_icp_decode_index_score_sharded(
+            q, p["shards"][rank].cuda(), p["table"].cuda(), seq_lens, out, rank=rank,
+            world_size=world, page_size=page, decode_query_len=dql, max_decode_query_len=8,
+        )  # fmt: skip
+        want = check.icp_expected_rank_scores(p, rank, True, cols)
+        got = out.cpu()
+        for b, n in enumerate(lengths):
+            pages = -(-n // page)
+            written = -(-pages // 4) * 4
+            rows = slice(b * dql, (b + 1) * dql)
+            assert_close_scores(got[rows, :, :written], want[rows, :, :written])
+            assert bool((got[rows, :, written:] == 7.0).all()), "a column past the rounded pages"
+
+
+@pytest.mark.parametrize(
+    "columns, scale, offset", [(40, 1, 0), (9000, 1, 0), (300, 2, 1), (11000, 2, 0)]
+)
+@pytest.mark.parametrize("fb, fe", [(0, 0), (2, 3)])
+def test_select_writes_the_reference_carrier(columns, scale, offset, fb, fe):
+    tokens = 37
+    scores = check.icp_random_scores(tokens, columns, seed=columns + fb)
+    g = torch.Generator().manual_seed(1)
+    nvp = torch.randint(0, scale * columns + 20, (tokens,), generator=g, dtype=torch.int32)
+    nvp[0], nvp[1], nvp[2] = 0, 1, 10**6
+    ids = torch.arange(columns) * scale + offset
+    want = ref.local_top16(scores, ids, nvp, fb, fe).transpose(0, 1)
+    big = torch.full((HEADS, tokens + 5, WORDS), -7, dtype=torch.int32, device="cuda")
+    carrier = big[:, 2 : 2 + tokens]
+    msa_icp.msa_icp_topk_select_prefill(
+        scores.cuda(), nvp.cuda(), carrier, force_begin_blocks=fb, force_end_blocks=fe,
+        index_scale=scale, index_offset=offset,
+    )  # fmt: skip
+    assert torch.equal(carrier.cpu(), want)
+    assert bool((big[:, :2] == -7).all()) and bool((big[:, 2 + tokens :] == -7).all())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_prefill_merge_matches_the_reference(world):
+    tokens = 29
+    rows = check.icp_random_carriers(world, tokens, 9000, seed=world)
+    g = torch.Generator().manual_seed(5)
+    nvp = torch.randint(0, 9100, (tokens,), generator=g, dtype=torch.int32)
+    nvp[0], nvp[1] = 0, 12
+    want = ref.merge(rows, nvp, 1, 2)
+    out = torch.full((tokens, HEADS // world, TOPK), -7, dtype=torch.int32, device="cuda")
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    msa_icp.msa_icp_merge_candidates(
+        rows.cuda(), nvp.cuda(), out, errors, init_blocks=1, local_blocks=2, prefill=True
+    )
+    assert torch.equal(out.cpu(), want)
+    assert out[0].tolist() == [[0] + [-1] * 15] * (HEADS // world)
+    assert errors.item() == 0
+
+
+# ---- GPU: the chains, W ranks simulated on one GPU ------------------------------------------
+
+
+def global_maxima(rank_planes, ids_of, blocks):
+    """(T, 4, blocks) the global block maxima from every rank's scores (kernel outputs),
+    NaN-free: the max over the ranks holding part of each block."""
+    t = rank_planes[0].shape[0]
+    out = torch.full((t, HEADS, blocks), -math.inf)
+    for plane, ids in zip(rank_planes, ids_of, strict=True):
+        out[..., ids] = torch.maximum(out[..., ids], plane[..., : ids.shape[0]])
+    return out
+
+
+@pytest.mark.parametrize("world, page", [(2, 128), (4, 128), (2, 256), (4, 256)])
+def test_prefill_chain_reproduces_the_unsharded_top16(world, page):
+    keys = [2000, 9000 * 128 // 100]  # the second: ~90 blocks
+    p = check.icp_sharded_problem(keys, [64, 80], world, page, seed=world * page)
+    fb, fe = 1, 2
+    blocks = -(-max(keys) // 128)
+    width = msa_icp.msa_icp_index_score_columns(max(keys), page)
+    tokens = 144
+    nvp = torch.cat([s["positions"] // 128 + 1 for s in p["seqs"]]).int().cuda()
+    carriers, planes, ids_of = [], [], []
+    for rank in range(world):
+        q, k, table, plan = prefill_inputs(p, rank)
+        scores = torch.empty(tokens, HEADS, width, device="cuda")
+        msa_icp.msa_icp_index_score_sharded(
+            q, k, table, plan, rank=rank, max_score=scores, tp=world, compact=True
+        )
+        carrier = torch.empty(HEADS, tokens, WORDS, dtype=torch.int32, device="cuda")
+        scale, offset = (1, 0) if page == 128 else (2, 2 * rank // world)
+        msa_icp.msa_icp_topk_select_prefill(
+            scores, nvp, carrier, force_begin_blocks=fb, force_end_blocks=fe,
+            index_scale=scale, index_offset=offset,
+        )  # fmt: skip
+        carriers.append(carrier)
+        planes.append(scores.cpu())
+        ids_of.append(torch.arange(width) * scale + offset)
+    # The all-to-all as a permute: owner o receives every rank's rows of its heads.
+    hpr = HEADS // world
+    merged = []
+    for owner in range(world):
+        received = torch.stack([c[owner * hpr : (owner + 1) * hpr] for c in carriers])
+        out = torch.empty(tokens, hpr, TOPK, dtype=torch.int32, device="cuda")
+        errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+        msa_icp.msa_icp_merge_candidates(
+            received, nvp, out, errors, init_blocks=fb, local_blocks=fe, prefill=True
+        )
+        merged.append(out.cpu())
+    got = torch.cat(merged, dim=1)
+    ids_of = [ids[ids < blocks] for ids in ids_of]
+    want = ref.top16_of_maxima(global_maxima(planes, ids_of, blocks), nvp.cpu(), fb, fe)
+    assert torch.equal(got, want)
+
+
+def decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, scores, outputs, nvp):
+    """Every rank's score plane and publish, then every owner's merge (one stream)."""
+    q, table = p["q_cuda"], p["table_cuda"]
+    world = len(plans)
+    for r, plan in enumerate(plans):
+        msa_icp.msa_icp_decode_index_score_sharded(
+            q, p["shards_cuda"][r], table, seq_lens, scores[r], rank=r, world_size=world,
+            page_size=plan.page_size, decode_query_len=dql, max_decode_query_len=8,
+        )  # fmt: skip
+        scale, offset = (1, 0) if plan.page_size == 128 else (2, 2 * r // world)
+        msa_icp.msa_icp_topk_select_publish(
+            scores[r], nvp, comms[r].tagged_bases if tagged else comms[r].legacy_bases,
+            comms[r].errors, slot=slot, rank=r, world_size=world, heads_per_rank=HEADS // world,
+            capacity=comms[r].capacity, force_begin_blocks=plan.init_blocks,
+            force_end_blocks=plan.local_blocks, index_scale=scale, index_offset=offset,
+            generations=comms[r].generations if tagged else None,
+        )  # fmt: skip
+    for r, plan in enumerate(plans):
+        msa_icp.msa_icp_merge_candidates(
+            comms[r].tagged[slot] if tagged else comms[r].legacy[slot], nvp, outputs[r],
+            comms[r].errors, init_blocks=plan.init_blocks, local_blocks=plan.local_blocks,
+            expected_generations=comms[r].expected[slot] if tagged else None,
+        )  # fmt: skip
+
+
+def decode_setup(world, page, dql, lengths, seed):
+    p = check.icp_sharded_problem(lengths, [dql] * len(lengths), world, page, seed=seed)
+    p["shards_cuda"] = [s.cuda() for s in p["shards"]]
+    p["q_cuda"] = torch.cat([s["q"] for s in p["seqs"]]).cuda()
+    p["table_cuda"] = p["table"].cuda()
+    plans = [
+        msa_icp.prepare_msa_icp_indexer(
+            world_size=world,
+            rank=r,
+            num_index_heads=4,
+            page_size=page,
+            init_blocks=1,
+            local_blocks=2,
+            max_decode_tokens=64,
+            max_decode_query_len=8,
+            max_num_batched_tokens=8192,
+            max_num_seqs=64,
+            max_model_len=max(lengths),
+            num_sparse_layers=4,
+            device="cuda",
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for plan in plans:
+        plan.warmup()
+    tokens = dql * len(lengths)
+    comms = MSAIcpComm.simulated(world, tokens)
+    cols = plans[0].decode_score_columns
+    scores = [torch.empty(tokens, HEADS, cols, device="cuda") for _ in range(world)]
+    outputs = [
+        torch.empty(tokens, HEADS // world, TOPK, dtype=torch.int32, device="cuda")
+        for _ in range(world)
+    ]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    blocks = torch.tensor([-(-n // 128) for n in lengths]).repeat_interleave(dql)
+    nvp = blocks.int().cuda()
+    return p, plans, comms, scores, outputs, seq_lens, nvp
+
+
+def decode_want(p, plans, scores, seq_lens, dql, nvp):
+    world, page = len(plans), plans[0].page_size
+    blocks = -(-int(seq_lens.max()) // 128)
+    planes, ids_of = [], []
+    for r in range(world):
+        scale, offset = (1, 0) if page == 128 else (2, 2 * r // world)
+        ids = torch.arange(scores[r].shape[2]) * scale + offset
+        keep = ids < blocks
+        planes.append(scores[r].cpu()[..., keep])
+        ids_of.append(ids[keep])
+    # Columns past a request's written ones hold stale values: the reference sees -inf there.
+    for b, n in enumerate(seq_lens.tolist()):
+        for r in range(world):
+            stale = ids_of[r] >= -(-n // 128)
+            planes[r][b * dql : (b + 1) * dql][..., stale] = -math.inf
+    return ref.top16_of_maxima(global_maxima(planes, ids_of, blocks), nvp.cpu(), 1, 2)
+
+
+@pytest.mark.parametrize("world, page", [(2, 128), (4, 128), (2, 256), (4, 256)])
+@pytest.mark.parametrize("tagged", [False, True])
+def test_decode_chain_reproduces_the_unsharded_top16(world, page, tagged):
+    dql = 2
+    lengths = [1, 300, 5000, 20000]
+    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
+        world, page, dql, lengths, seed=page
+    )
+    for slot in range(3):
+        for out in outputs:
+            out.fill_(-7)
+        decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, scores, outputs, nvp)
+        got = torch.cat([o.cpu() for o in outputs], dim=1)
+        assert torch.equal(got, decode_want(p, plans, scores, seq_lens, dql, nvp))
+    assert all(c.errors.item() == 0 for c in comms)
+    if not tagged:  # every flag the merges waited for is clear again
+        assert all(int(c.legacy[..., -1].abs().sum()) == 0 for c in comms)
+
+
+@pytest.mark.parametrize("tagged", [False, True])
+def test_ten_thousand_decode_steps_lose_no_row(tagged):
+    """Publish / merge only, rank r's one candidate a step (block marker + r, the rest -inf):
+    a stale or lost row would give an old step's ids."""
+    world, tokens, cols = 4, 8, 64
+    comms = MSAIcpComm.simulated(world, tokens)
+    nvp = torch.full((tokens,), cols, dtype=torch.int32, device="cuda")
+    scores = [torch.zeros(tokens, HEADS, cols, device="cuda") for _ in range(world)]
+    outputs = [torch.empty(tokens, 1, TOPK, dtype=torch.int32, device="cuda") for _ in range(world)]
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for step in range(10_000):
+        slot, marker = step % 3, step % cols
+        for r in range(world):
+            scores[r].fill_(-math.inf)
+            scores[r][..., (marker + r) % cols] = 1.0 + step  # rank r's one candidate
+            msa_icp.msa_icp_topk_select_publish(
+                scores[r], nvp, comms[r].tagged_bases if tagged else comms[r].legacy_bases,
+                comms[r].errors, slot=slot, rank=r, world_size=world, heads_per_rank=1,
+                capacity=tokens, force_begin_blocks=0, force_end_blocks=0,
+                generations=comms[r].generations if tagged else None,
+            )  # fmt: skip
+        for r in range(world):
+            msa_icp.msa_icp_merge_candidates(
+                comms[r].tagged[slot] if tagged else comms[r].legacy[slot], nvp, outputs[r],
+                comms[r].errors, init_blocks=0, local_blocks=0,
+                expected_generations=comms[r].expected[slot] if tagged else None,
+            )  # fmt: skip
+            best = sorted((marker + j) % cols for j in range(world))
+            want = torch.tensor(best + [-1] * (TOPK - world), dtype=torch.int32, device="cuda")
+            bad += (outputs[r][:, 0] != want).any().int()
+    assert bad.item() == 0
+    assert all(c.errors.item() == 0 for c in comms)
+
+
+def test_a_merge_without_its_publish_counts_an_error_and_traps():
+    """In a child process: the trap ends its CUDA context."""
+    code = """
+import torch
+from sparseforge import check, msa_icp
+comm = msa_icp.MSAIcpComm.simulated(2, 4)[0]
+out = torch.empty(4, 2, 16, dtype=torch.int32, device="cuda")
+nvp = torch.full((4,), 5, dtype=torch.int32, device="cuda")
+errors = torch.zeros(4, dtype=torch.int32, device="cuda")
+msa_icp.msa_icp_merge_candidates(comm.legacy[0], nvp, out, errors, init_blocks=0,
+    local_blocks=0, spin_limit=1000)
+try:
+    torch.cuda.synchronize()
+    print("NO TRAP")
+except RuntimeError as e:
+    print("TRAPPED", type(e).__name__)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert "TRAPPED" in done.stdout, done.stdout + done.stderr
+
+
+def test_decode_chain_replays_in_a_cuda_graph():
+    world, page, dql = 2, 128, 1
+    lengths = [700, 3000]
+    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
+        world, page, dql, lengths, seed=9
+    )
+    eager = []
+    for slot in range(3):
+        decode_chain(plans, comms, p, seq_lens, dql, slot, False, scores, outputs, nvp)
+        eager.append(torch.cat([o.clone() for o in outputs], dim=1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for slot in range(3):
+            decode_chain(plans, comms, p, seq_lens, dql, slot, False, scores, outputs, nvp)
+    for o in outputs:
+        o.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat(outputs, dim=1), eager[2])
+    assert all(c.errors.item() == 0 for c in comms)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_chains_across_gpus_with_torchrun(world):
+    """tests/icp_torchrun.py on W GPUs: NCCL all-to-all, symmetric-memory publish, 10,000
+    decode steps."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    script = os.path.join(os.path.dirname(__file__), "icp_torchrun.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", script],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0 and "ICP torchrun: OK" in done.stdout, done.stdout + done.stderr
