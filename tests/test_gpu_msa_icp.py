@@ -65,6 +65,47 @@ def test_prefill_scores_match_the_reference(world, page, compact):
         assert_close_scores(out.cpu(), check.icp_expected_rank_scores(p, rank, compact, width))
 
 
+@pytest.mark.parametrize("world, page", [(4, 128), (2, 128), (2, 256)])
+def test_portable_scorer_where_a_native_one_exists(monkeypatch, world, page):
+    """The mma.sync scorer SM100 and SM120 run (32, 64, 128 shard rows), forced on this GPU,
+    in prefill and decode."""
+    from sparseforge.families import msa_icp as family
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the forced variants are the sm_90a build's")
+    variant = f"msa_icp_score__warp_mma__e4m3_d128_r{page // world}__sm_90a"
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", variant)
+    family.launch.cache_clear()
+    try:
+        p = check.icp_sharded_problem([700, 1500], [100, 37], world, page, seed=world)
+        width = msa_icp.msa_icp_index_score_columns(1500, page) + 1
+        for rank in range(world):
+            q, k, table, plan = prefill_inputs(p, rank)
+            out = torch.full((q.shape[0], HEADS, width), 7.0, device="cuda")
+            msa_icp.msa_icp_index_score_sharded(
+                q, k, table, plan, rank=rank, max_score=out, tp=world, compact=True
+            )
+            assert_close_scores(out.cpu(), check.icp_expected_rank_scores(p, rank, True, width))
+        lengths = [300, 2000]
+        p = check.icp_sharded_problem(lengths, [3, 3], world, page, seed=1)
+        cols = msa_icp.msa_icp_decode_score_columns(2000, page)
+        for rank in range(world):
+            out = torch.full((6, HEADS, cols), 7.0, device="cuda")
+            msa_icp.msa_icp_decode_index_score_sharded(
+                torch.cat([s["q"] for s in p["seqs"]]).cuda(), p["shards"][rank].cuda(),
+                p["table"].cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), out,
+                rank=rank, world_size=world, page_size=page, decode_query_len=3,
+                max_decode_query_len=3,
+            )  # fmt: skip
+            want = check.icp_expected_rank_scores(p, rank, True, cols)
+            for b, n in enumerate(lengths):
+                written = -(-n // (4 * page)) * 4  # the pages, rounded up to four
+                rows = slice(3 * b, 3 * b + 3)
+                assert_close_scores(out.cpu()[rows, :, :written], want[rows, :, :written])
+    finally:
+        family.launch.cache_clear()
+
+
 def test_prefill_scores_without_initialize_leave_unfilled_columns():
     p = check.icp_sharded_problem([300], [40], 2, 128, seed=3, q_offsets=[10])
     q, k, table, plan = prefill_inputs(p, 1)

@@ -161,8 +161,6 @@ FAMILIES = (
         doc="ICP indexer: max of the raw q.k per block over a rank's shard of FP8 index keys",
         abi=abi_score,
         dtypes=("e4m3",),
-        # Hopper's FP8 wgmma only, so far: SM100 and SM120 builds are still to come.
-        required_archs=("sm_90a",),
         constants={**CONSTANTS, "shard_rows": SHARD_ROWS},
         templates=(
             # FP8 wgmma (Hopper's FP8 accumulator: see msa_proxy_score's ACCUMULATE), the
@@ -175,6 +173,18 @@ FAMILIES = (
                 configs=tuple(
                     dict(dtype="e4m3", head_dim=HEAD_DIM, shard_rows=r) for r in SHARD_ROWS
                 ),
+            ),
+            # mma.sync on every arch (m16n8k32 e4m3, fp32 sums; on sm_90a and sm_100f through
+            # fp16 MMAs), the portable proxy scorer's loop; built for sm_90a too.
+            Template(
+                "warp_mma",
+                "generator.kernels.portable.msa_icp_score",
+                mma="mma.sync",
+                archs=ALL_ARCHS,
+                configs=tuple(
+                    dict(dtype="e4m3", head_dim=HEAD_DIM, shard_rows=r) for r in SHARD_ROWS
+                ),
+                portable=True,
             ),
         ),
     ),

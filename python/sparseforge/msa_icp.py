@@ -34,9 +34,10 @@ Every call is a kernel launch on the current stream with no host synchronisation
 allocation, so the chains can be captured in a CUDA graph after warmup(). enable_pdl is
 accepted and has no effect (the launches are ordered as usual). The fused score-and-select
 paths (msa_icp_prefill_score_select, msa_icp_decode_score_publish and their pools) are not
-in this version. Kernels: generator/kernels/sm90/msa_icp_score.py (FP8 wgmma; Hopper
-only, so far) and generator/kernels/portable/msa_icp_{select,merge}.py (every arch);
-reference: sparseforge.reference_icp.
+in this version. Kernels: generator/kernels/sm90/msa_icp_score.py (FP8 wgmma, Hopper),
+generator/kernels/portable/msa_icp_score.py (mma.sync, every arch: SM100 and SM120 score
+with it) and generator/kernels/portable/msa_icp_{select,merge}.py (every arch); reference:
+sparseforge.reference_icp.
 """
 
 from __future__ import annotations

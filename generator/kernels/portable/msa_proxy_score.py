@@ -47,6 +47,7 @@ class ProxyScore:
 
     paged: bool
     nvfp4 = False  # q and k as NVFP4 codes, decoded into shared memory through registers
+    tiles_per_block = TILES_PER_BLOCK  # 64-key tiles of a scored block
 
     def tile_copy_op(self):
         """How tiles reach shared memory: cp.async from global memory."""
@@ -198,20 +199,31 @@ class ProxyScore:
             acc_S_mn = acc_mn_view(acc_S)
             tile_keys = self.keys_in_tile(args, batch, u, seqlen_k)
             for r in cutlass.range_constexpr(rows):
-                row_pos = first_pos + tScS_mn[r, 0][0]
+                row_pos = self.row_position(first_pos, tScS_mn[r, 0][0])
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    key = u * TILE_N + tScS_mn[r, c][1]
-                    visible = tScS_mn[r, c][1] < tile_keys
-                    if args.causal != 0:
-                        visible = visible & (key <= row_pos)
+                    visible = self.key_visible(args, u, tScS_mn[r, c][1], tile_keys, row_pos)
                     score = cutlass.Float32(cutlass.select_(visible, acc_S_mn[r, c], NEG_INF))
                     block_max[r] = cute.arch.fmax(block_max[r], score)
-            if (u % 2 == 1) | (u + 1 == tiles):
+            if (u % self.tiles_per_block == self.tiles_per_block - 1) | (u + 1 == tiles):
                 self.store_block_max(
-                    args, block_max, tScS_mn, tidx, head, u // 2, q_start + chunk * QUERY_ROWS,
-                    rows_left, first_head,
+                    args, block_max, tScS_mn, tidx, head, u // self.tiles_per_block,
+                    q_start + chunk * QUERY_ROWS, rows_left, first_head,
                 )  # fmt: skip
                 block_max.fill(NEG_INF)
+
+    @cute.jit
+    def row_position(self, first_pos, row):
+        """The position of the CTA's query row `row` (one row a token)."""
+        return first_pos + row
+
+    @cute.jit
+    def key_visible(self, args, u, column, tile_keys, row_pos):
+        """Whether key `column` of the u-th tile exists and (causal) lies at or before the
+        row's position."""
+        visible = column < tile_keys
+        if args.causal != 0:
+            visible = visible & (u * TILE_N + column <= row_pos)
+        return visible
 
     @cute.jit
     def keys_in_tile(self, args, batch, u, seqlen_k):
