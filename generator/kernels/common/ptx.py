@@ -7,9 +7,10 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 def inline_ptx(result_type, operands, asm, constraints, *, side_effects=False, loc=None, ip=None):
     """The value of `asm` (AT&T operand syntax: $0 the result, $1.. the operands) over the
-    DSL values `operands`, as `result_type` (a cutlass numeric type)."""
+    DSL values `operands`, as `result_type` (a cutlass numeric type; None: a statement with
+    no value, its operands then $0..)."""
     value = llvm.inline_asm(
-        result_type.mlir_type,
+        None if result_type is None else result_type.mlir_type,
         [x.ir_value(loc=loc, ip=ip) for x in operands],
         asm,
         constraints,
@@ -17,7 +18,7 @@ def inline_ptx(result_type, operands, asm, constraints, *, side_effects=False, l
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-    return result_type(value)
+    return None if result_type is None else result_type(value)
 
 
 @dsl_user_op

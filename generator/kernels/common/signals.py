@@ -9,30 +9,16 @@ barrier orders the other threads' stores before the flag-writing thread's releas
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from generator.kernels.common.ptx import inline_ptx
-
-
-def _statement(operands, asm, constraints, loc, ip):
-    """An asm statement with no result (a store, a fence, a trap)."""
-    llvm.inline_asm(
-        None,
-        [x.ir_value(loc=loc, ip=ip) for x in operands],
-        asm,
-        constraints,
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 @dsl_user_op
 def store_b32(address, value, *, loc=None, ip=None):
     """A plain 32-bit store to a global byte address."""
     operands = [cutlass.Int64(address), cutlass.Int32(value)]
-    _statement(operands, "st.global.b32 [$0], $1;", "l,r", loc, ip)
+    inline_ptx(None, operands, "st.global.b32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -40,7 +26,15 @@ def store_relaxed_b64(address, value, *, loc=None, ip=None):
     """A 64-bit store, single-copy atomic at system scope (a tagged row's word: its
     generation and value are seen together or not at all)."""
     operands = [cutlass.Int64(address), cutlass.Int64(value)]
-    _statement(operands, "st.relaxed.sys.global.b64 [$0], $1;", "l,l", loc, ip)
+    inline_ptx(
+        None,
+        operands,
+        "st.relaxed.sys.global.b64 [$0], $1;",
+        "l,l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
 
 
 @dsl_user_op
@@ -48,7 +42,15 @@ def store_release_b32(address, value, *, loc=None, ip=None):
     """A flag store that orders every earlier access of the thread (and, after a barrier,
     of its CTA) before it, at system scope."""
     operands = [cutlass.Int64(address), cutlass.Int32(value)]
-    _statement(operands, "st.release.sys.global.b32 [$0], $1;", "l,r", loc, ip)
+    inline_ptx(
+        None,
+        operands,
+        "st.release.sys.global.b32 [$0], $1;",
+        "l,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
 
 
 @dsl_user_op
@@ -88,7 +90,7 @@ def count_error_and_trap(errors_address, *, loc=None, ip=None):
     synchronisation, rather than waiting forever for a peer that is gone)."""
     operands = [cutlass.Int64(errors_address)]
     asm = "{ .reg .b32 old; atom.global.add.u32 old, [$0], 1; membar.sys; trap; }"
-    _statement(operands, asm, "l", loc, ip)
+    inline_ptx(None, operands, asm, "l", side_effects=True, loc=loc, ip=ip)
 
 
 @cute.jit

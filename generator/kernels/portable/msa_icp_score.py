@@ -14,9 +14,14 @@ import cutlass
 import cutlass.cute as cute
 
 from generator.families.msa_icp import HEAD_DIM, HEADS
-from generator.kernels.common.softmax import quad_max
+from generator.kernels.common.icp_shard import (
+    fill_unscored,
+    rows_at_or_before,
+    scored_pages,
+    store_row_maxima,
+)
 from generator.kernels.portable.block_sparse_fwd import NUM_THREADS, TILE_N
-from generator.kernels.portable.msa_proxy_score import NEG_INF, QUERY_ROWS, MsaProxyScoreE4m3
+from generator.kernels.portable.msa_proxy_score import QUERY_ROWS, MsaProxyScoreE4m3
 
 
 class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
@@ -58,40 +63,16 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = (storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout))
             seqlen_k = args.mSeqLenK[batch]
+            rows = cutlass.min(rows_left, QUERY_ROWS)
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (QUERY_ROWS // HEADS)
-            last_pos = first_pos + (cutlass.min(rows_left, QUERY_ROWS) - 1) // HEADS
-            reach = cutlass.min(last_pos, seqlen_k - 1) - args.key_base
-            pages = cutlass.Int32(0)
-            if reach >= 0:
-                pages = reach // args.page_size + 1
-            width = args.mOut.shape[1]
-            fitting = cutlass.Int32(0)
-            if width > args.column_offset:
-                fitting = cute.ceil_div(width - args.column_offset, args.column_scale)
-            pages = cutlass.min(pages, fitting)
+            pages = scored_pages(args, seqlen_k, first_pos, rows)
             # Rows as the proxy scorer's "tokens": the CTA's rows from 4 q_start on.
             self.score_head(
                 args, sQ, sK, gmem_load, tiled_mma, tidx, 0, 0, batch, chunk, HEADS * q_start,
                 rows_left, seqlen_k, first_pos, pages * self.tiles_per_block, cutlass.Int32(1),
             )  # fmt: skip
-            fill = args.fill_columns
-            if args.fill_page_multiple > 0:
-                multiple = args.fill_page_multiple
-                rounded = cute.ceil_div(cute.ceil_div(seqlen_k, args.page_size), multiple)
-                fill = cutlass.max(fill, rounded * multiple)
-            fill = cutlass.min(fill, width)
-            rows = cutlass.min(rows_left, QUERY_ROWS)
             first_row = HEADS * q_start + chunk * QUERY_ROWS
-            for i in cutlass.range(tidx, fill * rows, NUM_THREADS, unroll=1):
-                row, column = i % rows, i // rows
-                local = column - args.column_offset
-                unscored = (
-                    (local < 0)
-                    | (local % args.column_scale != 0)
-                    | (local // args.column_scale >= pages)
-                )
-                if unscored:
-                    args.mOut[first_row + row, column] = NEG_INF
+            fill_unscored(args, tidx, NUM_THREADS, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def row_position(self, first_pos, row):
@@ -102,12 +83,7 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
         """How many of tile u's rows hold a key at or before `position` (its first row is
         row (u % tiles_per_block) * 64 of page u // tiles_per_block)."""
         first = (u % self.tiles_per_block) * TILE_N
-        reach = position - args.page_size * (u // self.tiles_per_block) - args.key_base
-        reach = reach - first * args.key_step
-        rows = cutlass.Int32(0)
-        if reach >= 0:
-            rows = cutlass.min(reach // args.key_step + 1, self.tile_rows)
-        return rows
+        return rows_at_or_before(args, position, u // self.tiles_per_block, first, self.tile_rows)
 
     @cute.jit
     def key_visible(self, args, u, column, tile_keys, row_pos):
@@ -144,14 +120,7 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
     def store_block_max(
         self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head
     ):
-        """Each row's max (over the quad), written by the quad's first lane to page `block`'s
-        column of query row first_token + row."""
-        column = block * args.column_scale + args.column_offset
-        for r in cutlass.range_constexpr(cute.size(block_max)):
-            value = quad_max(block_max[r])
-            row = tScS_mn[r, 0][0]
-            if (tidx % 4 == 0) & (row < rows_left):
-                args.mOut[first_token + row, column] = value
+        store_row_maxima(args, block_max, tScS_mn, tidx, first_token, rows_left, block)
 
 
 def make_kernel(variant):

@@ -16,10 +16,14 @@ import cutlass
 import cutlass.cute as cute
 
 from generator.families.msa_icp import HEAD_DIM, HEADS
-from generator.kernels.common.softmax import quad_max
+from generator.kernels.common.icp_shard import (
+    fill_unscored,
+    rows_at_or_before,
+    scored_pages,
+    store_row_maxima,
+)
 from generator.kernels.sm90.msa_proxy_score import (
     CTA_ROWS,
-    NEG_INF,
     RING_BYTES,
     MsaProxyScoreSm90,
     rows_d_heads,
@@ -66,19 +70,10 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
         q_start = args.mCuQ[batch]
         rows_left = HEADS * (args.mCuQ[batch + 1] - q_start) - chunk * CTA_ROWS
         if rows_left > 0:
+            rows = cutlass.min(rows_left, CTA_ROWS)
             seqlen_k = args.mSeqLenK[batch]
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (CTA_ROWS // HEADS)
-            last_pos = first_pos + (cutlass.min(rows_left, CTA_ROWS) - 1) // HEADS
-            # The pages holding a key some row sees, at most the output's width.
-            reach = cutlass.min(last_pos, seqlen_k - 1) - args.key_base
-            pages = cutlass.Int32(0)
-            if reach >= 0:
-                pages = reach // args.page_size + 1
-            width = args.mOut.shape[1]
-            fitting = cutlass.Int32(0)
-            if width > args.column_offset:
-                fitting = cute.ceil_div(width - args.column_offset, args.column_scale)
-            pages = cutlass.min(pages, fitting)
+            pages = scored_pages(args, seqlen_k, first_pos, rows)
             first_row = HEADS * q_start + chunk * CTA_ROWS
             if pages > 0:
                 self.run_roles(
@@ -87,24 +82,7 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
                     rows_left, seqlen_k, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0),
                     pages,
                 )  # fmt: skip
-            # Columns below the fill bound that no page filled.
-            fill = args.fill_columns
-            if args.fill_page_multiple > 0:
-                multiple = args.fill_page_multiple
-                rounded = cute.ceil_div(cute.ceil_div(seqlen_k, args.page_size), multiple)
-                fill = cutlass.max(fill, rounded * multiple)
-            fill = cutlass.min(fill, width)
-            rows = cutlass.min(rows_left, CTA_ROWS)
-            for i in cutlass.range(tidx, fill * rows, self.num_threads, unroll=1):
-                row, column = i % rows, i // rows
-                local = column - args.column_offset
-                unscored = (
-                    (local < 0)
-                    | (local % args.column_scale != 0)
-                    | (local // args.column_scale >= pages)
-                )
-                if unscored:
-                    args.mOut[first_row + row, column] = NEG_INF
+            fill_unscored(args, tidx, self.num_threads, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def kv_head_of(self, args, head):
@@ -121,11 +99,7 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
     @cute.jit
     def rows_before(self, args, position, u):
         """How many of page u's rows hold a key at or before `position`."""
-        reach = position - args.page_size * u - args.key_base
-        rows = cutlass.Int32(0)
-        if reach >= 0:
-            rows = cutlass.min(reach // args.key_step + 1, self.tile_keys)
-        return rows
+        return rows_at_or_before(args, position, u, 0, self.tile_keys)
 
     @cute.jit
     def block_keys(self, args, batch, kv_head, u, seqlen_k, wg_pos):
@@ -143,14 +117,7 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
     def store(
         self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left, not_first_head
     ):
-        """Each row's max (over its quad), written by the quad's first lane to page `block`'s
-        column of query row first_token + row."""
-        column = block * args.column_scale + args.column_offset
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            value = quad_max(row_max[r])
-            row = tScS_mn[r, 0][0]
-            if (tidx % 4 == 0) & (row < rows_left):
-                args.mOut[first_token + row, column] = value
+        store_row_maxima(args, row_max, tScS_mn, tidx, first_token, rows_left, block)
 
 
 def make_kernel(variant):
