@@ -90,3 +90,37 @@ def test_the_surface_is_in_msa_ops():
         "msa_icp_decode_score_columns", "msa_icp_comm_layout",
     ):  # fmt: skip
         assert getattr(msa_ops, name) is getattr(msa_icp, name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("page", [128, 256])
+def test_the_kernels_layout_scalars_match_the_reference_layouts(world, page):
+    """What the runtime passes the kernels (key_base / key_step, column maps, publish row
+    offsets), applied as the kernels apply them, against reference_icp's layouts."""
+    from sparseforge import reference_icp as ref
+
+    keys, rows = 9 * 256 + 40, page // world
+    for rank in range(world):
+        base, step = msa_icp._key_layout(page, rows, world, rank)
+        pages = -(-keys // page)
+        c, i = torch.arange(pages)[:, None], torch.arange(rows)[None, :]
+        assert torch.equal(page * c + base + i * step, ref.shard_keys(keys, world, rank, page))
+        ids = ref.block_ids(keys, world, rank, page)
+        scale, offset = msa_icp._page_columns(page, world, rank, compact=False)
+        assert torch.equal(torch.arange(pages) * scale + offset, ids)  # columns = global ids
+        assert msa_icp._page_columns(page, world, rank, compact=True) == (1, 0)
+        scale, offset = msa_icp._column_blocks(page, world, rank, compact=True)
+        assert torch.equal(torch.arange(pages) * scale + offset, ids)  # compact columns
+        assert msa_icp._column_blocks(page, world, rank, compact=False) == (1, 0)
+    # Publish: row (t, h) of rank r lands where reference_icp.publish puts it.
+    capacity, tokens, hpr = 5, 3, 4 // world
+    for slot in range(3):
+        for rank in range(world):
+            receive = [ref.receive_rows(world, capacity) for _ in range(world)]
+            rows_in = torch.arange(tokens * 4 * 33, dtype=torch.int32).view(tokens, 4, 33)
+            ref.publish(rows_in, receive, rank, slot)
+            first = msa_icp._publish_row_offset(slot, world, rank, capacity)
+            for t in range(tokens):
+                for h in range(4):
+                    at = first + (h % hpr) * capacity + t  # the select kernel's row_address
+                    assert torch.equal(receive[h // hpr][at], rows_in[t, h])

@@ -295,7 +295,7 @@ def msa_icp_index_score_sharded(
     columns = msa_icp_index_score_columns(plan.max_seq_len, page_size if compact else 128)
     out_rows = _score_rows("max_score", max_score, plan.total_q, columns, device)
     check_writable("max_score", max_score, (("q", q), ("k", k), ("block_table", block_table)))
-    scale, offset = (2, 2 * rank // tp) if page_size == 256 and not compact else (1, 0)
+    scale, offset = _page_columns(page_size, tp, rank, compact)
     base, step = _key_layout(page_size, shard_rows, tp, rank)
     fill = max_score.shape[2] if initialize else 0
     if plan.total_q and plan.max_query_len:
@@ -437,7 +437,7 @@ def msa_icp_topk_select_publish(
         _launch_select(
             device, scores, num_valid_pages, _dummies(device)["carrier"], recv_bases, errors,
             counters, index_scale, index_offset, force_begin_blocks, force_end_blocks,
-            heads_per_rank, capacity, (slot * world_size + rank) * heads_per_rank * capacity,
+            heads_per_rank, capacity, _publish_row_offset(slot, world_size, rank, capacity),
             mode, spin_limit,
         )  # fmt: skip
 
@@ -691,8 +691,7 @@ class MSAIcpIndexerPlan:
             world_size=self.world_size, page_size=self.page_size,
             decode_query_len=decode_query_len, max_decode_query_len=self.max_decode_query_len,
         )  # fmt: skip
-        # P256 scores are local pages: global block 2 c + 2 r // W.
-        scale, offset = (1, 0) if self.page_size == 128 else (2, 2 * self.rank // self.world_size)
+        scale, offset = _column_blocks(self.page_size, self.world_size, self.rank, compact=True)
         msa_icp_topk_select_publish(
             scores, num_valid_pages, comm.tagged_bases if tagged else comm.legacy_bases,
             comm.errors, slot=slot, rank=self.rank, world_size=self.world_size,
@@ -738,9 +737,7 @@ class MSAIcpIndexerPlan:
             query, index_k, block_table, window_plan, rank=self.rank, max_score=score_scratch,
             tp=self.world_size, compact=compact,
         )  # fmt: skip
-        scale, offset = (1, 0)
-        if self.page_size == 256 and compact:
-            scale, offset = 2, 2 * self.rank // self.world_size
+        scale, offset = _column_blocks(self.page_size, self.world_size, self.rank, compact)
         msa_icp_topk_select_prefill(
             score_scratch, num_valid_pages, carrier, force_begin_blocks=self.init_blocks,
             force_end_blocks=self.local_blocks, index_scale=scale, index_offset=offset,
@@ -841,6 +838,29 @@ def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tenso
 def _key_layout(page_size: int, shard_rows: int, world_size: int, rank: int) -> tuple:
     """(key_base, key_step): local row i of page c holds key page_size c + base + i step."""
     return (rank, world_size) if page_size == 128 else (rank * shard_rows, 1)
+
+
+def _page_columns(page_size: int, world_size: int, rank: int, compact: bool) -> tuple:
+    """(scale, offset): the scorer writes local page c's maxima to column c scale + offset
+    (its global block id, or with compact P256 scores the page itself)."""
+    if page_size == 256 and not compact:
+        return 2, 2 * rank // world_size
+    return 1, 0
+
+
+def _column_blocks(page_size: int, world_size: int, rank: int, compact: bool) -> tuple:
+    """(index_scale, index_offset): score column c is global block c scale + offset (compact
+    P256 columns are local pages, block 2 c + 2 rank // W)."""
+    if page_size == 256 and compact:
+        return 2, 2 * rank // world_size
+    return 1, 0
+
+
+def _publish_row_offset(slot: int, world_size: int, rank: int, capacity: int) -> int:
+    """The first receive row a rank's publish of slot set `slot` writes at an owner: row
+    ((slot W + rank) hpr + h % hpr) capacity + t holds (t, h), so the rows of head h % hpr
+    start head_rows = capacity later each."""
+    return (slot * world_size + rank) * (HEADS // world_size) * capacity
 
 
 def _check_backend(backend) -> None:
