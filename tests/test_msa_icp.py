@@ -124,3 +124,13 @@ def test_the_kernels_layout_scalars_match_the_reference_layouts(world, page):
                 for h in range(4):
                     at = first + (h % hpr) * capacity + t  # the select kernel's row_address
                     assert torch.equal(receive[h // hpr][at], rows_in[t, h])
+
+
+def test_decode_splits_a_requests_pages_to_fill_the_gpu(monkeypatch):
+    monkeypatch.setattr(msa_icp, "multiprocessors", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert msa_icp._decode_page_splits(device, 64, 256) == 5  # 320 CTAs for 264 slots
+    assert msa_icp._decode_page_splits(device, 256, 256) == 2
+    assert msa_icp._decode_page_splits(device, 1024, 8192) == 1
+    assert msa_icp._decode_page_splits(device, 4, 16) == 2  # runs of >= 8 pages
+    assert msa_icp._decode_page_splits(device, 4, 4) == 1

@@ -67,7 +67,9 @@ def abi_score(head_dim=HEAD_DIM):
     column_scale, column_offset     where page c's maxima go
     fill_columns, fill_page_multiple   a query row's columns that no page of it fills are
                           -inf below fill_columns and (multiple > 0) below the sequence's
-                          page count rounded up to a multiple of fill_page_multiple"""
+                          page count rounded up to a multiple of fill_page_multiple
+    page_splits           CTAs a row tile's pages are split over (contiguous runs; their
+                          columns are disjoint, so nothing is combined)"""
     vector = dict(shape=(None,), stride=(1,))
     return (
         TensorArg("mQ", "e4m3", shape=(None, 1, head_dim), stride=(None, None, 1), divisibility=16),
@@ -88,6 +90,7 @@ def abi_score(head_dim=HEAD_DIM):
         ScalarArg("column_offset", "i32"),
         ScalarArg("fill_columns", "i32"),
         ScalarArg("fill_page_multiple", "i32"),
+        ScalarArg("page_splits", "i32"),
     )
 
 

@@ -97,3 +97,13 @@ def arch_for_device(device_index: int) -> str:
 
     capability = device_capability(device_index)
     return require_arch_in_build(arch_for_capability(*capability), capability, build_archs())
+
+
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    """The SM count of a CUDA device (what launches size their grids by), from the driver."""
+    device_capability(device_index)  # the device exists
+    driver = _driver()
+    dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+    attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    return int(_check(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))

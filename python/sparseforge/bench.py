@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import unittest.mock
 from dataclasses import dataclass
 
 import torch
@@ -991,13 +992,19 @@ def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) ->
 
     chain = cuda_time_ms(layer, iters=iters) * 1e3 / world
     plane = cuda_time_ms(lambda: score(0), iters=iters) * 1e3
+    # The same plane with a request's pages in one CTA (no split), interleaved with it.
+    with unittest.mock.patch.object(msa_icp, "_decode_page_splits", lambda *args: 1):
+        unsplit = cuda_time_ms(lambda: score(0), iters=iters) * 1e3
+    plane = min(plane, cuda_time_ms(lambda: score(0), iters=iters) * 1e3)
     assert all(c.errors.item() == 0 for c in comms)
     key_bytes = requests * context // world * 128
+    splits = msa_icp._decode_page_splits(device, requests, columns)
     return (
         f"ICP decode P128 W={world}, {requests} requests x {context} tokens: chain "
         f"{chain:.1f} us a rank (score plane {plane:.1f} us = "
         f"{key_bytes / plane / 1e6 / HBM_TBPS:.0%} of HBM on {key_bytes / 1e6:.0f} MB of "
-        "keys; select, publish and merge the rest)"
+        f"keys, pages split over {splits} CTAs a request; {unsplit:.1f} us unsplit; select, "
+        "publish and merge the rest)"
     )
 
 

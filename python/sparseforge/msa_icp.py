@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseforge import ops
+from sparseforge.arch import multiprocessors
 from sparseforge.checks import check_writable, describe
 from sparseforge.families import msa_icp as icp_family
 
@@ -301,7 +302,7 @@ def msa_icp_index_score_sharded(
     if plan.total_q and plan.max_query_len:
         _launch_score(
             device, shard_rows, q, k, plan.cu_q, plan.seq_lens, plan.q_offset, block_table,
-            out_rows, plan.max_query_len, 0, page_size, base, step, scale, offset, fill, 0,
+            out_rows, plan.max_query_len, 0, page_size, base, step, scale, offset, fill, 0, 1,
         )  # fmt: skip
 
 
@@ -383,9 +384,11 @@ def msa_icp_decode_index_score_sharded(
     base, step = _key_layout(page_size, shard_rows, world_size, rank)
     if tokens:
         offsets = _uniform_offsets(device, batch, decode_query_len)
+        splits = _decode_page_splits(device, batch, columns)
         _launch_score(
             device, shard_rows, index_q, index_k, offsets, seq_lens, seq_lens, block_table,
             out_rows, decode_query_len, -decode_query_len, page_size, base, step, 1, 0, 0, 4,
+            splits,
         )  # fmt: skip
 
 
@@ -789,7 +792,7 @@ def prepare_msa_icp_indexer(
 
 def _launch_score(
     device, shard_rows, q, k, cu_q, seq_lens, q_offset, block_table, out_rows, max_seqlen_q,
-    position_shift, page_size, base, step, scale, offset, fill, fill_multiple,
+    position_shift, page_size, base, step, scale, offset, fill, fill_multiple, page_splits,
 ):  # fmt: skip
     if shard_rows not in icp_family.shard_rows_built(device.index):
         raise ValueError(
@@ -798,7 +801,7 @@ def _launch_score(
         )
     launch = icp_family.launch(
         device.index, "msa_icp_score", shard_rows, max_seqlen_q, position_shift, page_size,
-        base, step, scale, offset, fill, fill_multiple,
+        base, step, scale, offset, fill, fill_multiple, page_splits,
     )  # fmt: skip
     with torch.cuda.device(device):
         ops.launch(
@@ -816,6 +819,19 @@ def _launch_select(
     )  # fmt: skip
     with torch.cuda.device(device):
         ops.launch(launch, (scores, num_valid, carrier, bases, errors, generations))
+
+
+# A decode batch has one row tile a request (4 x decode_query_len <= 32 rows): its pages are
+# split over this many CTAs a request so that the launch has two a multiprocessor (the
+# scorers' occupancy), each run at least MIN_SPLIT_PAGES pages of the longest context.
+MIN_SPLIT_PAGES = 8
+
+
+def _decode_page_splits(device: torch.device, requests: int, columns: int) -> int:
+    """CTAs a decode request's pages are split over (columns: the score plane's, at least
+    the longest request's pages)."""
+    wanted = -(-2 * multiprocessors(device.index) // requests)
+    return max(1, min(wanted, columns // MIN_SPLIT_PAGES))
 
 
 @functools.lru_cache(maxsize=16)

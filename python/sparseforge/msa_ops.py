@@ -28,6 +28,7 @@ import math
 import torch
 
 from sparseforge import ops
+from sparseforge.arch import multiprocessors
 from sparseforge.checks import check_writable, describe
 from sparseforge.dtypes import NAME_OF
 from sparseforge.families import msa_attention_combine as combine_family
@@ -752,7 +753,7 @@ def _splits(device, ctas: int, topk: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return multiprocessors(device.index)
 
 
 @functools.lru_cache(maxsize=16)

@@ -67,13 +67,13 @@ a kept run); large problems hide it behind the GPU queue.
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from typing import NamedTuple
 
 import torch
 
+from sparseforge.arch import multiprocessors
 from sparseforge.dtypes import BY_NAME, NAME_OF
 from sparseforge.families import sage_fp8_fwd, sage_quantize
 from sparseforge.planner import num_tiles, tile_padded_keys, tile_padded_scales
@@ -111,7 +111,7 @@ def sage_fp8_quantize(
     device = q.device
     per_scale = sage_quantize.constant("keys_per_scale")
     groups = -(-sk // per_scale)
-    chunk = chunk_tokens(sk, hkv, _sm_count(device.index))
+    chunk = chunk_tokens(sk, hkv, multiprocessors(device.index))
     f32 = dict(dtype=torch.float32, device=device)
     q8 = torch.empty((hq, sq, d), dtype=FP8, device=device)
     q_scale = torch.empty((1, hq, sq), **f32)
@@ -163,7 +163,7 @@ def quantize_bytes(q, k, v, *, smooth_k: bool = True) -> int:
     hkv, sk, _ = k.shape
     per_scale, tile = sage_quantize.constant("keys_per_scale"), sage_fp8_fwd.constant("tile_keys")
     groups = -(-sk // per_scale)
-    chunks = -(-sk // chunk_tokens(sk, hkv, _sm_count(q.device.index)))
+    chunks = -(-sk // chunk_tokens(sk, hkv, multiprocessors(q.device.index)))
     reads = q.element_size() * (q.numel() + (2 if smooth_k else 1) * k.numel() + 2 * v.numel())
     codes = q.numel() + hkv * d * (num_tiles(sk, tile) * tile + groups * per_scale)
     scales = 4 * (hq * sq + hkv * groups + 2 * hkv * d)
@@ -234,8 +234,3 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(
             f"q, k and v must be on one CUDA device, got {q.device}, {k.device}, {v.device}"
         )
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -28,6 +28,15 @@ def scored_pages(args, seqlen_k, first_pos, rows):
 
 
 @cute.jit
+def split_pages(pages, split, splits):
+    """[first, end): the run of a row tile's `pages` pages the CTA of split `split` (of
+    `splits`) scores."""
+    per = cute.ceil_div(pages, splits)
+    first = cutlass.min(split * per, pages)
+    return first, cutlass.min(first + per, pages)
+
+
+@cute.jit
 def rows_at_or_before(args, position, page, first_row, most):
     """How many of page `page`'s rows from first_row on (at most `most`) hold a key at or
     before `position` (the rows' keys grow with them)."""

@@ -3,11 +3,12 @@ every arch: a rank's block maxima of the raw q.k over its shard of FP8 index key
 (generator/families/msa_icp.py has the shard's layout), with the portable proxy scorer's
 loop (generator/kernels/portable/msa_proxy_score.py): a CTA owns 64 query rows (16 tokens x
 4 heads, q as it lies in memory) and walks the sequence's shard pages up to the last one a
-row sees, in 64-row tiles (a page of 128 rows is two, of 32 rows one with its second half
-zero-filled), loading the next tile while the tensor cores multiply the current one. A row
-sees a page's row i when it exists and its key, page_size * c + key_base + i * key_step,
-lies at or before the row's token's position. The CTA then writes -inf to the row's
-columns below the fill bound that no page filled.
+row sees (or a contiguous run of them, split over page_splits CTAs), in 64-row tiles (a
+page of 128 rows is two, of 32 rows one with its second half zero-filled), loading the next
+tile while the tensor cores multiply the current one. A row sees a page's row i when it
+exists and its key, page_size * c + key_base + i * key_step, lies at or before the row's
+token's position. The first CTA of the split then writes -inf to the rows' columns below
+the fill bound that no page filled.
 """
 
 import cutlass
@@ -18,6 +19,7 @@ from generator.kernels.common.icp_shard import (
     fill_unscored,
     rows_at_or_before,
     scored_pages,
+    split_pages,
     store_row_maxima,
 )
 from generator.kernels.portable.block_sparse_fwd import NUM_THREADS, TILE_N
@@ -38,7 +40,7 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
         tiled_mma = self.tiled_mma()
         rows = HEADS * args.max_seqlen_q
         self.kernel(args, sQ_layout, sK_layout, gmem_load, tiled_mma, SharedStorage).launch(
-            grid=[cute.ceil_div(rows, QUERY_ROWS), args.mCuQ.shape[0] - 1, 1],
+            grid=[cute.ceil_div(rows, QUERY_ROWS), args.mCuQ.shape[0] - 1, args.page_splits],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -55,7 +57,7 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, batch, _ = cute.arch.block_idx()
+        chunk, batch, split = cute.arch.block_idx()
         q_start = args.mCuQ[batch]
         rows_left = HEADS * (args.mCuQ[batch + 1] - q_start) - chunk * QUERY_ROWS
         if rows_left > 0:
@@ -66,13 +68,17 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
             rows = cutlass.min(rows_left, QUERY_ROWS)
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (QUERY_ROWS // HEADS)
             pages = scored_pages(args, seqlen_k, first_pos, rows)
+            first_page, end_page = split_pages(pages, split, args.page_splits)
             # Rows as the proxy scorer's "tokens": the CTA's rows from 4 q_start on.
+            tiles = self.tiles_per_block
             self.score_head(
                 args, sQ, sK, gmem_load, tiled_mma, tidx, 0, 0, batch, chunk, HEADS * q_start,
-                rows_left, seqlen_k, first_pos, pages * self.tiles_per_block, cutlass.Int32(1),
+                rows_left, seqlen_k, first_pos, first_page * tiles, end_page * tiles,
+                cutlass.Int32(1),
             )  # fmt: skip
-            first_row = HEADS * q_start + chunk * QUERY_ROWS
-            fill_unscored(args, tidx, NUM_THREADS, first_row, rows, pages, seqlen_k)
+            if split == 0:
+                first_row = HEADS * q_start + chunk * QUERY_ROWS
+                fill_unscored(args, tidx, NUM_THREADS, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def row_position(self, first_pos, row):

@@ -103,7 +103,7 @@ class ProxyScore:
                 first_head = cutlass.Int32(head == head_begin)
                 self.score_head(
                     args, sQ, sK, gmem_load, tiled_mma, tidx, head, kv_head, batch, chunk,
-                    q_start, rows_left, seqlen_k, first_pos, tiles, first_head,
+                    q_start, rows_left, seqlen_k, first_pos, cutlass.Int32(0), tiles, first_head,
                 )  # fmt: skip
             # Blocks no row sees: -inf (the same for every head).
             width = args.mOut.shape[1]
@@ -117,9 +117,10 @@ class ProxyScore:
     @cute.jit
     def score_head(
         self, args, sQ, sK, gmem_load, tiled_mma, tidx, head, kv_head, batch, chunk,
-        q_start, rows_left, seqlen_k, first_pos, tiles, first_head,
+        q_start, rows_left, seqlen_k, first_pos, first_tile, tiles, first_head,
     ):  # fmt: skip
-        """The block maxima of one head's 64 rows over the first `tiles` 64-key tiles."""
+        """The block maxima of one head's 64 rows over 64-key tiles [first_tile, tiles)
+        (first_tile a multiple of tiles_per_block)."""
         d = HEAD_DIM
         thr_load = gmem_load.get_slice(tidx)
         q_rows = cute.domain_offset((q_start, 0), args.mQ[None, head, None])
@@ -157,19 +158,20 @@ class ProxyScore:
             self.decode(gmem_load, codes, scales, staged, thr_load.partition_D(sQ))
         else:
             self.load_rows(gmem_load, tQgQ, thr_load.partition_D(sQ), tQcQ, rows_left)
-        if tiles > 0:
+        if tiles > first_tile:
             self.load_key_tile(
-                args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, 0, seqlen_k, codes,
-                scales,
+                args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, first_tile, seqlen_k,
+                codes, scales,
             )  # fmt: skip
             if cutlass.const_expr(self.nvfp4):
                 self.decode(gmem_load, codes, scales, staged, tKsK[0])
         cute.arch.cp_async_commit_group()
-        for u in cutlass.range(tiles, unroll=1):
+        for u in cutlass.range(first_tile, tiles, unroll=1):
+            buffer = u - first_tile  # tile first_tile is in buffer 0
             cute.arch.cp_async_wait_group(0)
             self.barrier.arrive_and_wait()
             if u + 1 < tiles:
-                if u % 2 == 1:
+                if buffer % 2 == 1:
                     self.load_key_tile(
                         args, gmem_load, thr_load, tKsK[0], tKcK, batch, kv_head, u + 1,
                         seqlen_k, codes, scales,
@@ -184,14 +186,14 @@ class ProxyScore:
                 thr_mma.partition_shape_C((QUERY_ROWS, TILE_N)), cutlass.Float32
             )
             acc_S.fill(0.0)
-            if u % 2 == 0:
+            if buffer % 2 == 0:
                 self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[0])
             else:
                 self.gemm_smem(tiled_mma, acc_S, q_operand, k_operands[1])
             if cutlass.const_expr(self.nvfp4):
                 # The other buffer's last reader was tile u - 1, before this tile's barrier.
                 if u + 1 < tiles:
-                    if u % 2 == 0:
+                    if buffer % 2 == 0:
                         self.decode(gmem_load, codes, scales, staged, tKsK[1])
                     else:
                         self.decode(gmem_load, codes, scales, staged, tKsK[0])

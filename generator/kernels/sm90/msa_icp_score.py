@@ -7,9 +7,11 @@ their 64 rows by each page (FP8 wgmma m64nR, R = the shard's rows per page) and 
 one max per row, the rows a page holds past a row's position or the sequence masked.
 
 A page's rows are keys page_size * c + key_base + i * key_step, i < R: the row count a token
-sees is a prefix of them, so the masking is the proxy's with that count. The CTA then writes
--inf to the row's columns below fill_columns that no page filled (the causal tail and, with
-global block ids for P256, the blocks of the other ranks).
+sees is a prefix of them, so the masking is the proxy's with that count. With page_splits >
+1 the pages of a row tile are split into contiguous runs over that many CTAs (a decode batch
+has one row tile a request: fewer CTAs than SMs otherwise); their columns are disjoint. The
+first CTA then writes -inf to the rows' columns below the fill bound that no page filled
+(the causal tail and, with global block ids for P256, the blocks of the other ranks).
 """
 
 import cutlass
@@ -20,6 +22,7 @@ from generator.kernels.common.icp_shard import (
     fill_unscored,
     rows_at_or_before,
     scored_pages,
+    split_pages,
     store_row_maxima,
 )
 from generator.kernels.sm90.msa_proxy_score import (
@@ -45,7 +48,7 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
         q_view = rows_d_heads(mQ, mQ.shape[0], 1, mQ.stride[0], mQ.stride[1])
         k_view = rows_d_heads(mK, self.tile_keys, mK.shape[0], mK.stride[1], mK.stride[0])
         rows = HEADS * args.max_seqlen_q
-        grid = [1, cute.ceil_div(rows, CTA_ROWS), args.mCuQ.shape[0] - 1]
+        grid = [args.page_splits, cute.ceil_div(rows, CTA_ROWS), args.mCuQ.shape[0] - 1]
         self.launch_grid(args, q_view, k_view, grid, stream)
 
     @cute.kernel
@@ -65,7 +68,7 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        _, chunk_y, batch = cute.arch.block_idx()
+        split, chunk_y, batch = cute.arch.block_idx()
         chunk = cute.ceil_div(HEADS * args.max_seqlen_q, CTA_ROWS) - 1 - chunk_y
         q_start = args.mCuQ[batch]
         rows_left = HEADS * (args.mCuQ[batch + 1] - q_start) - chunk * CTA_ROWS
@@ -75,14 +78,16 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (CTA_ROWS // HEADS)
             pages = scored_pages(args, seqlen_k, first_pos, rows)
             first_row = HEADS * q_start + chunk * CTA_ROWS
-            if pages > 0:
+            first_page, end_page = split_pages(pages, split, args.page_splits)
+            if end_page > first_page:
                 self.run_roles(
                     args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
                     loaded_k, SharedStorage, tidx, warp, batch, first_row, first_pos,
                     rows_left, seqlen_k, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0),
-                    pages,
+                    first_page, end_page,
                 )  # fmt: skip
-            fill_unscored(args, tidx, self.num_threads, first_row, rows, pages, seqlen_k)
+            if split == 0:
+                fill_unscored(args, tidx, self.num_threads, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def kv_head_of(self, args, head):

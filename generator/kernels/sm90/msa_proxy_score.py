@@ -197,7 +197,7 @@ class MsaProxyScoreSm90:
                 self.run_roles(
                     args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
                     loaded_k, SharedStorage, tidx, warp, batch, first_token, first_pos,
-                    rows_left, seqlen_k, head_begin, head_end, out_row, blocks,
+                    rows_left, seqlen_k, head_begin, head_end, out_row, cutlass.Int32(0), blocks,
                 )  # fmt: skip
             # Blocks no row sees: -inf (the same for every head).
             width = args.mOut.shape[1]
@@ -210,11 +210,12 @@ class MsaProxyScoreSm90:
     def run_roles(
         self, args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q, loaded_k,
         SharedStorage: cutlass.Constexpr, tidx, warp, batch, first_token, first_pos, rows_left,
-        seqlen_k, head_begin, head_end, out_row, blocks,
+        seqlen_k, head_begin, head_end, out_row, first_block, blocks,
     ):  # fmt: skip
         """The CTA's shared memory and pipelines, then each warp's role: the producer, the
-        consumer warpgroups and (converting) the converter, over `blocks` blocks of the
-        rows from first_token (query rows of the Q view) on, per head in [begin, end)."""
+        consumer warpgroups and (converting) the converter, over blocks [first_block, blocks)
+        of the rows from first_token (query rows of the Q view) on, per head in [begin,
+        end)."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -226,18 +227,18 @@ class MsaProxyScoreSm90:
         if warp == self.producer_warp:
             self.produce(
                 args, tma_q, mQ_tma, tma_k, mK_tma, rawQ, rawK, pipes["load_q"],
-                pipes["load_k"], batch, first_token, head_begin, head_end, blocks,
+                pipes["load_k"], batch, first_token, head_begin, head_end, first_block, blocks,
             )  # fmt: skip
         elif warp < CONSUMERS * CONSUMER_THREADS // 32:
             self.consume(
                 args, mma, sQ, sK, pipes["read_q"], pipes["read_k"], tidx, warp // 4, batch,
                 first_token, first_pos, rows_left, seqlen_k, head_begin, head_end, out_row,
-                blocks,
+                first_block, blocks,
             )  # fmt: skip
         elif cutlass.const_expr(self.convert):
             self.convert_tiles(
                 pipes["raw_q"], pipes["raw_k"], pipes["fill_q"], pipes["fill_k"], rawQ, rawK,
-                sQ, sK, tidx % CONVERTER_THREADS, head_end - head_begin, blocks,
+                sQ, sK, tidx % CONVERTER_THREADS, head_end - head_begin, blocks - first_block,
             )  # fmt: skip
 
     def pipelines(self, storage, loaded_q, loaded_k) -> dict:
@@ -296,7 +297,7 @@ class MsaProxyScoreSm90:
     @cute.jit
     def produce(
         self, args, tma_q, mQ_tma, tma_k, mK_tma, sQ, sK, q_producer, k_producer, batch,
-        first_token, head_begin, head_end, blocks,
+        first_token, head_begin, head_end, first_block, blocks,
     ):  # fmt: skip
         """The producer warp: per head, the CTA's Q (two 64-row TMA tiles), then its blocks."""
         d = HEAD_DIM
@@ -327,7 +328,7 @@ class MsaProxyScoreSm90:
             handle = q_producer.acquire_and_advance()
             for w in cutlass.range_constexpr(CONSUMERS):
                 cute.copy(tma_q, tQgQ[None, w], tQsQ[None, w], tma_bar_ptr=handle.barrier)
-            for u in cutlass.range(blocks, unroll=1):
+            for u in cutlass.range(first_block, blocks, unroll=1):
                 handle = k_producer.acquire_and_advance()
                 tile = self.key_tile(args, batch, kv_head, u)
                 cute.copy(
@@ -362,7 +363,7 @@ class MsaProxyScoreSm90:
     @cute.jit
     def consume(
         self, args, mma, sQ, sK, q_consumer, k_consumer, tidx, wg, batch, first_token,
-        first_pos, rows_left, seqlen_k, head_begin, head_end, out_row, blocks,
+        first_pos, rows_left, seqlen_k, head_begin, head_end, out_row, first_block, blocks,
     ):  # fmt: skip
         """A consumer warpgroup: per head and block, S = Q K^T of its 64 rows, then the row
         maxima (masked where the block reaches past a row or the sequence)."""
@@ -383,7 +384,7 @@ class MsaProxyScoreSm90:
         for head in cutlass.range(head_begin, head_end, unroll=1):
             kv_head = self.kv_head_of(args, head)
             q_handle = q_consumer.wait_and_advance()
-            for u in cutlass.range(blocks, unroll=1):
+            for u in cutlass.range(first_block, blocks, unroll=1):
                 k_handle = k_consumer.wait_and_advance()
                 # A warpgroup past the sequence's rows (decode, the last tile) only releases.
                 if wg_rows_left > 0:
