@@ -134,3 +134,20 @@ def test_decode_splits_a_requests_pages_to_fill_the_gpu(monkeypatch):
     assert msa_icp._decode_page_splits(device, 1024, 8192) == 1
     assert msa_icp._decode_page_splits(device, 4, 16) == 2  # runs of >= 8 pages
     assert msa_icp._decode_page_splits(device, 4, 4) == 1
+
+
+def test_the_runtime_and_the_build_agree_on_the_constants():
+    from sparseforge.families import msa_icp as family
+
+    for key, value in (
+        ("topk", msa_icp.TOPK),
+        ("heads", msa_icp.HEADS),
+        ("max_blocks", msa_icp.MAX_BLOCKS),
+        ("max_columns", msa_icp.MAX_COLUMNS),
+        ("carrier_words", msa_icp.CARRIER_WORDS),
+        ("tagged_words", msa_icp.TAGGED_WORDS),
+        ("max_world", 4),
+    ):
+        assert family.constant(key) == value, key
+    assert {family.mode(m) for m in ("local", "publish", "publish_tagged")} == {0, 1, 2}
+    assert {family.mode(m) for m in ("read", "wait", "wait_tagged")} == {0, 1, 2}

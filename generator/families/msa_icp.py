@@ -39,6 +39,14 @@ MAX_WORLD = 4
 LOCAL, PUBLISH, PUBLISH_TAGGED = 0, 1, 2  # select: local carrier / legacy / tagged publish
 READ, WAIT, WAIT_TAGGED = 0, 1, 2  # merge: prefill carriers / legacy / tagged receive rows
 CONSTANTS = {
+    "modes": {
+        "local": LOCAL,
+        "publish": PUBLISH,
+        "publish_tagged": PUBLISH_TAGGED,
+        "read": READ,
+        "wait": WAIT,
+        "wait_tagged": WAIT_TAGGED,
+    },
     "topk": TOPK,
     "heads": HEADS,
     "max_blocks": MAX_BLOCKS,

@@ -73,7 +73,11 @@ MSA_ATTENTION_FAMILIES = (
 )
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
 ICP_FAMILIES = ("msa_icp_score", "msa_icp_select", "msa_icp_merge")
-ICP_HEADS, ICP_TOPK, ICP_WORDS = 4, 16, 33  # index heads, top-16, carrier row words
+ICP_HEADS, ICP_TOPK, ICP_WORDS = (
+    reference_icp.HEADS,
+    reference_icp.TOPK,
+    reference_icp.CARRIER_WORDS,
+)
 # Relative L2 error bounds: 16-bit kernels against fp32; Sage against the dequantized inputs
 # (what is left is the e4m3 rounding of P).
 TOLERANCE = {"block_sparse_fwd": 5e-3, "block_sparse_fwd_logits": 5e-3, "sage_fp8_fwd": 3e-2}

@@ -52,17 +52,12 @@ from sparseforge import ops
 from sparseforge.arch import multiprocessors
 from sparseforge.checks import check_writable, describe
 from sparseforge.families import msa_icp as icp_family
+from sparseforge.reference_icp import BLOCK, CARRIER_WORDS, HEADS, MAX_BLOCKS, SLOT_SETS, TOPK
 
-HEADS = 4
 HEAD_DIM = 128
-BLOCK = 128  # keys per scored block (B128)
-TOPK = 16
-MAX_BLOCKS = 8192
 MAX_COLUMNS = 12288  # score columns a select takes (exclusive)
 MAX_DECODE_COLUMNS = 8192
-CARRIER_WORDS = 2 * TOPK + 1
 TAGGED_WORDS = 2 * TOPK
-SLOT_SETS = 3  # decode receive rows: three slot sets, used in turn
 MAX_DECODE_ROWS = 32  # 4 x max_decode_query_len
 DEFAULT_SPIN_LIMIT = 1 << 26
 BACKENDS = ("auto", "cake")  # the reference system's name for this route, accepted
@@ -330,7 +325,7 @@ def msa_icp_topk_select_prefill(
         _launch_select(
             device, scores, num_valid_pages, carrier, dummy["bases"], dummy["errors"],
             dummy["generations"], index_scale, index_offset, force_begin_blocks,
-            force_end_blocks, HEADS, 0, 0, icp_family.LOCAL, 0,
+            force_end_blocks, HEADS, 0, 0, icp_family.mode("local"), 0,
         )  # fmt: skip
 
 
@@ -431,11 +426,11 @@ def msa_icp_topk_select_publish(
     _check_errors(errors, device)
     _check_forced(force_begin_blocks, force_end_blocks)
     _check_index_map(index_scale, index_offset)
-    mode = icp_family.PUBLISH
+    mode = icp_family.mode("publish")
     counters = _dummies(device)["generations"]
     if generations is not None:
         _check_counters("generations", generations, (SLOT_SETS, HEADS), tokens, device)
-        counters, mode = generations[slot], icp_family.PUBLISH_TAGGED
+        counters, mode = generations[slot], icp_family.mode("publish_tagged")
     if tokens:
         _launch_select(
             device, scores, num_valid_pages, _dummies(device)["carrier"], recv_bases, errors,
@@ -520,10 +515,10 @@ def msa_icp_merge_candidates(
     _check_errors(errors, device)
     rows = recv_slot.view(torch.int32) if tagged else recv_slot
     expected = _dummies(device)["generations"]
-    mode = icp_family.READ if prefill else icp_family.WAIT
+    mode = icp_family.mode("read") if prefill else icp_family.mode("wait")
     if tagged:
         _check_counters("expected_generations", expected_generations, (per_rank,), tokens, device)
-        expected, mode = expected_generations, icp_family.WAIT_TAGGED
+        expected, mode = expected_generations, icp_family.mode("wait_tagged")
     check_writable(
         "output", output, (("recv_slot", recv_slot), ("num_valid_pages", num_valid_pages))
     )

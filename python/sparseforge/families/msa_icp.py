@@ -9,6 +9,7 @@ from sparseforge.arch import arch_for_device
 
 FAMILIES = ("msa_icp_score", "msa_icp_select", "msa_icp_merge")
 CONSTANTS = (
+    "modes",
     "topk",
     "heads",
     "max_blocks",
@@ -18,13 +19,16 @@ CONSTANTS = (
     "max_world",
 )
 CONSTRAINTS = ()
-# The select's and the merge's modes (generator/families/msa_icp.py).
-LOCAL, PUBLISH, PUBLISH_TAGGED = 0, 1, 2
-READ, WAIT, WAIT_TAGGED = 0, 1, 2
 
 
 def constant(key: str):
     return families.spec(FAMILIES[1]).constant(key)
+
+
+def mode(name: str) -> int:
+    """The select's ("local", "publish", "publish_tagged") or the merge's ("read", "wait",
+    "wait_tagged") mode scalar."""
+    return constant("modes")[name]
 
 
 def shard_rows_built(device_index: int) -> tuple:
