@@ -164,3 +164,16 @@ def test_bad_arguments_are_refused_by_name():
     rows = torch.zeros(2, icp.HEADS, icp.CARRIER_WORDS, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"slot must be in \[0, 3\)"):
         icp.publish(rows, receive, 0, 3)
+
+
+def test_a_duplicate_id_keeps_its_largest_score_nan_counting_as_minus_inf():
+    """Rank 0 sends block 5 with a NaN score, rank 1 the same block with 1.0: the merge keeps
+    1.0 (the NaN copy is no candidate), so block 5 is selected."""
+    rows = torch.zeros(2, 2, 1, icp.CARRIER_WORDS, dtype=torch.int32)
+    rows[..., : icp.TOPK] = torch.tensor(-math.inf).view(torch.int32)
+    rows[..., icp.TOPK : 2 * icp.TOPK] = -1
+    rows[0, :, 0, 0] = torch.tensor(math.nan).view(torch.int32)
+    rows[1, :, 0, 0] = torch.tensor(1.0).view(torch.int32)
+    rows[:, :, 0, icp.TOPK] = 5
+    merged = icp.merge(rows, torch.tensor([9]))
+    assert merged[0, :, 0].tolist() == [5, 5] and bool((merged[0, :, 1:] == -1).all())

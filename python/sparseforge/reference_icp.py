@@ -231,6 +231,7 @@ def merge(
     words = received.permute(2, 1, 0, 3)  # (T, heads, W, 33)
     scores = words[..., :TOPK].contiguous().view(torch.float32).reshape(t, per_rank, -1)
     ids = words[..., TOPK : 2 * TOPK].reshape(t, per_rank, -1).long()
+    scores = scores.masked_fill(scores.isnan(), -math.inf)  # NaN counts as -inf
     # Duplicates keep their max: sort by (id, score descending) and keep the first of each id.
     by_score = scores.argsort(dim=-1, descending=True, stable=True)
     ids_s, scores_s = ids.gather(-1, by_score), scores.gather(-1, by_score)
