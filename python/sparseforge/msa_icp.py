@@ -596,17 +596,19 @@ class MSAIcpComm:
     @classmethod
     def from_process_group(cls, group, capacity: int, device=None) -> MSAIcpComm:
         """This rank's exchange state for the ranks of a torch.distributed process group (2
-        or 4, NCCL, one GPU each): the receive storage in PyTorch symmetric memory, whose
-        rendezvous gives every peer's address (collective: every rank calls it, once)."""
+        or 4, NCCL, one GPU each; None: the default group): the receive storage in PyTorch
+        symmetric memory, whose rendezvous gives every peer's address (collective: every
+        rank calls it, once)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        group = dist.group.WORLD if group is None else group
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         layout = msa_icp_comm_layout(world_size, HEADS // world_size, capacity)
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         storage = symm_mem.empty(layout["storage_words"], dtype=torch.int32, device=device)
         storage.zero_()
-        handle = symm_mem.rendezvous(storage, group)
+        handle = symm_mem.rendezvous(storage, group.group_name)
         offset = storage.data_ptr() - handle.buffer_ptrs[handle.rank]
         addresses = [ptr + offset for ptr in handle.buffer_ptrs]
         torch.cuda.synchronize(device)
