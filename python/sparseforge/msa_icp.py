@@ -631,7 +631,9 @@ class MSAIcpIndexerPlan:
         prefill_window_plan(qo_segment_lens, kv_segment_lens, qo_segment_offsets,
                kv_segment_offsets, qo_offset, *, total_q, max_query_len, max_seq_len,
                storage=None)
-            the scorer's plan of one query window (<= prefill_window_tokens())
+            the scorer's plan of one query window (<= prefill_window_tokens()), in
+            storage: int64 of msa_icp_index_score_plan_storage's work_info_numel (None:
+            allocated here, so not inside a CUDA-graph capture)
         prefill_local(query, index_k, block_table, window_plan, score_scratch,
                num_valid_pages, carrier, *, compact=False)
             score -> local top-16 into carrier [4, T, 33] (then the caller's all-to-all)
