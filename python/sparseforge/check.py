@@ -947,36 +947,50 @@ def icp_random_carriers(world, tokens, blocks, seed):
     return rows
 
 
-def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
-    """msa_icp_score: ragged prefill sequences against rank_scores (W = 2, P128); the select
-    and the merge: tied, NaN, -0 and -inf scores, forced blocks, nvp 0 and past 8192, word
-    for word against local_top16 and merge."""
+def icp_scores_match(v: dict, small: bool, seed: int) -> bool:
+    """msa_icp_score's prefill scores of every rank of the layout of the variant's rows a
+    page (P128 over 4 / 2 ranks, P256 over 2) against rank_scores."""
     from sparseforge import msa_icp
+
+    world, page = {32: (4, 128), 64: (2, 128), 128: (2, 256)}[v["params"]["shard_rows"]]
+    keys = [300, 900] if small else [700, 5000]
+    p = icp_sharded_problem(keys, [40, 100], world, page, seed)
+    seqs = p["seqs"]
+    same = True
+    for rank in range(world):
+        plan = msa_icp.msa_icp_index_score_sharded_plan(
+            torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32),
+            torch.tensor(keys, dtype=torch.int32), 4,
+            qo_offset=torch.tensor([s["offset"] for s in seqs], dtype=torch.int32),
+        )  # fmt: skip
+        q = torch.cat([s["q"] for s in seqs]).cuda()
+        width = msa_icp.msa_icp_index_score_columns(max(keys), page)
+        out = torch.full((q.shape[0], ICP_HEADS, width), math.nan, device="cuda")
+        msa_icp.msa_icp_index_score_sharded(
+            q, p["shards"][rank].cuda(), p["table"].cuda(), plan, rank=rank, max_score=out,
+            tp=world, compact=True,
+        )  # fmt: skip
+        same = same and icp_close_scores(out.cpu(), icp_expected_rank_scores(p, rank, True, width))
+    return same
+
+
+def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
+    """msa_icp_score (the variant forced): ragged prefill sequences sharded in the layout of
+    its rows a page, against rank_scores; the select and the merge: tied, NaN, -0 and -inf
+    scores, forced blocks, nvp 0 and past 8192, word for word against local_top16 and
+    merge."""
+    from sparseforge import msa_icp
+    from sparseforge.families import msa_icp as icp_family
 
     family, gen = v["family"], torch.Generator().manual_seed(seed)
     if family == "msa_icp_score":
-        # The layouts with the variant's rows a page: P128 over 4 / 2 ranks, P256 over 2.
-        world, page = {32: (4, 128), 64: (2, 128), 128: (2, 256)}[v["params"]["shard_rows"]]
-        keys = [300, 900] if small else [700, 5000]
-        p = icp_sharded_problem(keys, [40, 100], world, page, seed)
-        same = True
-        for rank in range(world):
-            seqs = p["seqs"]
-            plan = msa_icp.msa_icp_index_score_sharded_plan(
-                torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32),
-                torch.tensor(keys, dtype=torch.int32), 4,
-                qo_offset=torch.tensor([s["offset"] for s in seqs], dtype=torch.int32),
-            )  # fmt: skip
-            q = torch.cat([s["q"] for s in seqs]).cuda()
-            width = msa_icp.msa_icp_index_score_columns(max(keys), page)
-            out = torch.full((q.shape[0], ICP_HEADS, width), math.nan, device="cuda")
-            msa_icp.msa_icp_index_score_sharded(
-                q, p["shards"][rank].cuda(), p["table"].cuda(), plan, rank=rank, max_score=out,
-                tp=world, compact=True,
-            )  # fmt: skip
-            want = icp_expected_rank_scores(p, rank, True, width)
-            same = same and icp_close_scores(out.cpu(), want)
-        return "scores vs the reference", same
+        os.environ["SPARSEFORGE_VARIANT"] = v["name"]
+        icp_family.launch.cache_clear()  # bound launches of the default variant
+        try:
+            return "scores vs the reference", icp_scores_match(v, small, seed)
+        finally:
+            os.environ.pop("SPARSEFORGE_VARIANT")
+            icp_family.launch.cache_clear()
     tokens = 9 if small else 300
     nvp = torch.randint(0, 9000, (tokens,), generator=gen, dtype=torch.int32)
     nvp[0] = 0
