@@ -29,6 +29,17 @@ Chains:
     decode   msa_icp_decode_index_score_sharded -> msa_icp_topk_select_publish (into the
              owners' receive rows, MSAIcpComm) -> msa_icp_merge_candidates (waits for them)
 prepare_msa_icp_indexer returns a plan that runs either chain with caller-owned buffers.
+An engine sets a rank up once per process group and runs the decode chain per sparse layer,
+using the three slot sets in turn:
+
+    plan = prepare_msa_icp_indexer(world_size=W, rank=r, num_index_heads=4, page_size=128,
+                                   init_blocks=1, local_blocks=2, ..., device=device)
+    plan.warmup()
+    comm = MSAIcpComm.from_process_group(group, capacity=max_decode_tokens)
+    scores = torch.empty(max_decode_tokens, 4, plan.decode_score_columns, device=device)
+    ...
+    plan.decode(index_q, index_k, block_table, seq_lens, num_valid_pages, scores[:T],
+                selected[:T], comm=comm, slot=layer % 3, tagged=False, decode_query_len=1)
 
 Every call is a kernel launch on the current stream with no host synchronisation and no
 allocation, so the chains can be captured in a CUDA graph after warmup(). enable_pdl is
