@@ -106,6 +106,24 @@ def test_portable_scorer_where_a_native_one_exists(monkeypatch, world, page):
         family.launch.cache_clear()
 
 
+@pytest.mark.parametrize("page", [128, 256])
+def test_a_page_id_outside_the_shard_holds_no_key(page):
+    """A block-table entry past the shard's pages: the page's columns are -inf, the rest as
+    before (prefill and decode)."""
+    p = check.icp_sharded_problem([1000, 600], [50, 60], 2, page, seed=page)
+    p["table"][0, 1] = p["shards"][0].shape[0] + 5
+    width = msa_icp.msa_icp_index_score_columns(1000, page)
+    for rank in range(2):
+        q, k, table, plan = prefill_inputs(p, rank)
+        out = torch.full((q.shape[0], HEADS, width), 7.0, device="cuda")
+        msa_icp.msa_icp_index_score_sharded(
+            q, k, table, plan, rank=rank, max_score=out, compact=True
+        )
+        want = check.icp_expected_rank_scores(p, rank, True, width)
+        want[:50, :, 1] = -math.inf  # sequence 0's page 1
+        assert_close_scores(out.cpu(), want)
+
+
 def test_prefill_scores_without_initialize_leave_unfilled_columns():
     p = check.icp_sharded_problem([300], [40], 2, 128, seed=3, q_offsets=[10])
     q, k, table, plan = prefill_inputs(p, 1)

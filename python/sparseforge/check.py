@@ -861,9 +861,10 @@ def icp_e4m3(*shape, generator, scale=2.0):
 def icp_sharded_problem(keys, queries, world, page, seed, q_offsets=None, spare_pages=3):
     """Sequences of `keys` keys and `queries` query tokens (the last ones of each sequence,
     unless q_offsets), sharded over `world` ranks in pages of `page` keys: physical pages out
-    of order, unused pages and rows past a sequence's end filled with large garbage, one
-    table entry past the shard (its keys: none). A dict (CPU tensors): per sequence its
-    keys, e4m3 queries, query offset and positions; the block table, every rank's shard."""
+    of order, unused pages and rows past a sequence's end filled with large garbage, table
+    entries past a sequence's pages an id outside the shard. A dict (CPU tensors): per
+    sequence its keys, e4m3 queries, query offset and positions; the block table, every
+    rank's shard."""
     g = torch.Generator().manual_seed(seed)
     rows = page // world
     pages = [-(-n // page) for n in keys]
