@@ -64,6 +64,7 @@ from sparseforge.arch import multiprocessors
 from sparseforge.checks import check_writable, describe
 from sparseforge.families import msa_icp as icp_family
 from sparseforge.reference_icp import BLOCK, CARRIER_WORDS, HEADS, MAX_BLOCKS, SLOT_SETS, TOPK
+from sparseforge.sparsity import uniform_offsets
 
 HEAD_DIM = 128
 MAX_COLUMNS = 12288  # score columns a select takes (exclusive)
@@ -389,7 +390,7 @@ def msa_icp_decode_index_score_sharded(
     check_writable("score_out", score_out, (("index_q", index_q), ("index_k", index_k)))
     base, step = _key_layout(page_size, shard_rows, world_size, rank)
     if tokens:
-        offsets = _uniform_offsets(device, batch, decode_query_len)
+        offsets = uniform_offsets(batch, decode_query_len, device)
         splits = _decode_page_splits(device, batch, columns)
         _launch_score(
             device, shard_rows, index_q, index_k, offsets, seq_lens, seq_lens, block_table,
@@ -854,11 +855,6 @@ def _dummies(device: torch.device) -> dict:
         "generations": torch.zeros(1, 1, dtype=torch.int32, device=device),
         "carrier": torch.zeros(1, 1, CARRIER_WORDS, dtype=torch.int32, device=device),
     }
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tensor:
-    return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
 def _key_layout(page_size: int, shard_rows: int, world_size: int, rank: int) -> tuple:

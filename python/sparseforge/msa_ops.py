@@ -55,6 +55,7 @@ from sparseforge.msa_icp import (  # noqa: F401
     msa_icp_topk_select_publish,
     prepare_msa_icp_indexer,
 )
+from sparseforge.sparsity import uniform_offsets
 
 
 def msa_proxy_score(
@@ -686,17 +687,12 @@ def msa_sparse_decode_attention(
             f"q must be (B * seqlen_q, Hq, 128) with seqlen_q = {seqlen_q}, got {describe(q)}"
         )
     batch = q.shape[0] // seqlen_q
-    cu_seqlens_q = _uniform_offsets(q.device, batch, seqlen_q)
+    cu_seqlens_q = uniform_offsets(batch, seqlen_q, q.device)
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
         None, return_temperature_lse, lse_temperature_scale, workspace, out, lse, tile="token",
     )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_offsets(device: torch.device, batch: int, step: int) -> torch.Tensor:
-    return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
 
 
 # tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format] x topk

@@ -71,6 +71,16 @@ def uniform_sizes(total: int, block: int, device=None) -> torch.Tensor:
     return device_constant(("uniform sizes", total, block), device or "cpu", make)
 
 
+def uniform_offsets(batch: int, step: int, device) -> torch.Tensor:
+    """(batch + 1,) int32 offsets 0, step, ..., batch * step (the cu_seqlens of `batch`
+    sequences of `step` tokens), once per shape on a GPU (read-only)."""
+
+    def make():
+        return torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device)
+
+    return device_constant(("uniform offsets", batch, step), device, make)
+
+
 @functools.lru_cache(maxsize=32)
 def uniform_host_sizes(total: int, block: int, heads: int) -> torch.Tensor:
     """uniform_sizes on the host for `heads` heads (read-only): one tensor per shape, so that
