@@ -5,9 +5,10 @@
 - prefill: scores its shard, selects its carrier rows, exchanges them with NCCL's
   all_to_all (rows by head owner), merges its heads; the ids are gathered and compared with
   the top-16 of the global block maxima (reference_icp.top16_of_maxima over every rank's
-  gathered scores);
+  gathered scores); the fused msa_icp_prefill_score_select's carrier rows equal the chain's;
 - decode: the plan's decode chain (score plane, publish into the owners' receive rows in
-  PyTorch symmetric memory, merge) in legacy and tagged rows, checked the same way;
+  PyTorch symmetric memory, merge) in legacy and tagged rows, checked the same way; then the
+  plan's fused decode (pool=...), whose ids must equal the chain's;
 - soak: N decode steps (default 10,000) of publish and merge only, rank r's one candidate a
   step, every owner checking each step's ids on the GPU (a lost or stale row shows an old
   step's); the error counters stay 0.
@@ -84,7 +85,18 @@ def check_prefill(rank, world, page, device) -> bool:
     planes = gathered(scores, world)
     ids_of = [column_ids(page, r, world, width) for r in range(world)]
     want = global_top16(planes, ids_of, -(-max(keys) // 128), nvp, 1, 2)
-    return torch.equal(got, want) and errors.item() == 0
+    # The fused path writes the same carrier rows.
+    pool = torch.empty(
+        msa_icp.msa_icp_prefill_pool_bytes(total_q=tokens, batch=2, device=device),
+        dtype=torch.uint8, device=device,
+    )  # fmt: skip
+    fused = torch.empty_like(carrier)
+    msa_icp.msa_icp_prefill_score_select(
+        q, p["shards"][rank].to(device), p["table"].to(device), plan, nvp.to(device), pool,
+        fused, rank=rank, tp=world, compact=True, force_begin_blocks=1, force_end_blocks=2,
+    )  # fmt: skip
+    same = torch.equal(fused, carrier)
+    return torch.equal(got, want) and same and errors.item() == 0
 
 
 def check_decode(rank, world, page, device, tagged: bool) -> bool:
@@ -104,16 +116,28 @@ def check_decode(rank, world, page, device, tagged: bool) -> bool:
     nvp = torch.tensor([-(-n // 128) for n in lengths]).repeat_interleave(dql).int()
     scores = torch.full((tokens, HEADS, plan.decode_score_columns), -math.inf, device=device)
     out = torch.empty(tokens, HEADS // world, TOPK, dtype=torch.int32, device=device)
-    ok = True
-    for slot in range(3):
-        plan.decode(
-            q, p["shards"][rank].to(device), p["table"].to(device), seq_lens, nvp.to(device),
-            scores, out, comm=comm, slot=slot, tagged=tagged, decode_query_len=dql,
-        )  # fmt: skip
-        got = torch.cat(gathered(out, world), dim=1)
-        planes = gathered(scores, world)
-        ids_of = [column_ids(page, r, world, scores.shape[2]) for r in range(world)]
-        ok = ok and torch.equal(got, global_top16(planes, ids_of, int(nvp.max()), nvp, 1, 2))
+    pool = torch.empty(
+        msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=tokens), dtype=torch.uint8,
+        device=device,
+    )  # fmt: skip
+    ok, chain = True, []
+    for fused in (False, True):
+        for slot in range(3):
+            out.fill_(-7)
+            plan.decode(
+                q, p["shards"][rank].to(device), p["table"].to(device), seq_lens,
+                nvp.to(device), scores, out, comm=comm, slot=slot, tagged=tagged,
+                decode_query_len=dql, pool=pool if fused else None,
+            )  # fmt: skip
+            got = torch.cat(gathered(out, world), dim=1)
+            if fused:
+                ok = ok and torch.equal(got, chain[slot])
+                continue
+            chain.append(got)
+            planes = gathered(scores, world)
+            ids_of = [column_ids(page, r, world, scores.shape[2]) for r in range(world)]
+            want = global_top16(planes, ids_of, int(nvp.max()), nvp, 1, 2)
+            ok = ok and torch.equal(got, want)
     return ok and comm.errors.item() == 0
 
 

@@ -7,7 +7,8 @@ shard); the select against local_top16 word for word (ties, NaN, -0, -inf, ids p
 nvp 0, forced blocks); the merge against merge (duplicates, ids out of range); the W-rank
 simulation of both chains on one GPU, id for id against the top-16 of the global block
 maxima; legacy and tagged publishes over 10,000 decode steps; a wait that times out; CUDA
-graph replay; with 2 or 4 GPUs, the chains across them (tests/icp_torchrun.py).
+graph replay; the fused paths (list scorer and list merge) equal to the chains, word for
+word; with 2 or 4 GPUs, the chains across them (tests/icp_torchrun.py).
 """
 
 import math
@@ -416,28 +417,6 @@ except RuntimeError as e:
     assert "TRAPPED" in done.stdout, done.stdout + done.stderr
 
 
-def test_decode_chain_replays_in_a_cuda_graph():
-    world, page, dql = 2, 128, 1
-    lengths = [700, 3000]
-    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
-        world, page, dql, lengths, seed=9
-    )
-    eager = []
-    for slot in range(3):
-        decode_chain(plans, comms, p, seq_lens, dql, slot, False, scores, outputs, nvp)
-        eager.append(torch.cat([o.clone() for o in outputs], dim=1))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for slot in range(3):
-            decode_chain(plans, comms, p, seq_lens, dql, slot, False, scores, outputs, nvp)
-    for o in outputs:
-        o.fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(torch.cat(outputs, dim=1), eager[2])
-    assert all(c.errors.item() == 0 for c in comms)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_chains_across_gpus_with_torchrun(world):
     """tests/icp_torchrun.py on W GPUs: NCCL all-to-all, symmetric-memory publish, 10,000
@@ -450,3 +429,161 @@ def test_chains_across_gpus_with_torchrun(world):
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0 and "ICP torchrun: OK" in done.stdout, done.stdout + done.stderr
+
+
+# ---- GPU: the fused paths --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world, page, compact", [(2, 128, False), (4, 128, False), (2, 256, True), (4, 256, False)]
+)
+def test_fused_prefill_writes_the_chains_carrier_rows(world, page, compact):
+    """The list scorer uses the score rows' arithmetic (same template), so the carriers are
+    equal word for word; padding tokens (nvp 0) and a poisoned pool included."""
+    keys = [2000, 9000 * 128 // 100, 129]
+    p = check.icp_sharded_problem(keys, [64, 80, 1], world, page, seed=world * page + 1)
+    tokens = 145
+    width = msa_icp.msa_icp_index_score_columns(max(keys), page if compact else 128)
+    nvp = torch.cat([s["positions"] // 128 + 1 for s in p["seqs"]]).int()
+    nvp[::7] = 0
+    nvp[3] = 9000  # past 8192
+    nvp = nvp.cuda()
+    for rank in range(world):
+        q, k, table, plan = prefill_inputs(p, rank)
+        scores = torch.empty(tokens, HEADS, width, device="cuda")
+        msa_icp.msa_icp_index_score_sharded(
+            q, k, table, plan, rank=rank, max_score=scores, tp=world, compact=compact
+        )
+        chain = torch.full((HEADS, tokens, WORDS), -7, dtype=torch.int32, device="cuda")
+        scale, offset = (2, 2 * rank // world) if page == 256 and compact else (1, 0)
+        msa_icp.msa_icp_topk_select_prefill(
+            scores, nvp, chain, force_begin_blocks=1, force_end_blocks=2, index_scale=scale,
+            index_offset=offset,
+        )  # fmt: skip
+        pool_bytes = msa_icp.msa_icp_prefill_pool_bytes(total_q=tokens, batch=3, device=q.device)
+        pool = torch.full((pool_bytes + 16,), 0x7F, dtype=torch.uint8, device="cuda")
+        fused = torch.full((HEADS, tokens, WORDS), -7, dtype=torch.int32, device="cuda")
+        msa_icp.msa_icp_prefill_score_select(
+            q, k, table, plan, nvp, pool, fused, rank=rank, tp=world, compact=compact,
+            force_begin_blocks=1, force_end_blocks=2,
+        )  # fmt: skip
+        assert torch.equal(fused, chain), f"rank {rank}"
+
+
+@pytest.mark.parametrize("shard_rows", [32, 64, 128])
+def test_fused_prefill_on_exact_scores_matches_the_reference(shard_rows):
+    assert check.icp_fused_prefill_match(dict(params=dict(shard_rows=shard_rows)), False, 5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_the_list_merge_writes_the_reference_carrier(splits):
+    tokens = 300
+    lists = check.icp_random_lists(splits, tokens, 9000, seed=splits)
+    nvp = torch.randint(0, 9000, (tokens,), dtype=torch.int32)
+    nvp[0] = 0
+    carrier = torch.full((HEADS, tokens, WORDS), -7, dtype=torch.int32, device="cuda")
+    msa_icp.merge_lists_into_carrier(lists.cuda(), nvp.cuda(), carrier, 2, 1)
+    assert torch.equal(carrier.cpu(), ref.lists_top16(lists, nvp, 2, 1))
+
+
+def fused_decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, pools, outputs, nvp):
+    """Every rank's fused score and publish, then every owner's merge (one stream)."""
+    world = len(plans)
+    for r, plan in enumerate(plans):
+        msa_icp.msa_icp_decode_score_publish(
+            p["q_cuda"], p["shards_cuda"][r], p["table_cuda"], seq_lens, nvp, pools[r],
+            comms[r].tagged_bases if tagged else comms[r].legacy_bases, comms[r].errors,
+            rank=r, world_size=world, page_size=plan.page_size, decode_query_len=dql,
+            slot=slot, capacity=comms[r].capacity, force_begin_blocks=plan.init_blocks,
+            force_end_blocks=plan.local_blocks,
+            generations=comms[r].generations if tagged else None,
+        )  # fmt: skip
+    for r, plan in enumerate(plans):
+        msa_icp.msa_icp_merge_candidates(
+            comms[r].tagged[slot] if tagged else comms[r].legacy[slot], nvp, outputs[r],
+            comms[r].errors, init_blocks=plan.init_blocks, local_blocks=plan.local_blocks,
+            expected_generations=comms[r].expected[slot] if tagged else None,
+        )  # fmt: skip
+
+
+def decode_pools(plans, tokens):
+    size = msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=tokens)
+    return [torch.full((size,), 0x7F, dtype=torch.uint8, device="cuda") for _ in plans]
+
+
+@pytest.mark.parametrize("world, page", [(2, 128), (4, 128), (2, 256), (4, 256)])
+@pytest.mark.parametrize("tagged", [False, True])
+@pytest.mark.parametrize("lengths", [[1, 300, 5000, 20000], [3000] * 80])  # 4 runs; 1 to 3
+def test_fused_decode_chain_reproduces_the_unsharded_top16(world, page, tagged, lengths):
+    dql = 2 if len(lengths) < 10 else 1
+    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
+        world, page, dql, lengths, seed=page + 1
+    )
+    pools = decode_pools(plans, dql * len(lengths))
+    for slot in range(3):
+        decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, scores, outputs, nvp)
+        chain = torch.cat([o.cpu() for o in outputs], dim=1)
+        assert torch.equal(chain, decode_want(p, plans, scores, seq_lens, dql, nvp))
+        for out in outputs:
+            out.fill_(-7)
+        fused_decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, pools, outputs, nvp)
+        assert torch.equal(torch.cat([o.cpu() for o in outputs], dim=1), chain)
+    assert all(c.errors.item() == 0 for c in comms)
+
+
+def test_plan_decode_with_a_pool_on_a_stream_a_rank():
+    """Each simulated rank's plan.decode(pool=...) on its own stream (a rank's merge waits
+    for the others' publishes, as across GPUs)."""
+    world, page, dql = 2, 128, 1
+    lengths = [700, 3000, 9000]
+    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
+        world, page, dql, lengths, seed=4
+    )
+    decode_chain(plans, comms, p, seq_lens, dql, 0, False, scores, outputs, nvp)
+    chain = torch.cat([o.clone() for o in outputs], dim=1)
+    pools = decode_pools(plans, dql * len(lengths))
+    streams = [torch.cuda.Stream() for _ in plans]
+    torch.cuda.synchronize()
+    for out in outputs:
+        out.fill_(-7)
+    for r, plan in enumerate(plans):
+        with torch.cuda.stream(streams[r]):
+            plan.decode(
+                p["q_cuda"], p["shards_cuda"][r], p["table_cuda"], seq_lens, nvp, None,
+                outputs[r], comm=comms[r], slot=1, tagged=False, decode_query_len=dql,
+                pool=pools[r],
+            )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat(outputs, dim=1), chain)
+    assert all(c.errors.item() == 0 for c in comms)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_chain_replays_in_a_cuda_graph(fused):
+    world, page, dql = 2, 128, 1
+    lengths = [700, 3000]
+    p, plans, comms, scores, outputs, seq_lens, nvp = decode_setup(
+        world, page, dql, lengths, seed=9
+    )
+    pools = decode_pools(plans, dql * len(lengths))
+
+    def chain(slot):
+        if fused:
+            fused_decode_chain(plans, comms, p, seq_lens, dql, slot, False, pools, outputs, nvp)
+        else:
+            decode_chain(plans, comms, p, seq_lens, dql, slot, False, scores, outputs, nvp)
+
+    eager = []
+    for slot in range(3):
+        chain(slot)
+        eager.append(torch.cat([o.clone() for o in outputs], dim=1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for slot in range(3):
+            chain(slot)
+    for o in outputs:
+        o.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat(outputs, dim=1), eager[2])
+    assert all(c.errors.item() == 0 for c in comms)

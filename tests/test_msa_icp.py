@@ -87,7 +87,9 @@ def test_the_surface_is_in_msa_ops():
         "msa_icp_topk_select_prefill", "msa_icp_decode_index_score_sharded",
         "msa_icp_topk_select_publish", "msa_icp_merge_candidates",
         "msa_icp_index_score_plan_storage", "msa_icp_index_score_columns",
-        "msa_icp_decode_score_columns", "msa_icp_comm_layout",
+        "msa_icp_decode_score_columns", "msa_icp_comm_layout", "msa_icp_prefill_score_select",
+        "msa_icp_decode_score_publish", "msa_icp_prefill_pool_bytes",
+        "msa_icp_decode_pool_bytes",
     ):  # fmt: skip
         assert getattr(msa_ops, name) is getattr(msa_icp, name)
 
@@ -147,7 +149,79 @@ def test_the_runtime_and_the_build_agree_on_the_constants():
         ("carrier_words", msa_icp.CARRIER_WORDS),
         ("tagged_words", msa_icp.TAGGED_WORDS),
         ("max_world", 4),
+        ("list_words", msa_icp.LIST_WORDS),
+        ("max_list_splits", msa_icp.MAX_LIST_SPLITS),
     ):
         assert family.constant(key) == value, key
     assert {family.mode(m) for m in ("local", "publish", "publish_tagged")} == {0, 1, 2}
     assert {family.mode(m) for m in ("read", "wait", "wait_tagged")} == {0, 1, 2}
+
+
+# ---- the fused paths ---------------------------------------------------------------------
+
+
+def test_pool_sizes():
+    # A list of 32 int32 words per (token, head); decode up to four per row.
+    assert msa_icp.msa_icp_prefill_pool_bytes(total_q=8192, batch=3, device="cpu") == 8192 * 512
+    assert (
+        msa_icp.msa_icp_prefill_pool_bytes(total_q=10, batch=1, device="cpu", num_heads=4) == 5120
+    )
+    assert msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=256) == 256 * 4 * 4 * 128
+    assert msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=0) == 0
+    with pytest.raises(ValueError, match="max_decode_tokens must be an int >= 0"):
+        msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=-1)
+    with pytest.raises(ValueError, match="4 index heads"):
+        msa_icp.msa_icp_prefill_pool_bytes(total_q=8, batch=1, device="cpu", num_heads=2)
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        msa_icp.msa_icp_prefill_pool_bytes(total_q=8, batch=0, device="cpu")
+
+
+def test_the_fused_paths_refuse_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="4 x decode_query_len must be <= 32"):
+        msa_icp.msa_icp_decode_score_publish(
+            None, None, None, None, None, None, None, None, rank=0, world_size=2,
+            page_size=128, decode_query_len=9, slot=0, capacity=8, force_begin_blocks=0,
+            force_end_blocks=0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="rank must be in \\[0, 4\\)"):
+        msa_icp.msa_icp_prefill_score_select(None, None, None, None, None, None, None, rank=5, tp=4)
+    with pytest.raises(TypeError, match="plan must come from"):
+        msa_icp.msa_icp_prefill_score_select(None, None, None, None, None, None, None, rank=0)
+    lists = torch.zeros(5, 4, 3, 32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="lists must be a contiguous int32 tensor \\[S <= 4"):
+        msa_icp.merge_lists_into_carrier(lists, None, None, 0, 0)
+    pool = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError, match="pool must be a contiguous torch.uint8 tensor of at least 128 elements"
+    ):
+        msa_icp._pool_lists("pool", pool, 128, 1, 1, torch.device("cpu"), "sizer")
+    with pytest.raises(ValueError, match="pool must be a contiguous torch.uint8"):
+        msa_icp._pool_lists("pool", pool.view(2, 50)[:, :10], 16, 1, 0, pool.device, "sizer")
+    view = msa_icp._pool_lists(
+        "pool", torch.zeros(2048, dtype=torch.uint8), 1536, 3, 1, pool.device, "s"
+    )
+    assert view.shape == (3, 4, 1, 32) and view.dtype == torch.int32
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
+@pytest.mark.parametrize("fb, fe", [(0, 0), (1, 2), (4, 4)])
+def test_the_lists_of_runs_of_pages_hold_the_rows_top16(splits, fb, fe):
+    """Why the fused paths are exact: each run of a row's pages keeps its own top-16 (as the
+    list scorer does), and the top-16 of the runs' lists is the row's top-16 (ties, -inf,
+    NaN, forced blocks, ids past nvp), word for word."""
+    from sparseforge import check
+    from sparseforge import reference_icp as ref
+
+    tokens, columns = 37, 400
+    scores = check.icp_random_scores(tokens, columns, seed=splits) + 0.0  # no -0 in a list
+    nvp = torch.randint(0, columns + 20, (tokens,), generator=torch.Generator().manual_seed(3))
+    nvp = nvp.int()
+    ids = torch.arange(columns)
+    want = ref.local_top16(scores, ids, nvp, fb, fe).transpose(0, 1)
+    bounds = [columns * s // splits for s in range(splits + 1)]
+    lists = torch.empty(splits, 4, tokens, 32, dtype=torch.int32)
+    for s in range(splits):
+        run = slice(bounds[s], bounds[s + 1])
+        rows = ref.local_top16(scores[..., run], ids[run], nvp, fb, fe)
+        lists[s] = rows[..., :32].transpose(0, 1)
+    assert torch.equal(ref.lists_top16(lists, nvp, fb, fe), want)

@@ -20,9 +20,15 @@ lies at
 
 with row = 33 words, or 32 int64 words (generation << 32 | word) for tagged rows.
 
-Ranking (both kernels): a candidate is a block id in [0, min(nvp, 8192)) with a score above
--inf (NaN counts as -inf); the forced ones (ids < force_begin or >= nvp - force_end) rank
-first, the rest by score descending, exact ties to the lower id; -0 equals +0.
+Ranking (every selection): a candidate is a block id in [0, min(nvp, 8192)) with a score
+above -inf (NaN counts as -inf); the forced ones (ids < force_begin or >= nvp - force_end)
+rank first, the rest by score descending, exact ties to the lower id; -0 equals +0.
+
+The fused paths (no score rows): msa_icp_list_score is the scorer keeping each query row's
+top-16 of the pages it scores as it goes (one list per split of the row tile's pages, S <=
+4), and msa_icp_list_merge ranks a row's S lists (at most 64 candidates, ids distinct: the
+splits' pages are) into the row the select would have written. The global top-16 is among
+the lists' union: a list holds the best 16 of its pages by the same total order.
 """
 
 from generator.abi import ScalarArg, TensorArg
@@ -33,6 +39,8 @@ HEADS = 4  # index heads (version 1 of the contract)
 MAX_BLOCKS = 8192  # candidates are blocks below min(nvp, MAX_BLOCKS)
 MAX_COLUMNS = 12288  # score columns a select row takes (it keeps a row in shared memory)
 CARRIER_WORDS = 2 * TOPK + 1
+LIST_WORDS = 2 * TOPK  # a list of the fused paths: 16 score words, 16 ids
+MAX_LIST_SPLITS = 4  # lists a row's candidates come in (the list merge's 64 a warp)
 TAGGED_WORDS = 2 * TOPK
 MAX_WORLD = 4
 # Where a row goes (the select's `mode`) and how the merge reads rows (its `mode`).
@@ -52,6 +60,8 @@ CONSTANTS = {
     "max_blocks": MAX_BLOCKS,
     "max_columns": MAX_COLUMNS,
     "carrier_words": CARRIER_WORDS,
+    "list_words": LIST_WORDS,
+    "max_list_splits": MAX_LIST_SPLITS,
     "tagged_words": TAGGED_WORDS,
     "max_world": MAX_WORLD,
 }
@@ -59,6 +69,36 @@ CONSTANTS = {
 _VECTOR = dict(shape=(None,), stride=(1,))
 HEAD_DIM = 128
 SHARD_ROWS = (32, 64, 128)  # R: P128 over 4 / 2 ranks, P256 over 4 / 2
+
+
+def _shard_inputs(head_dim):
+    """The scorers' inputs: the queries, the shard and the sequences."""
+    return (
+        TensorArg("mQ", "e4m3", shape=(None, 1, head_dim), stride=(None, None, 1), divisibility=16),
+        TensorArg(
+            "mK", "e4m3", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=16
+        ),
+        TensorArg("mCuQ", "i32", **_VECTOR),
+        TensorArg("mSeqLenK", "i32", **_VECTOR),
+        TensorArg("mQOffset", "i32", **_VECTOR),
+        TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
+    )
+
+
+def _shard_scalars():
+    """The scorers' grid and the shard's layout (abi_score)."""
+    return tuple(
+        ScalarArg(name, "i32")
+        for name in (
+            "max_seqlen_q",
+            "position_shift",
+            "page_size",
+            "key_base",
+            "key_step",
+            "column_scale",
+            "column_offset",
+        )
+    )
 
 
 def abi_score(head_dim=HEAD_DIM):
@@ -78,27 +118,70 @@ def abi_score(head_dim=HEAD_DIM):
                           page count rounded up to a multiple of fill_page_multiple
     page_splits           CTAs a row tile's pages are split over (contiguous runs; their
                           columns are disjoint, so nothing is combined)"""
-    vector = dict(shape=(None,), stride=(1,))
     return (
-        TensorArg("mQ", "e4m3", shape=(None, 1, head_dim), stride=(None, None, 1), divisibility=16),
-        TensorArg(
-            "mK", "e4m3", shape=(None, None, head_dim), stride=(None, None, 1), divisibility=16
-        ),
-        TensorArg("mCuQ", "i32", **vector),
-        TensorArg("mSeqLenK", "i32", **vector),
-        TensorArg("mQOffset", "i32", **vector),
-        TensorArg("mBlockTable", "i32", shape=(None, None), stride=(None, 1)),
+        *_shard_inputs(head_dim),
         TensorArg("mOut", "f32", shape=(None, None), stride=(None, 1), output=True),
-        ScalarArg("max_seqlen_q", "i32"),
-        ScalarArg("position_shift", "i32"),
-        ScalarArg("page_size", "i32"),
-        ScalarArg("key_base", "i32"),
-        ScalarArg("key_step", "i32"),
-        ScalarArg("column_scale", "i32"),
-        ScalarArg("column_offset", "i32"),
+        *_shard_scalars(),
         ScalarArg("fill_columns", "i32"),
         ScalarArg("fill_page_multiple", "i32"),
         ScalarArg("page_splits", "i32"),
+    )
+
+
+def abi_list_score(head_dim=HEAD_DIM):
+    """abi_score's inputs and layout, and instead of the score rows:
+    mNumValid   (T,)      i32: each token's global block count (nvp)
+    mLists      (S, 4, T, 32) i32 out: list s of row (t, h): the row's top-16 among the
+                          pages of split s (16 score words, 16 ids, in no order; (-inf, -1)
+                          for an empty entry)
+    column_scale, column_offset     page c's global block id is c * scale + offset
+    force_begin, force_end          forced blocks (as the select's)
+    page_splits           S: CTAs a row tile's pages are split over, a list each"""
+    return (
+        *_shard_inputs(head_dim),
+        TensorArg("mNumValid", "i32", **_VECTOR),
+        TensorArg(
+            "mLists",
+            "i32",
+            shape=(None, None, None, LIST_WORDS),
+            stride=(None, None, None, 1),
+            output=True,
+        ),
+        *_shard_scalars(),
+        ScalarArg("force_begin", "i32"),
+        ScalarArg("force_end", "i32"),
+        ScalarArg("page_splits", "i32"),
+    )
+
+
+def _row_outputs():
+    """Where the selections' rows go (generator/kernels/common/icp_rows.py)."""
+    return (
+        TensorArg(
+            "mCarrier",
+            "i32",
+            shape=(None, None, CARRIER_WORDS),
+            stride=(None, CARRIER_WORDS, 1),
+            output=True,
+        ),
+        TensorArg("mBases", "i64", **_VECTOR),
+        TensorArg("mErrors", "i32", **_VECTOR, output=True),
+        TensorArg("mGenerations", "i32", shape=(None, None), stride=(None, 1), output=True),
+    )
+
+
+def _row_scalars():
+    return tuple(
+        ScalarArg(name, "i32")
+        for name in (
+            "force_begin",
+            "force_end",
+            "heads_per_owner",
+            "head_rows",
+            "row_offset",
+            "mode",
+            "spin_limit",
+        )
     )
 
 
@@ -118,25 +201,23 @@ def abi_select(head_dim=None):
     return (
         TensorArg("mScore", "f32", shape=(None, None, None), stride=(None, None, 1)),
         TensorArg("mNumValid", "i32", **_VECTOR),
-        TensorArg(
-            "mCarrier",
-            "i32",
-            shape=(None, None, CARRIER_WORDS),
-            stride=(None, CARRIER_WORDS, 1),
-            output=True,
-        ),
-        TensorArg("mBases", "i64", **_VECTOR),
-        TensorArg("mErrors", "i32", **_VECTOR, output=True),
-        TensorArg("mGenerations", "i32", shape=(None, None), stride=(None, 1), output=True),
+        *_row_outputs(),
         ScalarArg("index_scale", "i32"),
         ScalarArg("index_offset", "i32"),
-        ScalarArg("force_begin", "i32"),
-        ScalarArg("force_end", "i32"),
-        ScalarArg("heads_per_owner", "i32"),
-        ScalarArg("head_rows", "i32"),
-        ScalarArg("row_offset", "i32"),
-        ScalarArg("mode", "i32"),
-        ScalarArg("spin_limit", "i32"),
+        *_row_scalars(),
+    )
+
+
+def abi_list_merge(head_dim=None):
+    """mLists      (S, H, T, 32) i32: the list scorer's lists (S <= 4)
+    the rest as abi_select's (no index map: the lists hold global ids)"""
+    return (
+        TensorArg(
+            "mLists", "i32", shape=(None, None, None, LIST_WORDS), stride=(None, None, None, 1)
+        ),
+        TensorArg("mNumValid", "i32", **_VECTOR),
+        *_row_outputs(),
+        *_row_scalars(),
     )
 
 
@@ -166,6 +247,32 @@ def abi_merge(head_dim=None):
     )
 
 
+def _score_templates():
+    """The scorer's templates (msa_icp_score writes score rows, msa_icp_list_score lists)."""
+    configs = tuple(dict(dtype="e4m3", head_dim=HEAD_DIM, shard_rows=r) for r in SHARD_ROWS)
+    return (
+        # FP8 wgmma (Hopper's FP8 accumulator: see msa_proxy_score's ACCUMULATE), the proxy
+        # scorer's pipeline over shard pages.
+        Template(
+            "sm90_wgmma",
+            "generator.kernels.sm90.msa_icp_score",
+            mma="wgmma",
+            archs=("sm_90a",),
+            configs=configs,
+        ),
+        # mma.sync on every arch (m16n8k32 e4m3, fp32 sums; on sm_90a and sm_100f through
+        # fp16 MMAs), the portable proxy scorer's loop; built for sm_90a too.
+        Template(
+            "warp_mma",
+            "generator.kernels.portable.msa_icp_score",
+            mma="mma.sync",
+            archs=ALL_ARCHS,
+            configs=configs,
+            portable=True,
+        ),
+    )
+
+
 FAMILIES = (
     Family(
         name="msa_icp_score",
@@ -173,31 +280,16 @@ FAMILIES = (
         abi=abi_score,
         dtypes=("e4m3",),
         constants={**CONSTANTS, "shard_rows": SHARD_ROWS},
-        templates=(
-            # FP8 wgmma (Hopper's FP8 accumulator: see msa_proxy_score's ACCUMULATE), the
-            # proxy scorer's pipeline over shard pages.
-            Template(
-                "sm90_wgmma",
-                "generator.kernels.sm90.msa_icp_score",
-                mma="wgmma",
-                archs=("sm_90a",),
-                configs=tuple(
-                    dict(dtype="e4m3", head_dim=HEAD_DIM, shard_rows=r) for r in SHARD_ROWS
-                ),
-            ),
-            # mma.sync on every arch (m16n8k32 e4m3, fp32 sums; on sm_90a and sm_100f through
-            # fp16 MMAs), the portable proxy scorer's loop; built for sm_90a too.
-            Template(
-                "warp_mma",
-                "generator.kernels.portable.msa_icp_score",
-                mma="mma.sync",
-                archs=ALL_ARCHS,
-                configs=tuple(
-                    dict(dtype="e4m3", head_dim=HEAD_DIM, shard_rows=r) for r in SHARD_ROWS
-                ),
-                portable=True,
-            ),
-        ),
+        templates=_score_templates(),
+    ),
+    Family(
+        name="msa_icp_list_score",
+        doc="ICP indexer (fused paths): each query row's top-16 blocks of a rank's shard, "
+        "scored as msa_icp_score scores them, without score rows",
+        abi=abi_list_score,
+        dtypes=("e4m3",),
+        constants={**CONSTANTS, "shard_rows": SHARD_ROWS},
+        templates=_score_templates(),
     ),
     Family(
         name="msa_icp_select",
@@ -208,6 +300,20 @@ FAMILIES = (
             Template(
                 "icp_select",
                 "generator.kernels.portable.msa_icp_select",
+                archs=ALL_ARCHS,
+                portable=True,
+            ),
+        ),
+    ),
+    Family(
+        name="msa_icp_list_merge",
+        doc="ICP indexer (fused paths): a row's top-16 of its lists into carrier or receive rows",
+        abi=abi_list_merge,
+        constants=CONSTANTS,
+        templates=(
+            Template(
+                "icp_list_merge",
+                "generator.kernels.portable.msa_icp_list_merge",
                 archs=ALL_ARCHS,
                 portable=True,
             ),

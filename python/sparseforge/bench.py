@@ -974,10 +974,24 @@ def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) ->
             page_size=page, decode_query_len=1, max_decode_query_len=1,
         )  # fmt: skip
 
-    def layer():
+    pools = [
+        torch.empty(msa_icp.msa_icp_decode_pool_bytes(max_decode_tokens=requests),
+                    dtype=torch.uint8, device=device)
+        for _ in range(world)
+    ]  # fmt: skip
+
+    def layer(fused: bool):
         s = slot[0]
         slot[0] = (s + 1) % 3
         for r in range(world):
+            if fused:
+                msa_icp.msa_icp_decode_score_publish(
+                    q, shards[r], table, seq_lens, nvp, pools[r], comms[r].legacy_bases,
+                    comms[r].errors, rank=r, world_size=world, page_size=page,
+                    decode_query_len=1, slot=s, capacity=requests, force_begin_blocks=1,
+                    force_end_blocks=2,
+                )  # fmt: skip
+                continue
             score(r)
             msa_icp.msa_icp_topk_select_publish(
                 scores[r], nvp, comms[r].legacy_bases, comms[r].errors, slot=s, rank=r,
@@ -990,7 +1004,11 @@ def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) ->
                 local_blocks=2,
             )  # fmt: skip
 
-    chain = cuda_time_ms(layer, iters=iters) * 1e3 / world
+    # The chains interleaved: score plane and select, then the fused path, twice.
+    chain = fused = math.inf
+    for _ in range(2):
+        chain = min(chain, cuda_time_ms(lambda: layer(False), iters=iters) * 1e3 / world)
+        fused = min(fused, cuda_time_ms(lambda: layer(True), iters=iters) * 1e3 / world)
     plane = cuda_time_ms(lambda: score(0), iters=iters) * 1e3
     # The same plane with a request's pages in one CTA (no split), interleaved with it.
     with unittest.mock.patch.object(msa_icp, "_decode_page_splits", lambda *args: 1):
@@ -1004,7 +1022,8 @@ def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) ->
         f"{chain:.1f} us a rank (score plane {plane:.1f} us = "
         f"{key_bytes / plane / 1e6 / HBM_TBPS:.0%} of HBM on {key_bytes / 1e6:.0f} MB of "
         f"keys, pages split over {splits} CTAs a request; {unsplit:.1f} us unsplit; select, "
-        "publish and merge the rest)"
+        f"publish and merge the rest); fused path (msa_icp_decode_score_publish) {fused:.1f} "
+        "us a rank"
     )
 
 
@@ -1049,14 +1068,37 @@ def icp_prefill_line(world: int, context: int, window: int, gen, iters: int) -> 
                 prefill=True,
             )  # fmt: skip
 
+    pool = torch.empty(
+        msa_icp.msa_icp_prefill_pool_bytes(total_q=window, batch=1, device=device),
+        dtype=torch.uint8, device=device,
+    )  # fmt: skip
+
+    def local(fused: bool):
+        """A rank's score and local top-16 (before the exchange)."""
+        if fused:
+            msa_icp.msa_icp_prefill_score_select(
+                q, shards[0], table, plan, nvp, pool, carriers[0], rank=0, tp=world,
+                force_begin_blocks=1, force_end_blocks=2,
+            )  # fmt: skip
+            return
+        score(0)
+        msa_icp.msa_icp_topk_select_prefill(
+            scores[0], nvp, carriers[0], force_begin_blocks=1, force_end_blocks=2
+        )
+
     chain = cuda_time_ms(prefill, iters=iters) / world
     scored = cuda_time_ms(lambda: score(0), iters=iters)
+    separate = fused = math.inf
+    for _ in range(2):  # interleaved
+        separate = min(separate, cuda_time_ms(lambda: local(False), iters=iters))
+        fused = min(fused, cuda_time_ms(lambda: local(True), iters=iters))
     assert errors.item() == 0
     flops = 2 * 128 * 4 * float((positions + 1).sum()) / world  # a rank's visible keys
     return (
         f"ICP prefill P128 W={world}, a {window}-token window at the end of {context} tokens: "
         f"chain {chain:.2f} ms a rank ({window / chain / 1e3:.2f} M tokens/s; score "
-        f"{scored:.2f} ms = {flops / scored / 1e9:.0f} TFLOPS of FP8 q.k)"
+        f"{scored:.2f} ms = {flops / scored / 1e9:.0f} TFLOPS of FP8 q.k); score and local "
+        f"top-16 {separate:.2f} ms, fused (msa_icp_prefill_score_select) {fused:.2f} ms"
     )
 
 

@@ -33,7 +33,9 @@ library for this GPU (or one) on fresh random inputs against the PyTorch referen
   out-of-range positions, every output buffer (poisoned) equal to the reference's;
 - msa_icp_score / msa_icp_select / msa_icp_merge: ragged prefill sequences sharded over two
   or four ranks against reference_icp.rank_scores; carrier rows and merged ids word for word
-  equal to reference_icp's (ties, NaN, -0, forced blocks, nvp 0 and past 8192).
+  equal to reference_icp's (ties, NaN, -0, forced blocks, nvp 0 and past 8192);
+  msa_icp_list_score / msa_icp_list_merge: the fused prefill's carrier rows on integer keys
+  (exact scores) and the merge of random lists, word for word against reference_icp's.
 
 One line per case; exit status 1 if any fails. `--small` shrinks the problems (for
 compute-sanitizer, and for the first-use self-checks of selftest.py, which run a variant's
@@ -72,7 +74,13 @@ MSA_ATTENTION_FAMILIES = (
     "msa_sparse_attention_nvfp4",
 )
 TOKEN_SPARSE_FAMILIES = ("token_sparse_kv_indices", "group_union_masks")
-ICP_FAMILIES = ("msa_icp_score", "msa_icp_select", "msa_icp_merge")
+ICP_FAMILIES = (
+    "msa_icp_score",
+    "msa_icp_select",
+    "msa_icp_merge",
+    "msa_icp_list_score",
+    "msa_icp_list_merge",
+)
 ICP_HEADS, ICP_TOPK, ICP_WORDS = (
     reference_icp.HEADS,
     reference_icp.TOPK,
@@ -854,17 +862,22 @@ def check_topk_select(small: bool, seed: int = 0) -> tuple[str, bool]:
     return "ids vs the reference", same
 
 
-def icp_e4m3(*shape, generator, scale=2.0):
+def icp_e4m3(*shape, generator, scale=2.0, integer=False):
+    if integer:
+        return torch.randint(-2, 3, shape, generator=generator).float().to(torch.float8_e4m3fn)
     return (torch.randn(*shape, generator=generator) * scale).to(torch.float8_e4m3fn)
 
 
-def icp_sharded_problem(keys, queries, world, page, seed, q_offsets=None, spare_pages=3):
+def icp_sharded_problem(
+    keys, queries, world, page, seed, q_offsets=None, spare_pages=3, integer=False
+):
     """Sequences of `keys` keys and `queries` query tokens (the last ones of each sequence,
     unless q_offsets), sharded over `world` ranks in pages of `page` keys: physical pages out
     of order, unused pages and rows past a sequence's end filled with large garbage, table
     entries past a sequence's pages an id outside the shard. A dict (CPU tensors): per
     sequence its keys, e4m3 queries, query offset and positions; the block table, every
-    rank's shard."""
+    rank's shard. integer: keys and queries in {-2, ..., 2}, so that every scorer's sums are
+    exact (scores equal the reference's bit for bit, with many ties)."""
     g = torch.Generator().manual_seed(seed)
     rows = page // world
     pages = [-(-n // page) for n in keys]
@@ -876,8 +889,8 @@ def icp_sharded_problem(keys, queries, world, page, seed, q_offsets=None, spare_
     for b, (n, t) in enumerate(zip(keys, queries, strict=True)):
         table[b, : pages[b]] = physical[first : first + pages[b]]
         first += pages[b]
-        k = icp_e4m3(n, 128, generator=g)
-        q = icp_e4m3(t, ICP_HEADS, 128, generator=g)
+        k = icp_e4m3(n, 128, generator=g, integer=integer)
+        q = icp_e4m3(t, ICP_HEADS, 128, generator=g, integer=integer)
         offset = n - t if q_offsets is None else q_offsets[b]
         for r in range(world):
             held = reference_icp.shard_keys(n, world, r, page)  # (pages, rows) global keys
@@ -948,6 +961,19 @@ def icp_random_carriers(world, tokens, blocks, seed):
     return rows
 
 
+def icp_window(p, keys):
+    """(the queries on the GPU, the scorer's plan) of a sharded problem's prefill window."""
+    from sparseforge import msa_icp
+
+    seqs = p["seqs"]
+    plan = msa_icp.msa_icp_index_score_sharded_plan(
+        torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32),
+        torch.tensor(keys, dtype=torch.int32), 4,
+        qo_offset=torch.tensor([s["offset"] for s in seqs], dtype=torch.int32),
+    )  # fmt: skip
+    return torch.cat([s["q"] for s in seqs]).cuda(), plan
+
+
 def icp_scores_match(v: dict, small: bool, seed: int) -> bool:
     """msa_icp_score's prefill scores of every rank of the layout of the variant's rows a
     page (P128 over 4 / 2 ranks, P256 over 2) against rank_scores."""
@@ -956,15 +982,9 @@ def icp_scores_match(v: dict, small: bool, seed: int) -> bool:
     world, page = {32: (4, 128), 64: (2, 128), 128: (2, 256)}[v["params"]["shard_rows"]]
     keys = [300, 900] if small else [700, 5000]
     p = icp_sharded_problem(keys, [40, 100], world, page, seed)
-    seqs = p["seqs"]
     same = True
     for rank in range(world):
-        plan = msa_icp.msa_icp_index_score_sharded_plan(
-            torch.tensor([s["q"].shape[0] for s in seqs], dtype=torch.int32),
-            torch.tensor(keys, dtype=torch.int32), 4,
-            qo_offset=torch.tensor([s["offset"] for s in seqs], dtype=torch.int32),
-        )  # fmt: skip
-        q = torch.cat([s["q"] for s in seqs]).cuda()
+        q, plan = icp_window(p, keys)
         width = msa_icp.msa_icp_index_score_columns(max(keys), page)
         out = torch.full((q.shape[0], ICP_HEADS, width), math.nan, device="cuda")
         msa_icp.msa_icp_index_score_sharded(
@@ -973,6 +993,54 @@ def icp_scores_match(v: dict, small: bool, seed: int) -> bool:
         )  # fmt: skip
         same = same and icp_close_scores(out.cpu(), icp_expected_rank_scores(p, rank, True, width))
     return same
+
+
+def icp_fused_prefill_match(v: dict, small: bool, seed: int) -> bool:
+    """msa_icp_prefill_score_select's carrier rows of every rank of the layout of the list
+    scorer's rows a page, on integer keys and queries (exact scores, many ties; forced
+    blocks, random nvp), word for word against local_top16 of the reference's scores."""
+    from sparseforge import msa_icp
+
+    world, page = {32: (4, 128), 64: (2, 128), 128: (2, 256)}[v["params"]["shard_rows"]]
+    keys = [300, 900] if small else [700, 5000]
+    p = icp_sharded_problem(keys, [40, 100], world, page, seed, integer=True)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(s["q"].shape[0] for s in p["seqs"])
+    width = msa_icp.msa_icp_index_score_columns(max(keys), 128)
+    nvp = torch.randint(0, width + 2, (tokens,), generator=gen, dtype=torch.int32)
+    same = True
+    for rank in range(world):
+        q, plan = icp_window(p, keys)
+        pool = torch.full(
+            (msa_icp.msa_icp_prefill_pool_bytes(total_q=tokens, batch=2, device=q.device),),
+            0x7F, dtype=torch.uint8, device="cuda",
+        )  # fmt: skip
+        carrier = torch.full((ICP_HEADS, tokens, ICP_WORDS), -7, dtype=torch.int32, device="cuda")
+        msa_icp.msa_icp_prefill_score_select(
+            q, p["shards"][rank].cuda(), p["table"].cuda(), plan, nvp.cuda(), pool, carrier,
+            rank=rank, tp=world, force_begin_blocks=1, force_end_blocks=2,
+        )  # fmt: skip
+        scores = icp_expected_rank_scores(p, rank, False, width) + 0.0  # -0 as +0
+        want = reference_icp.local_top16(scores, torch.arange(width), nvp, 1, 2)
+        same = same and torch.equal(carrier.cpu(), want.transpose(0, 1))
+    return same
+
+
+def icp_random_lists(splits, tokens, blocks, seed):
+    """(S, 4, T, 32) lists as the list scorer writes them: distinct ids within a row (some
+    past nvp or 8192), scores with ties, (-inf, -1) entries, in no order."""
+    g = torch.Generator().manual_seed(seed)
+    lists = torch.empty(splits, ICP_HEADS, tokens, 2 * ICP_TOPK, dtype=torch.int32)
+    for h in range(ICP_HEADS):
+        for t in range(tokens):
+            ids = torch.randperm(blocks, generator=g)[: splits * ICP_TOPK].int()
+            scores = torch.randint(-3, 4, (splits * ICP_TOPK,), generator=g).float() / 2 + 0.0
+            empty = torch.rand(splits * ICP_TOPK, generator=g) < 0.2
+            ids[empty] = -1
+            scores[empty] = -math.inf
+            lists[:, h, t, :ICP_TOPK] = scores.view(torch.int32).view(splits, ICP_TOPK)
+            lists[:, h, t, ICP_TOPK:] = ids.view(splits, ICP_TOPK)
+    return lists
 
 
 def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
@@ -984,11 +1052,13 @@ def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     from sparseforge.families import msa_icp as icp_family
 
     family, gen = v["family"], torch.Generator().manual_seed(seed)
-    if family == "msa_icp_score":
+    if family in ("msa_icp_score", "msa_icp_list_score"):
         os.environ["SPARSEFORGE_VARIANT"] = v["name"]
         icp_family.launch.cache_clear()  # bound launches of the default variant
         try:
-            return "scores vs the reference", icp_scores_match(v, small, seed)
+            if family == "msa_icp_score":
+                return "scores vs the reference", icp_scores_match(v, small, seed)
+            return "fused carrier rows vs the reference", icp_fused_prefill_match(v, small, seed)
         finally:
             os.environ.pop("SPARSEFORGE_VARIANT")
             icp_family.launch.cache_clear()
@@ -1004,6 +1074,12 @@ def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
             index_scale=2, index_offset=1,
         )  # fmt: skip
         want = reference_icp.local_top16(scores, ids, nvp, 2, 1).transpose(0, 1)
+        return "carrier rows vs the reference", torch.equal(carrier.cpu(), want)
+    if family == "msa_icp_list_merge":
+        lists = icp_random_lists(3, tokens, 9000, seed)
+        carrier = torch.full((ICP_HEADS, tokens, ICP_WORDS), -7, dtype=torch.int32, device="cuda")
+        msa_icp.merge_lists_into_carrier(lists.cuda(), nvp.cuda(), carrier, 2, 1)
+        want = reference_icp.lists_top16(lists, nvp, 2, 1)
         return "carrier rows vs the reference", torch.equal(carrier.cpu(), want)
     rows = icp_random_carriers(4, tokens, 9000, seed)
     out = torch.full((tokens, 1, ICP_TOPK), -7, dtype=torch.int32, device="cuda")

@@ -41,13 +41,23 @@ using the three slot sets in turn:
     plan.decode(index_q, index_k, block_table, seq_lens, num_valid_pages, scores[:T],
                 selected[:T], comm=comm, slot=layer % 3, tagged=False, decode_query_len=1)
 
+The fused paths are an option (the plan takes them when given a pool):
+msa_icp_prefill_score_select and msa_icp_decode_score_publish write the same carrier /
+receive rows as the score plane and the select, without the plane: the scorer keeps each
+(token, head) row's 16 best blocks as it scores them (in shared memory; a list per run of
+pages a CTA scores, into the caller's pool: msa_icp_prefill_pool_bytes,
+msa_icp_decode_pool_bytes) and a list merge ranks a row's lists and writes the row. Prefill
+scores a row tile's pages in one CTA (one list); decode splits them over up to four CTAs
+(the plane path over as many as fill the GPU twice), so the fused decode of a few requests
+runs on fewer CTAs.
+
 Every call is a kernel launch on the current stream with no host synchronisation and no
 allocation, so the chains can be captured in a CUDA graph after warmup(). enable_pdl is
-accepted and has no effect (the launches are ordered as usual). The fused score-and-select
-paths (msa_icp_prefill_score_select, msa_icp_decode_score_publish and their pools) are not
-in this version. Kernels: generator/kernels/sm90/msa_icp_score.py (FP8 wgmma, Hopper),
+accepted and has no effect (the launches are ordered as usual). Kernels:
+generator/kernels/sm90/msa_icp_score.py (FP8 wgmma, Hopper),
 generator/kernels/portable/msa_icp_score.py (mma.sync, every arch: SM100 and SM120 score
-with it) and generator/kernels/portable/msa_icp_{select,merge}.py (every arch); reference:
+with it; both also as the fused paths' list scorer) and
+generator/kernels/portable/msa_icp_{select,merge,list_merge}.py (every arch); reference:
 sparseforge.reference_icp.
 """
 
@@ -71,6 +81,8 @@ MAX_COLUMNS = 12288  # score columns a select takes (exclusive)
 MAX_DECODE_COLUMNS = 8192
 TAGGED_WORDS = 2 * TOPK
 MAX_DECODE_ROWS = 32  # 4 x max_decode_query_len
+LIST_WORDS = 2 * TOPK  # a list of the fused paths: 16 score words, 16 ids
+MAX_LIST_SPLITS = 4  # lists per (token, head) the fused decode path splits pages into
 DEFAULT_SPIN_LIMIT = 1 << 26
 BACKENDS = ("auto", "cake")  # the reference system's name for this route, accepted
 
@@ -138,6 +150,26 @@ def msa_icp_index_score_plan_storage(*, num_qo_heads: int, total_q: int, batch: 
         "work_info_numel": -(-(3 * batch + 1) // 2),
         "workspace_bytes": 0,
     }
+
+
+def msa_icp_prefill_pool_bytes(*, total_q: int, batch: int, device, num_heads: int = 4) -> int:
+    """Bytes of the fused prefill path's pool (msa_icp_prefill_score_select) for a query
+    window of at most total_q tokens: one list of the 16 best blocks (32 int32 words) per
+    (token, head). batch and device are checked and do not change the size (a row tile's
+    pages are not split in prefill)."""
+    _check_int("total_q", total_q, 0)
+    _check_int("batch", batch, 1)
+    _check_heads(num_heads)
+    torch.device(device)
+    return total_q * num_heads * LIST_WORDS * 4
+
+
+def msa_icp_decode_pool_bytes(*, max_decode_tokens: int) -> int:
+    """Bytes of the fused decode path's pool (msa_icp_decode_score_publish) for up to
+    max_decode_tokens query tokens: up to four lists of the 16 best blocks (32 int32 words)
+    per (token, head), one per run of pages a request's scorer CTAs split."""
+    _check_int("max_decode_tokens", max_decode_tokens, 0)
+    return max_decode_tokens * HEADS * MAX_LIST_SPLITS * LIST_WORDS * 4
 
 
 # ---- prefill -----------------------------------------------------------------------------
@@ -250,17 +282,7 @@ def msa_icp_index_score_sharded_plan_device(
         ("packed_work_info", packed_work_info, torch.int64, sizes["work_info_numel"]),
         ("workspace", workspace, torch.uint8, sizes["workspace_bytes"]),
     ):
-        if (
-            not isinstance(t, torch.Tensor)
-            or t.dtype != dtype
-            or t.device != device
-            or not t.is_contiguous()
-            or t.numel() < numel
-        ):
-            raise ValueError(
-                f"{name} must be a contiguous {dtype} tensor of at least {numel} elements on "
-                f"{device} (msa_icp_index_score_plan_storage), got {describe(t)}"
-            )
+        _check_storage(name, t, dtype, numel, device, "msa_icp_index_score_plan_storage")
     words = packed_work_info.view(torch.int32)
     cu_q, rest = words[: batch + 1], words[batch + 1 :]
     seq_lens, q_offset = rest[:batch], rest[batch : 2 * batch]
@@ -289,17 +311,9 @@ def msa_icp_index_score_sharded(
     ranks' blocks) are written -inf only when initialize. sm_scale must be 1.0 (raw scores).
     """
     _check_backend(backend)
-    _check_world(tp, "tp")
-    _check_rank(rank, tp)
     if sm_scale != 1.0:
         raise ValueError(f"sm_scale must be 1.0: ICP scores are raw q.k maxima, got {sm_scale!r}")
-    if not isinstance(plan, MSAIcpScorePlan):
-        raise TypeError(
-            f"plan must come from msa_icp_index_score_sharded_plan(_device), got {plan!r}"
-        )
-    device = _check_queries("q", q, plan.total_q)
-    page_size, shard_rows = _check_shard("k", k, tp, device)
-    _check_table("block_table", block_table, plan.batch, device)
+    device, page_size, shard_rows = _check_prefill_inputs(q, k, block_table, plan, rank, tp)
     columns = msa_icp_index_score_columns(plan.max_seq_len, page_size if compact else 128)
     out_rows = _score_rows("max_score", max_score, plan.total_q, columns, device)
     check_writable("max_score", max_score, (("q", q), ("k", k), ("block_table", block_table)))
@@ -341,6 +355,54 @@ def msa_icp_topk_select_prefill(
         )  # fmt: skip
 
 
+def msa_icp_prefill_score_select(
+    q, k, block_table, plan, num_valid_pages, pool, carrier, *, rank: int, tp: int = 2,
+    compact: bool = False, force_begin_blocks: int = 0, force_end_blocks: int = 0,
+    enable_pdl: bool = False, backend: str = "cake",
+):  # fmt: skip
+    """The fused prefill score and local top-16 of one query window: carrier rows equal to
+    those of msa_icp_index_score_sharded followed by msa_icp_topk_select_prefill (with the
+    layout's index map), without the score rows. The list scorer keeps each (token, head)
+    row's 16 best blocks as it scores them (in shared memory, written to pool), and the list
+    merge writes the carrier rows.
+
+    q, k, block_table, plan, rank, tp: as msa_icp_index_score_sharded's. num_valid_pages:
+    int32 [T], each token's global B128 block count (0 for padding rows). pool: contiguous,
+    16-byte aligned uint8 scratch of at least msa_icp_prefill_pool_bytes() bytes for the
+    plan's window; never zeroed (every call writes what it reads), one pool serves every
+    window and layer of a stream. carrier: int32 [4, T, 33] as msa_icp_topk_select_prefill's.
+    compact changes nothing here (the rows hold global ids either way)."""
+    _check_backend(backend)
+    device, page_size, shard_rows = _check_prefill_inputs(q, k, block_table, plan, rank, tp)
+    if not isinstance(compact, bool):
+        raise ValueError(f"compact must be a bool, got {compact!r}")
+    tokens = plan.total_q
+    _check_vector("num_valid_pages", num_valid_pages, tokens, torch.int32, device)
+    _check_carrier("carrier", carrier, tokens, device)
+    _check_forced(force_begin_blocks, force_end_blocks)
+    needed = msa_icp_prefill_pool_bytes(total_q=tokens, batch=plan.batch, device=device)
+    lists = _pool_lists("pool", pool, needed, 1, tokens, device, "msa_icp_prefill_pool_bytes")
+    inputs = (
+        ("q", q),
+        ("k", k),
+        ("block_table", block_table),
+        ("num_valid_pages", num_valid_pages),
+    )
+    check_writable("pool", pool, inputs)
+    check_writable("carrier", carrier, (*inputs, ("pool", pool)))
+    if tokens and plan.max_query_len:
+        scale, offset = _page_columns(page_size, tp, rank, compact=False)  # global block ids
+        _launch_list_score(
+            device, shard_rows, q, k, plan.cu_q, plan.seq_lens, plan.q_offset, block_table,
+            num_valid_pages, lists, plan.max_query_len, 0, page_size,
+            *_key_layout(page_size, shard_rows, tp, rank), scale, offset, force_begin_blocks,
+            force_end_blocks, 1,
+        )  # fmt: skip
+        merge_lists_into_carrier(
+            lists, num_valid_pages, carrier, force_begin_blocks, force_end_blocks
+        )
+
+
 # ---- decode ------------------------------------------------------------------------------
 
 
@@ -361,22 +423,10 @@ def msa_icp_decode_index_score_sharded(
     unit last stride (msa_icp_decode_score_columns). 1 <= decode_query_len <=
     max_decode_query_len, 4 max_decode_query_len <= 32."""
     _check_backend(backend)
-    _check_world(world_size)
-    _check_rank(rank, world_size)
-    _check_page_size(page_size)
     _check_decode_lengths(decode_query_len, max_decode_query_len)
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens must be an int32 tensor [B], got {describe(seq_lens)}")
-    batch = seq_lens.shape[0]
-    device = _check_queries("index_q", index_q, batch * decode_query_len)
-    _check_vector("seq_lens", seq_lens, batch, torch.int32, device)
-    shard_page, shard_rows = _check_shard("index_k", index_k, world_size, device)
-    if shard_page != page_size:
-        raise ValueError(
-            f"index_k has {shard_rows} rows a page: page_size {shard_page} over {world_size} "
-            f"ranks, not page_size {page_size}"
-        )
-    _check_table("block_table", block_table, batch, device)
+    device, batch, shard_rows = _check_decode_inputs(
+        index_q, index_k, block_table, seq_lens, rank, world_size, page_size, decode_query_len
+    )
     tokens = batch * decode_query_len
     if not isinstance(score_out, torch.Tensor) or score_out.dim() != 3:
         raise ValueError(f"score_out must be float32 [T, 4, cols], got {describe(score_out)}")
@@ -420,29 +470,15 @@ def msa_icp_topk_select_publish(
     MSAIcpComm. errors: int32 [>= 1]; a wait of spin_limit polls adds one and traps."""
     _check_backend(backend)
     _check_world(world_size)
-    _check_rank(rank, world_size)
     if heads_per_rank != HEADS // world_size:
         raise ValueError(f"heads_per_rank must be {HEADS // world_size}, got {heads_per_rank!r}")
-    _check_int("capacity", capacity, 1)
-    _check_int("slot", slot, 0)
-    if slot >= SLOT_SETS:
-        raise ValueError(f"slot must be in [0, {SLOT_SETS}), got {slot}")
-    _check_int("spin_limit", spin_limit, 1)
-    if spin_limit >= 2**31:
-        raise ValueError(f"spin_limit must be below 2^31, got {spin_limit}")
     tokens, device = _check_scores("scores", scores)
-    if tokens > capacity:
-        raise ValueError(f"scores has {tokens} tokens (T); the receive rows hold {capacity}")
-    _check_vector("num_valid_pages", num_valid_pages, tokens, torch.int32, device)
-    _check_vector("recv_bases", recv_bases, world_size, torch.int64, device)
-    _check_errors(errors, device)
+    mode, counters = _check_publish(
+        num_valid_pages, recv_bases, errors, generations, tokens, device, slot=slot, rank=rank,
+        world_size=world_size, capacity=capacity, spin_limit=spin_limit,
+    )  # fmt: skip
     _check_forced(force_begin_blocks, force_end_blocks)
     _check_index_map(index_scale, index_offset)
-    mode = icp_family.mode("publish")
-    counters = _dummies(device)["generations"]
-    if generations is not None:
-        _check_counters("generations", generations, (SLOT_SETS, HEADS), tokens, device)
-        counters, mode = generations[slot], icp_family.mode("publish_tagged")
     if tokens:
         _launch_select(
             device, scores, num_valid_pages, _dummies(device)["carrier"], recv_bases, errors,
@@ -450,6 +486,90 @@ def msa_icp_topk_select_publish(
             heads_per_rank, capacity, _publish_row_offset(slot, world_size, rank, capacity),
             mode, spin_limit,
         )  # fmt: skip
+
+
+def msa_icp_decode_score_publish(
+    index_q, index_k, block_table, seq_lens, num_valid_pages, pool, recv_bases, errors, *,
+    rank: int, world_size: int, page_size: int, decode_query_len: int, slot: int,
+    capacity: int, force_begin_blocks: int, force_end_blocks: int,
+    spin_limit: int = DEFAULT_SPIN_LIMIT, generations=None, enable_pdl: bool = True,
+    backend: str = "cake",
+):  # fmt: skip
+    """The fused decode score and publish: receive rows equal to those of
+    msa_icp_decode_index_score_sharded followed by msa_icp_topk_select_publish, without the
+    score rows. The list scorer keeps each (token, head) row's 16 best blocks of a run of the
+    request's pages (up to four runs, split over CTAs) as it scores them, into pool; the list
+    merge ranks a row's lists and publishes the row as the select does.
+
+    pool: contiguous, 16-byte aligned uint8 scratch of at least
+    msa_icp_decode_pool_bytes(max_decode_tokens=T) bytes, never zeroed. The other parameters
+    are as in those two functions (4 decode_query_len <= 32)."""
+    _check_backend(backend)
+    _check_int("decode_query_len", decode_query_len, 1)
+    if HEADS * decode_query_len > MAX_DECODE_ROWS:
+        raise ValueError(
+            f"4 x decode_query_len must be <= {MAX_DECODE_ROWS}, got {decode_query_len}"
+        )
+    device, batch, shard_rows = _check_decode_inputs(
+        index_q, index_k, block_table, seq_lens, rank, world_size, page_size, decode_query_len
+    )
+    tokens = batch * decode_query_len
+    mode, counters = _check_publish(
+        num_valid_pages, recv_bases, errors, generations, tokens, device, slot=slot, rank=rank,
+        world_size=world_size, capacity=capacity, spin_limit=spin_limit,
+    )  # fmt: skip
+    _check_forced(force_begin_blocks, force_end_blocks)
+    # Runs of pages a request's rows are scored in: the score rows' split (columns: the
+    # block table's width bounds a request's pages), at most the four lists the merge takes.
+    splits = min(MAX_LIST_SPLITS, _decode_page_splits(device, batch, block_table.shape[1]))
+    needed = msa_icp_decode_pool_bytes(max_decode_tokens=tokens) * splits // MAX_LIST_SPLITS
+    lists = _pool_lists("pool", pool, needed, splits, tokens, device, "msa_icp_decode_pool_bytes")
+    check_writable(
+        "pool", pool,
+        (("index_q", index_q), ("index_k", index_k), ("block_table", block_table),
+         ("seq_lens", seq_lens), ("num_valid_pages", num_valid_pages)),
+    )  # fmt: skip
+    if tokens:
+        scale, offset = _page_columns(page_size, world_size, rank, compact=False)  # block ids
+        _launch_list_score(
+            device, shard_rows, index_q, index_k, uniform_offsets(batch, decode_query_len, device),
+            seq_lens, seq_lens, block_table, num_valid_pages, lists, decode_query_len,
+            -decode_query_len, page_size, *_key_layout(page_size, shard_rows, world_size, rank),
+            scale, offset, force_begin_blocks, force_end_blocks, splits,
+        )  # fmt: skip
+        heads_per_rank = HEADS // world_size
+        _launch_list_merge(
+            device, lists, num_valid_pages, _dummies(device)["carrier"], recv_bases, errors,
+            counters, force_begin_blocks, force_end_blocks, heads_per_rank, capacity,
+            _publish_row_offset(slot, world_size, rank, capacity), mode, spin_limit,
+        )  # fmt: skip
+
+
+def merge_lists_into_carrier(lists, num_valid_pages, carrier, force_begin: int, force_end: int):
+    """The fused prefill's second step alone (tests and self-checks): each (token, head)
+    row's top-16 of lists (S <= 4, 4, T, 32) int32 (16 score words, 16 ids a list, -1 for
+    an empty entry, no id twice in a row) into carrier [4, T, 33]."""
+    if (
+        not isinstance(lists, torch.Tensor)
+        or lists.dtype != torch.int32
+        or lists.dim() != 4
+        or not 1 <= lists.shape[0] <= MAX_LIST_SPLITS
+        or tuple(lists.shape[1::2]) != (HEADS, LIST_WORDS)
+        or not lists.is_contiguous()
+    ):
+        raise ValueError(
+            f"lists must be a contiguous int32 tensor [S <= {MAX_LIST_SPLITS}, {HEADS}, T, "
+            f"{LIST_WORDS}], got {describe(lists)}"
+        )
+    device, tokens = lists.device, lists.shape[2]
+    _check_vector("num_valid_pages", num_valid_pages, tokens, torch.int32, device)
+    _check_carrier("carrier", carrier, tokens, device)
+    _check_forced(force_begin, force_end)
+    dummy = _dummies(device)
+    _launch_list_merge(
+        device, lists, num_valid_pages, carrier, dummy["bases"], dummy["errors"],
+        dummy["generations"], force_begin, force_end, HEADS, 0, 0, icp_family.mode("local"), 0,
+    )  # fmt: skip
 
 
 def msa_icp_merge_candidates(
@@ -639,7 +759,10 @@ class MSAIcpIndexerPlan:
         decode(index_q, index_k, block_table, seq_lens, num_valid_pages, scores, output, *,
                comm, slot, tagged, decode_query_len, enable_pdl=True, pool=None)
             score plane -> top-16 select and publish -> the owner's merge into output
-            [T, hpr, 16]; scores: float32 [T, 4, decode_score_columns]
+            [T, hpr, 16]; scores: float32 [T, 4, decode_score_columns]. With pool
+            (msa_icp_decode_pool_bytes) the fused msa_icp_decode_score_publish replaces the
+            first two steps and scores is not used; without one the plane chain runs
+            (fused_decode_min_batch is None: the plan never picks the fused path itself)
         prefill_window_plan(qo_segment_lens, kv_segment_lens, qo_segment_offsets,
                kv_segment_offsets, qo_offset, *, total_q, max_query_len, max_seq_len,
                storage=None)
@@ -647,8 +770,11 @@ class MSAIcpIndexerPlan:
             storage: int64 of msa_icp_index_score_plan_storage's work_info_numel (None:
             allocated here, so not inside a CUDA-graph capture)
         prefill_local(query, index_k, block_table, window_plan, score_scratch,
-               num_valid_pages, carrier, *, compact=False)
-            score -> local top-16 into carrier [4, T, 33] (then the caller's all-to-all)
+               num_valid_pages, carrier, *, compact=False, pool=None)
+            score -> local top-16 into carrier [4, T, 33] (then the caller's all-to-all);
+            with pool (uint8 of prefill_pool_shape()) the fused
+            msa_icp_prefill_score_select, score_scratch not used (fused_prefill is False:
+            the fused path runs only when asked for)
         prefill_merge(received, num_valid_pages, output, errors)
             the owner's merge of the exchanged carriers [W, hpr, T, 33]
         warmup()  loads every kernel (call on every rank before the first exchange and
@@ -667,7 +793,8 @@ class MSAIcpIndexerPlan:
     max_model_len: int
     num_sparse_layers: int
     device: torch.device
-    fused_decode_min_batch: None = None  # the fused decode path is not in this version
+    fused_decode_min_batch: None = None  # decode runs the fused path only when given a pool
+    fused_prefill: bool = False  # prefill_local runs the fused path only when given a pool
 
     @property
     def heads_per_rank(self) -> int:
@@ -684,36 +811,54 @@ class MSAIcpIndexerPlan:
     def prefill_window_tokens(self) -> int:
         return min(MAX_BLOCKS, self.max_num_batched_tokens)
 
+    def prefill_pool_shape(self) -> tuple:
+        """The shape of a uint8 pool for prefill_local's fused path (any window of the plan)."""
+        bytes_ = msa_icp_prefill_pool_bytes(
+            total_q=self.prefill_window_tokens(), batch=self.max_num_seqs, device=self.device
+        )
+        return (bytes_,)
+
     def warmup(self) -> None:
         index = self.device.index
         for shard_rows in icp_family.shard_rows_built(index):
             icp_family.launch(index, "msa_icp_score", shard_rows)
-        icp_family.launch(index, "msa_icp_select", None)
-        icp_family.launch(index, "msa_icp_merge", None)
+            icp_family.launch(index, "msa_icp_list_score", shard_rows)
+        for family in ("msa_icp_select", "msa_icp_merge", "msa_icp_list_merge"):
+            icp_family.launch(index, family, None)
 
     def decode(
         self, index_q, index_k, block_table, seq_lens, num_valid_pages, scores, output, *,
         comm: MSAIcpComm, slot: int, tagged: bool, decode_query_len: int,
         enable_pdl: bool = True, pool=None,
     ):  # fmt: skip
-        if pool is not None:
-            raise ValueError("pool: the fused decode path is not in this version; pass None")
         if not isinstance(comm, MSAIcpComm) or comm.rank != self.rank:
             raise ValueError(f"comm must be this rank's ({self.rank}) MSAIcpComm, got {comm!r}")
-        msa_icp_decode_index_score_sharded(
-            index_q, index_k, block_table, seq_lens, scores, rank=self.rank,
-            world_size=self.world_size, page_size=self.page_size,
-            decode_query_len=decode_query_len, max_decode_query_len=self.max_decode_query_len,
-        )  # fmt: skip
-        scale, offset = _column_blocks(self.page_size, self.world_size, self.rank, compact=True)
-        msa_icp_topk_select_publish(
-            scores, num_valid_pages, comm.tagged_bases if tagged else comm.legacy_bases,
-            comm.errors, slot=slot, rank=self.rank, world_size=self.world_size,
-            heads_per_rank=self.heads_per_rank, capacity=comm.capacity,
-            force_begin_blocks=self.init_blocks, force_end_blocks=self.local_blocks,
-            generations=comm.generations if tagged else None, index_scale=scale,
-            index_offset=offset,
-        )  # fmt: skip
+        bases = comm.tagged_bases if tagged else comm.legacy_bases
+        generations = comm.generations if tagged else None
+        if pool is not None:
+            _check_decode_lengths(decode_query_len, self.max_decode_query_len)
+            msa_icp_decode_score_publish(
+                index_q, index_k, block_table, seq_lens, num_valid_pages, pool, bases,
+                comm.errors, rank=self.rank, world_size=self.world_size,
+                page_size=self.page_size, decode_query_len=decode_query_len, slot=slot,
+                capacity=comm.capacity, force_begin_blocks=self.init_blocks,
+                force_end_blocks=self.local_blocks, generations=generations,
+            )  # fmt: skip
+        else:
+            msa_icp_decode_index_score_sharded(
+                index_q, index_k, block_table, seq_lens, scores, rank=self.rank,
+                world_size=self.world_size, page_size=self.page_size,
+                decode_query_len=decode_query_len,
+                max_decode_query_len=self.max_decode_query_len,
+            )  # fmt: skip
+            scale, offset = _column_blocks(self.page_size, self.world_size, self.rank, True)
+            msa_icp_topk_select_publish(
+                scores, num_valid_pages, bases, comm.errors, slot=slot, rank=self.rank,
+                world_size=self.world_size, heads_per_rank=self.heads_per_rank,
+                capacity=comm.capacity, force_begin_blocks=self.init_blocks,
+                force_end_blocks=self.local_blocks, generations=generations,
+                index_scale=scale, index_offset=offset,
+            )  # fmt: skip
         rows = comm.tagged[slot] if tagged else comm.legacy[slot]
         msa_icp_merge_candidates(
             rows, num_valid_pages, output, comm.errors, init_blocks=self.init_blocks,
@@ -745,8 +890,15 @@ class MSAIcpIndexerPlan:
 
     def prefill_local(
         self, query, index_k, block_table, window_plan, score_scratch, num_valid_pages,
-        carrier, *, compact: bool = False,
+        carrier, *, compact: bool = False, pool=None,
     ):  # fmt: skip
+        if pool is not None:
+            msa_icp_prefill_score_select(
+                query, index_k, block_table, window_plan, num_valid_pages, pool, carrier,
+                rank=self.rank, tp=self.world_size, compact=compact,
+                force_begin_blocks=self.init_blocks, force_end_blocks=self.local_blocks,
+            )  # fmt: skip
+            return
         msa_icp_index_score_sharded(
             query, index_k, block_table, window_plan, rank=self.rank, max_score=score_scratch,
             tp=self.world_size, compact=compact,
@@ -820,6 +972,34 @@ def _launch_score(
         )
 
 
+def _launch_list_score(
+    device, shard_rows, q, k, cu_q, seq_lens, q_offset, block_table, num_valid, lists,
+    max_seqlen_q, position_shift, page_size, base, step, id_scale, id_offset, force_begin,
+    force_end, page_splits,
+):  # fmt: skip
+    launch = icp_family.launch(
+        device.index, "msa_icp_list_score", shard_rows, max_seqlen_q, position_shift, page_size,
+        base, step, id_scale, id_offset, force_begin, force_end, page_splits,
+    )  # fmt: skip
+    with torch.cuda.device(device):
+        ops.launch(
+            launch,
+            (q.view(-1, 1, HEAD_DIM), k, cu_q, seq_lens, q_offset, block_table, num_valid, lists),
+        )
+
+
+def _launch_list_merge(
+    device, lists, num_valid, carrier, bases, errors, generations, force_begin, force_end,
+    heads_per_owner, head_rows, row_offset, mode, spin_limit,
+):  # fmt: skip
+    launch = icp_family.launch(
+        device.index, "msa_icp_list_merge", None, force_begin, force_end, heads_per_owner,
+        head_rows, row_offset, mode, spin_limit,
+    )  # fmt: skip
+    with torch.cuda.device(device):
+        ops.launch(launch, (lists, num_valid, carrier, bases, errors, generations))
+
+
 def _launch_select(
     device, scores, num_valid, carrier, bases, errors, generations, index_scale, index_offset,
     force_begin, force_end, heads_per_owner, head_rows, row_offset, mode, spin_limit,
@@ -883,6 +1063,90 @@ def _publish_row_offset(slot: int, world_size: int, rank: int, capacity: int) ->
     ((slot W + rank) hpr + h % hpr) capacity + t holds (t, h), so the rows of head h % hpr
     start head_rows = capacity later each."""
     return (slot * world_size + rank) * (HEADS // world_size) * capacity
+
+
+def _check_prefill_inputs(q, k, block_table, plan, rank, tp) -> tuple:
+    """(device, page size, shard rows a page) of a prefill scorer call's inputs."""
+    _check_world(tp, "tp")
+    _check_rank(rank, tp)
+    if not isinstance(plan, MSAIcpScorePlan):
+        raise TypeError(
+            f"plan must come from msa_icp_index_score_sharded_plan(_device), got {plan!r}"
+        )
+    device = _check_queries("q", q, plan.total_q)
+    page_size, shard_rows = _check_shard("k", k, tp, device)
+    _check_table("block_table", block_table, plan.batch, device)
+    return device, page_size, shard_rows
+
+
+def _check_decode_inputs(
+    index_q, index_k, block_table, seq_lens, rank, world_size, page_size, decode_query_len
+) -> tuple:
+    """(device, batch, shard rows a page) of a decode scorer call's inputs."""
+    _check_world(world_size)
+    _check_rank(rank, world_size)
+    _check_page_size(page_size)
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be an int32 tensor [B], got {describe(seq_lens)}")
+    batch = seq_lens.shape[0]
+    device = _check_queries("index_q", index_q, batch * decode_query_len)
+    _check_vector("seq_lens", seq_lens, batch, torch.int32, device)
+    shard_page, shard_rows = _check_shard("index_k", index_k, world_size, device)
+    if shard_page != page_size:
+        raise ValueError(
+            f"index_k has {shard_rows} rows a page: page_size {shard_page} over {world_size} "
+            f"ranks, not page_size {page_size}"
+        )
+    _check_table("block_table", block_table, batch, device)
+    return device, batch, shard_rows
+
+
+def _check_publish(
+    num_valid_pages, recv_bases, errors, generations, tokens: int, device, *, slot: int,
+    rank: int, world_size: int, capacity: int, spin_limit: int,
+) -> tuple:  # fmt: skip
+    """(the select's mode, the generation counters it keeps) of a publish of `tokens` rows."""
+    _check_rank(rank, world_size)
+    _check_int("capacity", capacity, 1)
+    _check_int("slot", slot, 0)
+    if slot >= SLOT_SETS:
+        raise ValueError(f"slot must be in [0, {SLOT_SETS}), got {slot}")
+    _check_int("spin_limit", spin_limit, 1)
+    if spin_limit >= 2**31:
+        raise ValueError(f"spin_limit must be below 2^31, got {spin_limit}")
+    if tokens > capacity:
+        raise ValueError(f"{tokens} tokens (T) to publish; the receive rows hold {capacity}")
+    _check_vector("num_valid_pages", num_valid_pages, tokens, torch.int32, device)
+    _check_vector("recv_bases", recv_bases, world_size, torch.int64, device)
+    _check_errors(errors, device)
+    if generations is None:
+        return icp_family.mode("publish"), _dummies(device)["generations"]
+    _check_counters("generations", generations, (SLOT_SETS, HEADS), tokens, device)
+    return icp_family.mode("publish_tagged"), generations[slot]
+
+
+def _pool_lists(name, pool, needed: int, splits: int, tokens: int, device, sizer: str):
+    """The (splits, 4, T, 32) int32 lists in the first `needed` bytes of a fused path's pool."""
+    _check_storage(name, pool, torch.uint8, needed, device, sizer)
+    if pool.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned")
+    return pool[:needed].view(torch.int32).view(splits, HEADS, tokens, LIST_WORDS)
+
+
+def _check_storage(name, t, dtype, numel: int, device, sizer: str) -> None:
+    """Caller storage: a contiguous tensor of dtype on device, at least numel elements (as
+    the function `sizer` says)."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != dtype
+        or t.device != device
+        or not t.is_contiguous()
+        or t.numel() < numel
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} tensor of at least {numel} elements on "
+            f"{device} ({sizer}), got {describe(t)}"
+        )
 
 
 def _check_backend(backend) -> None:

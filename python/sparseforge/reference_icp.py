@@ -162,6 +162,19 @@ def local_top16(
     return rows
 
 
+def lists_top16(
+    lists: torch.Tensor, nvp: torch.Tensor, force_begin: int = 0, force_end: int = 0
+) -> torch.Tensor:
+    """(HEADS, T, 33) carrier rows from the fused paths' lists (S, HEADS, T, 32) int32 (16
+    score words, 16 ids a list; id -1 for an empty entry): each row's top-16 among its S
+    lists' entries, ranked as local_top16 ranks."""
+    splits, heads, t, _ = lists.shape
+    rows = lists.permute(2, 1, 0, 3)  # (T, HEADS, S, 32)
+    scores = rows[..., :TOPK].contiguous().view(torch.float32).reshape(t, heads, -1)
+    ids = rows[..., TOPK:].reshape(t, heads, -1).long()
+    return local_top16(scores, ids, nvp, force_begin, force_end).transpose(0, 1)
+
+
 def all_to_all(carriers: list[torch.Tensor]) -> list[torch.Tensor]:
     """The prefill exchange: rank r's rows (T, HEADS, 33) go to the owner of each head (rank
     h // (HEADS / W)); returns each owner's receive buffer (W, HEADS / W, T, 33), indexed by

@@ -1,6 +1,7 @@
 """A rank's shard of the ICP index keys as both scorer templates see it
 (generator/families/msa_icp.py): the pages a CTA scores, the rows of a page a position sees,
-the row maxima's stores and the -inf fill of the columns no page fills."""
+the row maxima's stores and the -inf fill of the columns no page fills (score rows; the
+lists of the fused paths are generator/kernels/common/icp_lists.py's)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -12,15 +13,16 @@ NEG_INF = -cutlass.Float32.inf
 
 
 @cute.jit
-def scored_pages(args, seqlen_k, first_pos, rows):
+def scored_pages(args, seqlen_k, first_pos, rows, width):
     """The shard pages that hold a key one of the CTA's `rows` query rows sees (HEADS rows a
-    token, the first at position first_pos), at most as many as the output has columns for."""
+    token, the first at position first_pos), at most as many as have a column below `width`
+    (page c's is c * column_scale + column_offset: the score rows' width, or the lists'
+    block id bound)."""
     last_pos = first_pos + (rows - 1) // HEADS
     reach = cutlass.min(last_pos, seqlen_k - 1) - args.key_base
     pages = cutlass.Int32(0)
     if reach >= 0:
         pages = reach // args.page_size + 1
-    width = args.mOut.shape[1]
     fitting = cutlass.Int32(0)
     if width > args.column_offset:
         fitting = cute.ceil_div(width - args.column_offset, args.column_scale)

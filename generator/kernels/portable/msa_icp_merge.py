@@ -20,7 +20,15 @@ import cutlass
 import cutlass.cute as cute
 
 from generator.families.msa_icp import MAX_BLOCKS, MAX_WORLD, READ, TOPK, WAIT, WAIT_TAGGED
-from generator.kernels.common.radix_select import float_bits, float_of_bits, order_key
+from generator.kernels.common.icp_lists import (
+    ID_BITS,
+    ascending_slot,
+    key_block,
+    ranking_key,
+    top16_of_keys,
+    warp_keys,
+)
+from generator.kernels.common.radix_select import float_of_bits
 from generator.kernels.common.signals import (
     count_error_and_trap,
     load_relaxed_b32,
@@ -28,34 +36,22 @@ from generator.kernels.common.signals import (
     store_release_b32,
     wait_for_flag,
 )
+from generator.kernels.common.warp_rows import launch_warp_rows, warp_row
 
-WARPS = 4
 PER_LANE = MAX_WORLD * TOPK // 32  # candidates a lane holds
 CANDIDATES = MAX_WORLD * TOPK
-ID_BITS = 0x7FFFFFFF
 
 
 class MsaIcpMerge:
     @cute.jit
     def launch(self, args, stream):
-        tokens, heads, _ = args.mOut.shape
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(tokens * heads, WARPS), 1, 1],
-            block=[WARPS * 32, 1, 1],
-            stream=stream,
-        )
+        launch_warp_rows(self.kernel(args), args.mOut.shape[0] * args.mOut.shape[1], stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane, warp = tidx % 32, tidx // 32
+        row, lane, warp = warp_row()
         tokens, heads, _ = args.mOut.shape
-        smem = cutlass.memory.SmemAllocator()
-        sKeys = smem.allocate_tensor(
-            cutlass.Uint64, cute.make_layout((CANDIDATES, WARPS), stride=(1, CANDIDATES)), 16
-        )[None, warp]
-        row = bidx * WARPS + warp
+        sKeys = warp_keys(CANDIDATES, warp)
         if row < tokens * heads:
             self.merge_row(args, row // heads, row % heads, lane, sKeys)
 
@@ -84,7 +80,9 @@ class MsaIcpMerge:
                 score_bits, block = self.read_entry(
                     args, i // TOPK, head, token, i % TOPK, generation, errors
                 )
-                keys[k] = self.ranking_key(args, score_bits, block, limit, end_start, nvp)
+                keys[k] = ranking_key(
+                    float_of_bits(score_bits), block, limit, end_start, nvp, args.init_blocks
+                )
             sKeys[i] = keys[k]
         cute.arch.sync_warp()
         if args.mode == WAIT:
@@ -116,34 +114,13 @@ class MsaIcpMerge:
             sKeys[lane + 32 * k] = keys[k]
         cute.arch.sync_warp()
         # Selected: fewer than 16 survivors rank above.
-        for k in cutlass.range_constexpr(PER_LANE):
-            own = keys[k]
-            above = cutlass.Int32(0)
-            for j in cutlass.range(CANDIDATES, unroll=8):
-                if sKeys[j] > own:
-                    above = above + 1
-            if above >= TOPK:
-                keys[k] = cutlass.Uint64(0)
-        cute.arch.sync_warp()
-        selected = cutlass.Int32(0)
-        for k in cutlass.range_constexpr(PER_LANE):
-            sKeys[lane + 32 * k] = keys[k]
-            selected = selected + cute.arch.popc(
-                cute.arch.vote_ballot_sync(keys[k] != cutlass.Uint64(0))
-            )
-        cute.arch.sync_warp()
-        # Ascending ids: a selected id's slot is the count of selected ids below it (a
-        # larger id field is a lower id).
+        selected = top16_of_keys(keys, sKeys, CANDIDATES, lane)
+        # Ascending ids: a selected id's slot is the count of selected ids below it.
         out = args.mOut[token, head, None]
         for k in cutlass.range_constexpr(PER_LANE):
             own = keys[k]
             if own != cutlass.Uint64(0):
-                slot = cutlass.Int32(0)
-                for j in cutlass.range(CANDIDATES, unroll=8):
-                    other = sKeys[j]
-                    if (other != cutlass.Uint64(0)) & ((other & ID_BITS) > (own & ID_BITS)):
-                        slot = slot + 1
-                out[slot] = cutlass.Int32(ID_BITS - cutlass.Int32(own & ID_BITS))
+                out[ascending_slot(own, sKeys, CANDIDATES)] = key_block(own)
         if (lane >= selected) & (lane < TOPK):
             value = cutlass.Int32(-1)
             if (lane == 0) & (args.prefill != 0) & (nvp <= 0):
@@ -192,20 +169,6 @@ class MsaIcpMerge:
             score_bits = load_relaxed_b32(self.word_address(args, rank, head, token, entry))
             block = load_relaxed_b32(self.word_address(args, rank, head, token, TOPK + entry))
         return score_bits, block
-
-    @cute.jit
-    def ranking_key(self, args, score_bits, block, limit, end_start, nvp):
-        """The candidate's 64-bit ranking key (module docstring); 0 for none."""
-        score = float_of_bits(score_bits) + cutlass.Float32(0.0)  # -0 ranks as +0
-        key = cutlass.Uint64(0)
-        # NaN fails the comparison: no candidate.
-        if (block >= 0) & (block < limit) & (score > -cutlass.Float32.inf):
-            key = (cutlass.Uint64(order_key(float_bits(score))) << 31) | cutlass.Uint64(
-                ID_BITS - block
-            )
-            if (block < args.init_blocks) | ((block >= end_start) & (block < nvp)):
-                key = key | (cutlass.Uint64(1) << 63)  # forced
-        return key
 
 
 def make_kernel(variant):

@@ -9,12 +9,17 @@ tile while the tensor cores multiply the current one. A row sees a page's row i 
 exists and its key, page_size * c + key_base + i * key_step, lies at or before the row's
 token's position. The first CTA of the split then writes -inf to the rows' columns below
 the fill bound that no page filled.
+
+msa_icp_list_score (lists): no score rows; the thread that stores a row's max keeps the
+row's top-16 of the split's pages in shared memory instead and writes it out after the last
+page (generator/kernels/common/icp_lists.py), empty for a split with no page.
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from generator.families.msa_icp import HEAD_DIM, HEADS
+from generator.families.msa_icp import HEAD_DIM, HEADS, MAX_BLOCKS
+from generator.kernels.common.icp_lists import RowLists
 from generator.kernels.common.icp_shard import (
     fill_unscored,
     rows_at_or_before,
@@ -27,9 +32,10 @@ from generator.kernels.portable.msa_proxy_score import QUERY_ROWS, MsaProxyScore
 
 
 class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
-    def __init__(self, shard_rows: int):
+    def __init__(self, shard_rows: int, lists: bool):
         super().__init__(paged=True)
         self.shard_rows = shard_rows
+        self.lists = lists
         self.tiles_per_block = max(1, shard_rows // TILE_N)
         self.tile_rows = min(shard_rows, TILE_N)  # rows of a page one tile holds
 
@@ -42,7 +48,8 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
         self.kernel(args, sQ_layout, sK_layout, gmem_load, tiled_mma, SharedStorage).launch(
             grid=[cute.ceil_div(rows, QUERY_ROWS), args.mCuQ.shape[0] - 1, args.page_splits],
             block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
+            smem=SharedStorage.size_in_bytes()
+            + (RowLists.smem_bytes(QUERY_ROWS) if self.lists else 0),
             stream=stream,
         )
 
@@ -61,24 +68,29 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
         q_start = args.mCuQ[batch]
         rows_left = HEADS * (args.mCuQ[batch + 1] - q_start) - chunk * QUERY_ROWS
         if rows_left > 0:
-            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = (storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout))
             seqlen_k = args.mSeqLenK[batch]
             rows = cutlass.min(rows_left, QUERY_ROWS)
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (QUERY_ROWS // HEADS)
-            pages = scored_pages(args, seqlen_k, first_pos, rows)
+            width = MAX_BLOCKS if cutlass.const_expr(self.lists) else args.mOut.shape[1]
+            pages = scored_pages(args, seqlen_k, first_pos, rows, width)
             first_page, end_page = split_pages(pages, split, args.page_splits)
-            # Rows as the proxy scorer's "tokens": the CTA's rows from 4 q_start on.
+            first_row = HEADS * q_start + chunk * QUERY_ROWS
+            lists = RowLists.allocate(smem, QUERY_ROWS, first_row, split) if self.lists else None
+            # Rows as the proxy scorer's "tokens": the CTA's rows from 4 q_start on (lists:
+            # a split with no page opens its rows' lists and writes them out empty).
             tiles = self.tiles_per_block
             self.score_head(
                 args, sQ, sK, gmem_load, tiled_mma, tidx, 0, 0, batch, chunk, HEADS * q_start,
                 rows_left, seqlen_k, first_pos, first_page * tiles, end_page * tiles,
-                cutlass.Int32(1),
+                cutlass.Int32(1), lists,
             )  # fmt: skip
-            if split == 0:
-                first_row = HEADS * q_start + chunk * QUERY_ROWS
-                fill_unscored(args, tidx, NUM_THREADS, first_row, rows, pages, seqlen_k)
+            if cutlass.const_expr(not self.lists):
+                if split == 0:
+                    fill_unscored(args, tidx, NUM_THREADS, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def row_position(self, first_pos, row):
@@ -124,10 +136,15 @@ class MsaIcpScoreWarpMma(MsaProxyScoreE4m3):
 
     @cute.jit
     def store_block_max(
-        self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head
-    ):
-        store_row_maxima(args, block_max, tScS_mn, tidx, first_token, rows_left, block)
+        self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head,
+        lists,
+    ):  # fmt: skip
+        if cutlass.const_expr(self.lists):
+            lists.offer_rows(args, block_max, tScS_mn, tidx, first_token, rows_left, block)
+        else:
+            store_row_maxima(args, block_max, tScS_mn, tidx, first_token, rows_left, block)
 
 
 def make_kernel(variant):
-    return MsaIcpScoreWarpMma(variant.params["shard_rows"])
+    lists = variant.family.name == "msa_icp_list_score"
+    return MsaIcpScoreWarpMma(variant.params["shard_rows"], lists)

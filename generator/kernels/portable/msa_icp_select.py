@@ -12,42 +12,26 @@ the threads' counts give every tie its place among the ties and every selected c
 slot, so the ids come out ascending without a sort. The score words are re-read from global
 memory (the raw bits, a forced block's included).
 
-Publishing (legacy rows), one thread first waits until the owner has cleared the row's flag
-(its last merge of this slot set is done); after the row's words, a barrier and a release
-store set the flag. Tagged rows have no flag: each word carries the row's generation, one
-more than the last (mGenerations).
+Where and how the row is written (a local carrier, or published into the owner's legacy or
+tagged receive rows): generator/kernels/common/icp_rows.py.
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from generator.families.msa_icp import (
-    CARRIER_WORDS,
-    LOCAL,
-    MAX_BLOCKS,
-    MAX_COLUMNS,
-    PUBLISH,
-    PUBLISH_TAGGED,
-    TAGGED_WORDS,
-    TOPK,
-)
+from generator.families.msa_icp import MAX_BLOCKS, MAX_COLUMNS, TOPK
 from generator.kernels.common.block_scan import exclusive_scan
+from generator.kernels.common.icp_lists import NOT_CANDIDATE
+from generator.kernels.common.icp_rows import claim_row, row_address, set_ready, write_entry
 from generator.kernels.common.radix_select import (
     float_bits,
     histogram_words,
     order_key,
     radix_select,
 )
-from generator.kernels.common.signals import (
-    store_b32,
-    store_relaxed_b64,
-    store_release_b32,
-    wait_for_flag,
-)
 
 THREADS = 256
 CTAS = 1021  # a prime: rows at a fixed period spread over the CTAs (as in sdsa_topk)
-NOT_CANDIDATE = -8388608  # -inf's bits as an Int32 (0xFF800000)
 FORCED = 0x7FFFFFFF  # a positive NaN's bits: above +inf in the order radix_select ranks by
 
 
@@ -83,21 +67,6 @@ class MsaIcpSelect:
             )  # fmt: skip
 
     @cute.jit
-    def row_address(self, args, token, head):
-        """The byte address of row (token, head) (generator/families/msa_icp.py)."""
-        row_bytes = cutlass.Int64(CARRIER_WORDS * 4)
-        if args.mode == PUBLISH_TAGGED:
-            row_bytes = cutlass.Int64(TAGGED_WORDS * 8)
-        owner = head // args.heads_per_owner
-        index = cutlass.Int64(args.row_offset) + cutlass.Int64(
-            (head % args.heads_per_owner) * args.head_rows + token
-        )
-        address = args.mBases[owner] + index * row_bytes
-        if args.mode == LOCAL:
-            address = args.mCarrier[head, token, None].iterator.toint()
-        return address
-
-    @cute.jit
     def select_row(
         self, args, token, head, tidx, sBits, sHist, sState, sRow, sCounts, sBefore, sWarpSums
     ):
@@ -106,17 +75,10 @@ class MsaIcpSelect:
         nvp = args.mNumValid[token]
         limit = cutlass.min(cutlass.max(nvp, 0), MAX_BLOCKS)
         end_start = nvp - args.force_end
-        address = self.row_address(args, token, head)
-        errors = args.mErrors.iterator.toint()
+        address = row_address(args, token, head)
         if tidx == 0:
             sRow[0] = 0
-            if args.mode == PUBLISH:
-                # The owner's merge of this slot set's last use has read the row.
-                wait_for_flag(address + 4 * 2 * TOPK, cutlass.Int32(0), args.spin_limit, errors)
-            if args.mode == PUBLISH_TAGGED:
-                generation = args.mGenerations[head, token] + 1
-                args.mGenerations[head, token] = generation
-                sRow[1] = generation
+            sRow[1] = claim_row(args, address, token, head, args.mErrors.iterator.toint())
         cute.arch.sync_threads()
         scores = args.mScore[token, head, None]
         candidates = cutlass.Int32(0)
@@ -178,7 +140,7 @@ class MsaIcpSelect:
         cute.arch.sync_threads()
         selected = exclusive_scan(lambda i: sCounts[i], sBefore, sWarpSums, THREADS, tidx, THREADS)
         slot = sBefore[tidx]
-        generation = cutlass.Int64(sRow[1]) << cutlass.Int64(32)
+        generation = sRow[1]
         ties_before = ties_first
         for c in cutlass.range(begin, end, unroll=1):
             key = order_key(sBits[c])
@@ -188,29 +150,13 @@ class MsaIcpSelect:
                 ties_before = ties_before + 1
             if take:
                 block = c * args.index_scale + args.index_offset
-                self.write_entry(args, address, slot, float_bits(scores[c]), block, generation)
+                write_entry(args, address, slot, float_bits(scores[c]), block, generation)
                 slot = slot + 1
         if (tidx >= selected) & (tidx < TOPK):
-            self.write_entry(args, address, tidx, cutlass.Int32(NOT_CANDIDATE), -1, generation)
+            write_entry(args, address, tidx, cutlass.Int32(NOT_CANDIDATE), -1, generation)
         cute.arch.sync_threads()
         if tidx == 0:
-            if args.mode == LOCAL:
-                store_b32(address + 4 * 2 * TOPK, cutlass.Int32(1))
-            if args.mode == PUBLISH:
-                store_release_b32(address + 4 * 2 * TOPK, cutlass.Int32(1))
-
-    @cute.jit
-    def write_entry(self, args, address, slot, score_bits, block, generation):
-        """Slot `slot` of the row: its score word and its id."""
-        if args.mode == PUBLISH_TAGGED:
-            low = cutlass.Int64(0xFFFFFFFF)
-            store_relaxed_b64(address + 8 * slot, generation | (cutlass.Int64(score_bits) & low))
-            store_relaxed_b64(
-                address + 8 * (TOPK + slot), generation | (cutlass.Int64(block) & low)
-            )
-        else:
-            store_b32(address + 4 * slot, score_bits)
-            store_b32(address + 4 * (TOPK + slot), cutlass.Int32(block))
+            set_ready(args, address)
 
 
 def make_kernel(variant):

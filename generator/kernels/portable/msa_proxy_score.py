@@ -117,10 +117,12 @@ class ProxyScore:
     @cute.jit
     def score_head(
         self, args, sQ, sK, gmem_load, tiled_mma, tidx, head, kv_head, batch, chunk,
-        q_start, rows_left, seqlen_k, first_pos, first_tile, tiles, first_head,
+        q_start, rows_left, seqlen_k, first_pos, first_tile, tiles, first_head, lists=None,
     ):  # fmt: skip
         """The block maxima of one head's 64 rows over 64-key tiles [first_tile, tiles)
-        (first_tile a multiple of tiles_per_block)."""
+        (first_tile a multiple of tiles_per_block). lists: the rows' top-16 lists a
+        subclass's store_block_max keeps (generator/kernels/common/icp_lists.py), opened
+        first and written out last, or None."""
         d = HEAD_DIM
         thr_load = gmem_load.get_slice(tidx)
         q_rows = cute.domain_offset((q_start, 0), args.mQ[None, head, None])
@@ -138,6 +140,8 @@ class ProxyScore:
         rows = cute.size(tScS_mn, mode=[0])
         block_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
         block_max.fill(NEG_INF)
+        if cutlass.const_expr(lists is not None):
+            lists.open_rows(args, tScS_mn, tidx, q_start + chunk * QUERY_ROWS, rows_left)
 
         # The previous head's last reads of sQ / sK are done and its copies landed.
         cute.arch.cp_async_wait_group(0)
@@ -209,9 +213,11 @@ class ProxyScore:
             if (u % self.tiles_per_block == self.tiles_per_block - 1) | (u + 1 == tiles):
                 self.store_block_max(
                     args, block_max, tScS_mn, tidx, head, u // self.tiles_per_block,
-                    q_start + chunk * QUERY_ROWS, rows_left, first_head,
+                    q_start + chunk * QUERY_ROWS, rows_left, first_head, lists,
                 )  # fmt: skip
                 block_max.fill(NEG_INF)
+        if cutlass.const_expr(lists is not None):
+            lists.close_rows(args, tScS_mn, tidx, q_start + chunk * QUERY_ROWS, rows_left)
 
     @cute.jit
     def row_position(self, first_pos, row):
@@ -294,8 +300,9 @@ class ProxyScore:
 
     @cute.jit
     def store_block_max(
-        self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head
-    ):
+        self, args, block_max, tScS_mn, tidx, head, block, first_token, rows_left, first_head,
+        lists,
+    ):  # fmt: skip
         """Each row's max (over the quad's columns), written by the quad's first lane; with
         reduce_heads the max with what the earlier heads wrote."""
         for r in cutlass.range_constexpr(cute.size(block_max)):

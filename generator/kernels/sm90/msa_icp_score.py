@@ -12,12 +12,17 @@ sees is a prefix of them, so the masking is the proxy's with that count. With pa
 has one row tile a request: fewer CTAs than SMs otherwise); their columns are disjoint. The
 first CTA then writes -inf to the rows' columns below the fill bound that no page filled
 (the causal tail and, with global block ids for P256, the blocks of the other ranks).
+
+msa_icp_list_score (lists): no score rows; each consumer thread that stores a row's max keeps
+the row's top-16 of the split's pages in shared memory instead and writes it out after the
+last page (generator/kernels/common/icp_lists.py); a split with no page writes empty lists.
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from generator.families.msa_icp import HEAD_DIM, HEADS
+from generator.families.msa_icp import HEAD_DIM, HEADS, MAX_BLOCKS
+from generator.kernels.common.icp_lists import RowLists, write_empty_lists
 from generator.kernels.common.icp_shard import (
     fill_unscored,
     rows_at_or_before,
@@ -36,11 +41,14 @@ MAX_STAGES = 8
 
 
 class MsaIcpScoreSm90(MsaProxyScoreSm90):
-    def __init__(self, shard_rows: int):
+    def __init__(self, shard_rows: int, lists: bool):
         super().__init__(cutlass.Float8E4M3FN, paged=True, accumulate="fp8")
         self.tile_keys = shard_rows
         self.rows_per_position = HEADS
         self.stages = min(MAX_STAGES, RING_BYTES // (shard_rows * HEAD_DIM))
+        self.lists = lists
+        if lists:
+            self.extra_smem_bytes = RowLists.smem_bytes(CTA_ROWS)
 
     @cute.jit
     def launch(self, args, stream):
@@ -76,18 +84,25 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
             rows = cutlass.min(rows_left, CTA_ROWS)
             seqlen_k = args.mSeqLenK[batch]
             first_pos = args.mQOffset[batch] + args.position_shift + chunk * (CTA_ROWS // HEADS)
-            pages = scored_pages(args, seqlen_k, first_pos, rows)
+            width = MAX_BLOCKS if cutlass.const_expr(self.lists) else args.mOut.shape[1]
+            pages = scored_pages(args, seqlen_k, first_pos, rows, width)
             first_row = HEADS * q_start + chunk * CTA_ROWS
             first_page, end_page = split_pages(pages, split, args.page_splits)
             if end_page > first_page:
+                smem = cutlass.memory.SmemAllocator()
+                storage = smem.allocate(SharedStorage)
+                lists = RowLists.allocate(smem, CTA_ROWS, first_row, split) if self.lists else None
                 self.run_roles(
                     args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
-                    loaded_k, SharedStorage, tidx, warp, batch, first_row, first_pos,
-                    rows_left, seqlen_k, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0),
-                    first_page, end_page,
+                    loaded_k, storage, tidx, warp, batch, first_row, first_pos, rows_left,
+                    seqlen_k, cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(0), first_page,
+                    end_page, lists,
                 )  # fmt: skip
-            if split == 0:
-                fill_unscored(args, tidx, self.num_threads, first_row, rows, pages, seqlen_k)
+            elif cutlass.const_expr(self.lists):
+                write_empty_lists(args, first_row, rows, split, tidx, self.num_threads)
+            if cutlass.const_expr(not self.lists):
+                if split == 0:
+                    fill_unscored(args, tidx, self.num_threads, first_row, rows, pages, seqlen_k)
 
     @cute.jit
     def kv_head_of(self, args, head):
@@ -120,10 +135,15 @@ class MsaIcpScoreSm90(MsaProxyScoreSm90):
 
     @cute.jit
     def store(
-        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left, not_first_head
-    ):
-        store_row_maxima(args, row_max, tScS_mn, tidx, first_token, rows_left, block)
+        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left,
+        not_first_head, lists,
+    ):  # fmt: skip
+        if cutlass.const_expr(self.lists):
+            lists.offer_rows(args, row_max, tScS_mn, tidx, first_token, rows_left, block)
+        else:
+            store_row_maxima(args, row_max, tScS_mn, tidx, first_token, rows_left, block)
 
 
 def make_kernel(variant):
-    return MsaIcpScoreSm90(variant.params["shard_rows"])
+    lists = variant.family.name == "msa_icp_list_score"
+    return MsaIcpScoreSm90(variant.params["shard_rows"], lists)

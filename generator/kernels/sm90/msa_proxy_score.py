@@ -72,6 +72,7 @@ class MsaProxyScoreSm90:
         self.num_threads = self.producer_warp * 32 + 32
         self.tile_keys = BLOCK_KEYS  # keys of a scored block (the MMA's N)
         self.rows_per_position = 1  # query rows of one token
+        self.extra_smem_bytes = 0  # shared memory a subclass allocates after SharedStorage
 
     @cute.jit
     def launch(self, args, stream):
@@ -131,7 +132,7 @@ class MsaProxyScoreSm90:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
+            smem=SharedStorage.size_in_bytes() + self.extra_smem_bytes,
             stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
@@ -194,10 +195,11 @@ class MsaProxyScoreSm90:
                 head_begin, head_end, out_row = cutlass.Int32(0), hq, cutlass.Int32(0)
             first_token = q_start + chunk * CTA_ROWS
             if blocks > 0:
+                storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
                 self.run_roles(
                     args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q,
-                    loaded_k, SharedStorage, tidx, warp, batch, first_token, first_pos,
-                    rows_left, seqlen_k, head_begin, head_end, out_row, cutlass.Int32(0), blocks,
+                    loaded_k, storage, tidx, warp, batch, first_token, first_pos, rows_left,
+                    seqlen_k, head_begin, head_end, out_row, cutlass.Int32(0), blocks,
                 )  # fmt: skip
             # Blocks no row sees: -inf (the same for every head).
             width = args.mOut.shape[1]
@@ -209,14 +211,14 @@ class MsaProxyScoreSm90:
     @cute.jit
     def run_roles(
         self, args, mma, tma_q, mQ_tma, tma_k, mK_tma, sQ_layout, sK_layout, loaded_q, loaded_k,
-        SharedStorage: cutlass.Constexpr, tidx, warp, batch, first_token, first_pos, rows_left,
-        seqlen_k, head_begin, head_end, out_row, first_block, blocks,
+        storage, tidx, warp, batch, first_token, first_pos, rows_left, seqlen_k, head_begin,
+        head_end, out_row, first_block, blocks, lists=None,
     ):  # fmt: skip
-        """The CTA's shared memory and pipelines, then each warp's role: the producer, the
-        consumer warpgroups and (converting) the converter, over blocks [first_block, blocks)
-        of the rows from first_token (query rows of the Q view) on, per head in [begin,
-        end)."""
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        """The CTA's pipelines in `storage` (its SharedStorage), then each warp's role: the
+        producer, the consumer warpgroups and (converting) the converter, over blocks
+        [first_block, blocks) of the rows from first_token (query rows of the Q view) on, per
+        head in [begin, end). lists: the rows' top-16 lists a subclass's store keeps
+        (generator/kernels/common/icp_lists.py), or None."""
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         rawQ, rawK = sQ, sK  # what TMA fills
@@ -233,7 +235,7 @@ class MsaProxyScoreSm90:
             self.consume(
                 args, mma, sQ, sK, pipes["read_q"], pipes["read_k"], tidx, warp // 4, batch,
                 first_token, first_pos, rows_left, seqlen_k, head_begin, head_end, out_row,
-                first_block, blocks,
+                first_block, blocks, lists,
             )  # fmt: skip
         elif cutlass.const_expr(self.convert):
             self.convert_tiles(
@@ -364,9 +366,11 @@ class MsaProxyScoreSm90:
     def consume(
         self, args, mma, sQ, sK, q_consumer, k_consumer, tidx, wg, batch, first_token,
         first_pos, rows_left, seqlen_k, head_begin, head_end, out_row, first_block, blocks,
+        lists,
     ):  # fmt: skip
         """A consumer warpgroup: per head and block, S = Q K^T of its 64 rows, then the row
-        maxima (masked where the block reaches past a row or the sequence)."""
+        maxima (masked where the block reaches past a row or the sequence); with lists, its
+        rows' lists opened first and written out last."""
         tidx = tidx % CONSUMER_THREADS
         mma.set(warpgroup.Field.ACCUMULATE, True)
         thr = mma.get_slice(tidx)
@@ -381,6 +385,9 @@ class MsaProxyScoreSm90:
         wg_pos = first_pos + wg * (WG_ROWS // self.rows_per_position)
         wg_rows_left = rows_left - wg * WG_ROWS
         row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        if cutlass.const_expr(lists is not None):
+            if wg_rows_left > 0:
+                lists.open_rows(args, tScS_mn, tidx, first_token + wg * WG_ROWS, wg_rows_left)
         for head in cutlass.range(head_begin, head_end, unroll=1):
             kv_head = self.kv_head_of(args, head)
             q_handle = q_consumer.wait_and_advance()
@@ -403,11 +410,14 @@ class MsaProxyScoreSm90:
                     self.row_maxima(args, acc_mn, tScS_mn, row_max, keys, masked, wg_pos, u)
                     self.store(
                         args, row_max, tScS_mn, tidx, out_row, u, first_token + wg * WG_ROWS,
-                        wg_rows_left, head != head_begin,
+                        wg_rows_left, head != head_begin, lists,
                     )  # fmt: skip
                 else:
                     k_handle.release()
             q_handle.release()
+        if cutlass.const_expr(lists is not None):
+            if wg_rows_left > 0:
+                lists.close_rows(args, tScS_mn, tidx, first_token + wg * WG_ROWS, wg_rows_left)
 
     @cute.jit
     def kv_head_of(self, args, head):
@@ -451,8 +461,9 @@ class MsaProxyScoreSm90:
 
     @cute.jit
     def store(
-        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left, not_first_head
-    ):
+        self, args, row_max, tScS_mn, tidx, out_row, block, first_token, rows_left,
+        not_first_head, lists,
+    ):  # fmt: skip
         """Each row's max (over its quad), written by the quad's first lane; with reduce_heads
         the max with what the earlier heads wrote."""
         for r in cutlass.range_constexpr(cute.size(row_max)):

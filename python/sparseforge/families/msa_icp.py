@@ -7,7 +7,14 @@ import functools
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
-FAMILIES = ("msa_icp_score", "msa_icp_select", "msa_icp_merge")
+# The score rows' chains, then the fused paths' list scorer and list merge.
+FAMILIES = (
+    "msa_icp_score",
+    "msa_icp_select",
+    "msa_icp_merge",
+    "msa_icp_list_score",
+    "msa_icp_list_merge",
+)
 CONSTANTS = (
     "modes",
     "topk",
@@ -15,6 +22,8 @@ CONSTANTS = (
     "max_blocks",
     "max_columns",
     "carrier_words",
+    "list_words",
+    "max_list_splits",
     "tagged_words",
     "max_world",
 )
@@ -38,7 +47,7 @@ def shard_rows_built(device_index: int) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def launch(device_index: int, family: str, shard_rows: int | None, *scalars):
-    """The bound launch of one of FAMILIES (shard_rows: the scorer's variant)."""
+    """The bound launch of one of FAMILIES (shard_rows: the scorers' variant)."""
     params = {} if shard_rows is None else dict(shard_rows=shard_rows)
     kernel = families.choose(family, arch_for_device(device_index), **params)
     kernel.prepare()
