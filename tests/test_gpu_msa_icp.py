@@ -542,11 +542,11 @@ def test_plan_decode_with_a_pool_on_a_stream_a_rank():
     decode_chain(plans, comms, p, seq_lens, dql, 0, False, scores, outputs, nvp)
     chain = torch.cat([o.clone() for o in outputs], dim=1)
     pools = decode_pools(plans, dql * len(lengths))
-    streams = [torch.cuda.Stream() for _ in plans]
-    torch.cuda.synchronize()
     for out in outputs:
         out.fill_(-7)
+    streams = [torch.cuda.Stream() for _ in plans]
     for r, plan in enumerate(plans):
+        streams[r].wait_stream(torch.cuda.current_stream())  # the poisoned outputs first
         with torch.cuda.stream(streams[r]):
             plan.decode(
                 p["q_cuda"], p["shards_cuda"][r], p["table_cuda"], seq_lens, nvp, None,
