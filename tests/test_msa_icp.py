@@ -131,11 +131,15 @@ def test_the_kernels_layout_scalars_match_the_reference_layouts(world, page):
 def test_decode_splits_a_requests_pages_to_fill_the_gpu(monkeypatch):
     monkeypatch.setattr(msa_icp, "multiprocessors", lambda index: 132)
     device = torch.device("cuda", 0)
-    assert msa_icp._decode_page_splits(device, 64, 256) == 5  # 320 CTAs for 264 slots
-    assert msa_icp._decode_page_splits(device, 256, 256) == 2
-    assert msa_icp._decode_page_splits(device, 1024, 8192) == 1
-    assert msa_icp._decode_page_splits(device, 4, 16) == 2  # runs of >= 8 pages
-    assert msa_icp._decode_page_splits(device, 4, 4) == 1
+    # One wave: two CTAs an SM, three with 32 rows a page.
+    assert msa_icp._decode_page_splits(device, 64, 256, 64) == 4  # 256 CTAs for 264 slots
+    assert msa_icp._decode_page_splits(device, 64, 256, 32) == 6  # 384 for 396
+    assert msa_icp._decode_page_splits(device, 256, 256, 64) == 1
+    assert msa_icp._decode_page_splits(device, 256, 256, 128) == 1
+    assert msa_icp._decode_page_splits(device, 100, 256, 32) == 3
+    assert msa_icp._decode_page_splits(device, 1024, 8192, 32) == 1
+    assert msa_icp._decode_page_splits(device, 4, 16, 64) == 2  # runs of >= 8 pages
+    assert msa_icp._decode_page_splits(device, 4, 4, 64) == 1
 
 
 def test_the_runtime_and_the_build_agree_on_the_constants():

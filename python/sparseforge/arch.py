@@ -99,9 +99,18 @@ def arch_for_device(device_index: int) -> str:
     return require_arch_in_build(arch_for_capability(*capability), capability, build_archs())
 
 
+def multiprocessors(device_index: int | None) -> int:
+    """The SM count of a CUDA device (what launches size their grids by), from the driver;
+    None (a torch.device("cuda") without an index): the current device."""
+    if device_index is None:
+        import torch
+
+        device_index = torch.cuda.current_device()
+    return _multiprocessors(device_index)
+
+
 @functools.cache
-def multiprocessors(device_index: int) -> int:
-    """The SM count of a CUDA device (what launches size their grids by), from the driver."""
+def _multiprocessors(device_index: int) -> int:
     device_capability(device_index)  # the device exists
     driver = _driver()
     dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")

@@ -1016,7 +1016,7 @@ def icp_decode_line(world: int, requests: int, context: int, gen, iters: int) ->
     plane = min(plane, cuda_time_ms(lambda: score(0), iters=iters) * 1e3)
     assert all(c.errors.item() == 0 for c in comms)
     key_bytes = requests * context // world * 128
-    splits = msa_icp._decode_page_splits(device, requests, columns)
+    splits = msa_icp._decode_page_splits(device, requests, columns, page // world)
     return (
         f"ICP decode P128 W={world}, {requests} requests x {context} tokens: chain "
         f"{chain:.1f} us a rank (score plane {plane:.1f} us = "

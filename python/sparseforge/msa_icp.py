@@ -48,7 +48,7 @@ receive rows as the score plane and the select, without the plane: the scorer ke
 pages a CTA scores, into the caller's pool: msa_icp_prefill_pool_bytes,
 msa_icp_decode_pool_bytes) and a list merge ranks a row's lists and writes the row. Prefill
 scores a row tile's pages in one CTA (one list); decode splits them over up to four CTAs
-(the plane path over as many as fill the GPU twice), so the fused decode of a few requests
+(the plane path over as many as fill one wave), so the fused decode of a few requests
 runs on fewer CTAs.
 
 Every call is a kernel launch on the current stream with no host synchronisation and no
@@ -441,7 +441,7 @@ def msa_icp_decode_index_score_sharded(
     base, step = _key_layout(page_size, shard_rows, world_size, rank)
     if tokens:
         offsets = uniform_offsets(batch, decode_query_len, device)
-        splits = _decode_page_splits(device, batch, columns)
+        splits = _decode_page_splits(device, batch, columns, shard_rows)
         _launch_score(
             device, shard_rows, index_q, index_k, offsets, seq_lens, seq_lens, block_table,
             out_rows, decode_query_len, -decode_query_len, page_size, base, step, 1, 0, 0, 4,
@@ -521,7 +521,8 @@ def msa_icp_decode_score_publish(
     _check_forced(force_begin_blocks, force_end_blocks)
     # Runs of pages a request's rows are scored in: the score rows' split (columns: the
     # block table's width bounds a request's pages), at most the four lists the merge takes.
-    splits = min(MAX_LIST_SPLITS, _decode_page_splits(device, batch, block_table.shape[1]))
+    pages = block_table.shape[1]
+    splits = min(MAX_LIST_SPLITS, _decode_page_splits(device, batch, pages, shard_rows))
     needed = msa_icp_decode_pool_bytes(max_decode_tokens=tokens) * splits // MAX_LIST_SPLITS
     lists = _pool_lists("pool", pool, needed, splits, tokens, device, "msa_icp_decode_pool_bytes")
     check_writable(
@@ -820,11 +821,12 @@ class MSAIcpIndexerPlan:
 
     def warmup(self) -> None:
         index = self.device.index
-        for shard_rows in icp_family.shard_rows_built(index):
-            icp_family.launch(index, "msa_icp_score", shard_rows)
-            icp_family.launch(index, "msa_icp_list_score", shard_rows)
-        for family in ("msa_icp_select", "msa_icp_merge", "msa_icp_list_merge"):
-            icp_family.launch(index, family, None)
+        with torch.cuda.device(self.device):
+            for shard_rows in icp_family.shard_rows_built(index):
+                icp_family.load(index, "msa_icp_score", shard_rows)
+                icp_family.load(index, "msa_icp_list_score", shard_rows)
+            for family in ("msa_icp_select", "msa_icp_merge", "msa_icp_list_merge"):
+                icp_family.load(index, family, None)
 
     def decode(
         self, index_q, index_k, block_table, seq_lens, num_valid_pages, scores, output, *,
@@ -1013,15 +1015,19 @@ def _launch_select(
 
 
 # A decode batch has one row tile a request (4 x decode_query_len <= 32 rows): its pages are
-# split over this many CTAs a request so that the launch has two a multiprocessor (the
-# scorers' occupancy), each run at least MIN_SPLIT_PAGES pages of the longest context.
+# split over CTAs so that the launch fills one wave at the sm_90a scorer's CTAs an SM (three
+# with 32 rows a page, else two), each run at least MIN_SPLIT_PAGES pages of the longest
+# context. Measured on the H200 against ceil(2 SMs / requests) and other counts
+# (bench/results/2026-12-05_a01319b_h200_icp_first_run.md): a second, partial wave costs more
+# than the longer runs of one.
 MIN_SPLIT_PAGES = 8
 
 
-def _decode_page_splits(device: torch.device, requests: int, columns: int) -> int:
+def _decode_page_splits(device: torch.device, requests: int, columns: int, shard_rows: int) -> int:
     """CTAs a decode request's pages are split over (columns: the score plane's, at least
     the longest request's pages)."""
-    wanted = -(-2 * multiprocessors(device.index) // requests)
+    per_sm = 3 if shard_rows == 32 else 2
+    wanted = max(1, per_sm * multiprocessors(device.index) // requests)
     return max(1, min(wanted, columns // MIN_SPLIT_PAGES))
 
 

@@ -45,10 +45,16 @@ def shard_rows_built(device_index: int) -> tuple:
     return tuple(families.spec(FAMILIES[0]).constant("shard_rows"))
 
 
-@functools.lru_cache(maxsize=64)
-def launch(device_index: int, family: str, shard_rows: int | None, *scalars):
-    """The bound launch of one of FAMILIES (shard_rows: the scorers' variant)."""
+def load(device_index: int, family: str, shard_rows: int | None):
+    """The variant of one of FAMILIES a launch uses (shard_rows: the scorers'), its module
+    loaded into the device's context."""
     params = {} if shard_rows is None else dict(shard_rows=shard_rows)
     kernel = families.choose(family, arch_for_device(device_index), **params)
     kernel.prepare()
-    return kernel.bind(*scalars)
+    return kernel
+
+
+@functools.lru_cache(maxsize=64)
+def launch(device_index: int, family: str, shard_rows: int | None, *scalars):
+    """The bound launch of one of FAMILIES with its scalars."""
+    return load(device_index, family, shard_rows).bind(*scalars)
