@@ -276,6 +276,11 @@ def decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, scores, outputs, 
             force_end_blocks=plan.local_blocks, index_scale=scale, index_offset=offset,
             generations=comms[r].generations if tagged else None,
         )  # fmt: skip
+    merge_all(plans, comms, slot, tagged, outputs, nvp)
+
+
+def merge_all(plans, comms, slot, tagged, outputs, nvp):
+    """Every owner's merge of slot set `slot` (after every rank's publish)."""
     for r, plan in enumerate(plans):
         msa_icp.msa_icp_merge_candidates(
             comms[r].tagged[slot] if tagged else comms[r].legacy[slot], nvp, outputs[r],
@@ -498,12 +503,7 @@ def fused_decode_chain(plans, comms, p, seq_lens, dql, slot, tagged, pools, outp
             force_end_blocks=plan.local_blocks,
             generations=comms[r].generations if tagged else None,
         )  # fmt: skip
-    for r, plan in enumerate(plans):
-        msa_icp.msa_icp_merge_candidates(
-            comms[r].tagged[slot] if tagged else comms[r].legacy[slot], nvp, outputs[r],
-            comms[r].errors, init_blocks=plan.init_blocks, local_blocks=plan.local_blocks,
-            expected_generations=comms[r].expected[slot] if tagged else None,
-        )  # fmt: skip
+    merge_all(plans, comms, slot, tagged, outputs, nvp)
 
 
 def decode_pools(plans, tokens):

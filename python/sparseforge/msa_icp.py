@@ -959,11 +959,7 @@ def _launch_score(
     device, shard_rows, q, k, cu_q, seq_lens, q_offset, block_table, out_rows, max_seqlen_q,
     position_shift, page_size, base, step, scale, offset, fill, fill_multiple, page_splits,
 ):  # fmt: skip
-    if shard_rows not in icp_family.shard_rows_built(device.index):
-        raise ValueError(
-            f"the ICP scorer is not built for {shard_rows} shard rows a page; built: "
-            f"{icp_family.shard_rows_built(device.index)}"
-        )
+    _check_shard_rows(device, shard_rows)
     launch = icp_family.launch(
         device.index, "msa_icp_score", shard_rows, max_seqlen_q, position_shift, page_size,
         base, step, scale, offset, fill, fill_multiple, page_splits,
@@ -979,6 +975,7 @@ def _launch_list_score(
     max_seqlen_q, position_shift, page_size, base, step, id_scale, id_offset, force_begin,
     force_end, page_splits,
 ):  # fmt: skip
+    _check_shard_rows(device, shard_rows)
     launch = icp_family.launch(
         device.index, "msa_icp_list_score", shard_rows, max_seqlen_q, position_shift, page_size,
         base, step, id_scale, id_offset, force_begin, force_end, page_splits,
@@ -987,6 +984,15 @@ def _launch_list_score(
         ops.launch(
             launch,
             (q.view(-1, 1, HEAD_DIM), k, cu_q, seq_lens, q_offset, block_table, num_valid, lists),
+        )
+
+
+def _check_shard_rows(device, shard_rows: int) -> None:
+    """Both scorers are built for the same shard rows a page (the family's constant)."""
+    if shard_rows not in icp_family.shard_rows_built(device.index):
+        raise ValueError(
+            f"the ICP scorer is not built for {shard_rows} shard rows a page; built: "
+            f"{icp_family.shard_rows_built(device.index)}"
         )
 
 
