@@ -39,7 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
+from generator.families.block_sparse_fwd import OWNED_BIT, TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type, unit_launch_options
 from generator.kernels.common.logit_options import (
     UnitLogits,
@@ -71,9 +71,19 @@ D256_SMEM_BYTES = 192 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: str | None = None):
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        warpgroups: int = 1,
+        logits: str | None = None,
+        union: bool = False,
+    ):
         self.dtype = dtype
         self.logits = logits  # block_sparse_fwd_logits' kind (LOGIT_KINDS), or None
+        # The warpgroups' units list the union of their tiles, each entry flagged where the
+        # warpgroup's own unit lists it (OWNED_BIT; planner.union_rows).
+        self.union = union
         self.head_dim = head_dim
         self.warpgroups = warpgroups
         self.p_offset = probability_offset(dtype)
@@ -412,7 +422,13 @@ class BlockSparseFwdSm90:
         before the row). A predicated read instead of the clamp cost F1 6%:
         bench/results/2026-12-01_37d12d3_vs_592542c_h200_tile_id_reads_ab.md."""
         for i in cutlass.range_constexpr(2):
-            ids[i] = tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)]
+            ids[i] = self.tile_of(tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)])
+
+    def tile_of(self, entry):
+        """The tile id of a tile-list entry (union lists flag owned entries in OWNED_BIT)."""
+        if cutlass.const_expr(self.union):
+            return entry & cutlass.Int32(OWNED_BIT - 1)
+        return entry
 
     @cute.jit
     def start_ring(self, q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids):
@@ -427,7 +443,7 @@ class BlockSparseFwdSm90:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
             for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
+                self.ring_load(kv_producer, k_load, v_load, n, self.tile_of(tile_ids[n // 2]))
                 kv_producer.advance()
             if num_tiles > 0:  # an empty list has no ids to read (refill_ring never runs)
                 self.read_load_ids(tile_ids, num_tiles, self.kv_stages, next_ids)
@@ -665,47 +681,82 @@ class BlockSparseFwdSm90:
         words = None
         if cutlass.const_expr(logits is not None):
             words = new_mask_words(logits)
+        next_entry = cutlass.Int32(0)
         if num_tiles > 0:
-            next_tile = tile_ids[0]
+            next_entry = tile_ids[0]
+            next_tile = self.tile_of(next_entry)
             next_len = mTileLen[next_tile]
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
         for j in cutlass.range(num_tiles, unroll=1):
             tile = next_tile
             tile_len = next_len
+            # Union lists: a tile this warpgroup's unit does not list is not computed, but its
+            # K and V stages are waited for all the same before they are released (released
+            # early, they would count towards the stage's previous fill, which the other
+            # warpgroups may still be reading).
+            owned = next_entry >= OWNED_BIT if cutlass.const_expr(self.union) else None
             k_handle = kv_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            self.when(
+                owned,
+                lambda k_handle=k_handle: self.qk(
+                    qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index]
+                ),
+            )
             if cutlass.const_expr(logits is not None):
                 load_mask_words(logits, words, tile)
             kv_producer = self.refill_ring(
                 kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
             )
-            next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
+            next_entry = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
+            next_tile = self.tile_of(next_entry)
             next_len = mTileLen[next_tile]
-            warpgroup.wait_group(0)
+            self.when(owned, lambda: warpgroup.wait_group(0))
             k_handle.release()
-            self.softmax_then_pv(
-                pv_mma,
-                acc_S,
-                acc_O,
-                tScS_mn,
-                row_max,
-                row_sum,
-                scale_log2,
-                tOrV,
-                sV,
-                kv_consumer,
-                tile_len,
-                tidx,
-                bar,
-                logits,
-                words,
-                tile,
-                drain=True,
-            )
+            if cutlass.const_expr(self.union):
+                # The ring's state moves outside the branch (every warpgroup alike).
+                v_handle = kv_consumer.wait_and_advance()
+                self.when(
+                    owned,
+                    lambda v_handle=v_handle, tile_len=tile_len: self.softmax_pv_drained(
+                        pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV,
+                        sV[None, None, v_handle.index], v_handle.index, tile_len, tidx, bar,
+                    ),
+                )  # fmt: skip
+                v_handle.release()
+            else:
+                self.softmax_then_pv(
+                    pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
+                    kv_consumer, tile_len, tidx, bar, logits, words, tile, drain=True,
+                )  # fmt: skip
         self.finish(
             pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
         )
+
+    @cute.jit
+    def when(self, owned, compute):
+        """compute() where the warpgroup computes the tile: always (owned None), else where
+        `owned` (union lists)."""
+        if cutlass.const_expr(owned is None):
+            compute()
+        else:
+            if owned:
+                compute()
+
+    @cute.jit
+    def softmax_pv_drained(
+        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV_stage,
+        stage, tile_len, tidx, bar,
+    ):  # fmt: skip
+        """Union lists, a tile the warpgroup computes, its V stage already waited for:
+        softmax of acc_S, O += P V, and the wait for it (the caller releases the stage)."""
+        tOrP = self.probabilities(
+            acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, None, None, None
+        )
+        if tile_len < TILE_N:
+            self.zero_keys_from(sV_stage, tile_len, tidx, bar)
+        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, stage])
+        warpgroup.wait_group(0)
 
     @cute.jit
     def softmax_then_pv(
@@ -898,5 +949,6 @@ def make_kernel(variant):
     if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
     return BlockSparseFwdSm90(
-        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits")
-    )
+        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits"),
+        p.get("union", False),
+    )  # fmt: skip
