@@ -393,33 +393,28 @@ def test_union_streaming_matches_single_ctas(monkeypatch, dtype, group, block, s
         assert torch.equal(out2, out1) and torch.equal(lse2, lse1), units
 
 
-def test_union_variant_refuses_query_heads_that_share_tiles(monkeypatch):
+@pytest.mark.parametrize(
+    "template, hq, hkv, why",
+    [
+        # MHA units of 64-row blocks: no group of two shares one tile list.
+        ("sm90_wgmma", 3, 3, "groups of 2"),
+        # Query heads of a kv group share its tiles: no union to stream.
+        ("sm90_wgmma_union", 4, 2, "share their kv head's tiles"),
+    ],
+)
+def test_variants_of_two_units_a_cta_refuse_plans_they_do_not_fit(
+    monkeypatch, template, hq, hkv, why
+):
     if "sparseforge" not in BACKENDS:
         pytest.skip("no sm90_wgmma build")
-    name = "block_sparse_fwd__sm90_wgmma_union__bf16_d128_w2__sm_90a"
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
-    sizes = torch.full((2, 4), 64)
-    with pytest.raises(ValueError, match="share their kv head's tiles"):
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"block_sparse_fwd__{template}__bf16_d128_w2__sm_90a")
+    sizes = torch.full((hkv, 4), 64)
+    with pytest.raises(ValueError, match=why):
         run_variable(
-            torch.ones(2, 4, 4, dtype=torch.bool),
+            torch.ones(hkv, 4, 4, dtype=torch.bool),
             sizes,
             sizes,
-            *random_inputs(4, 2, 256, 256, 128, torch.bfloat16),
-            "sparseforge",
-        )
-
-
-def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
-    if "sparseforge" not in BACKENDS:
-        pytest.skip("no sm90_wgmma build")
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_w2__sm_90a")
-    sizes = torch.full((3, 4), 64)
-    with pytest.raises(ValueError, match="groups of 2"):
-        run_variable(
-            torch.ones(3, 4, 4, dtype=torch.bool),
-            sizes,
-            sizes,
-            *random_inputs(3, 3, 256, 256, 128, torch.bfloat16),
+            *random_inputs(hq, hkv, 256, 256, 128, torch.bfloat16),
             "sparseforge",
         )
 
