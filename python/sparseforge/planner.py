@@ -252,7 +252,7 @@ def union_rows(
     hkv, rows, tiles = listed.shape
     grouped = torch.nn.functional.pad(listed, (0, 0, 0, -rows % units))
     union = grouped.view(hkv, -1, units, tiles).any(2).repeat_interleave(units, dim=1)
-    tile_idx, tile_cnt = compact(union[:, :rows].contiguous())
+    tile_idx, tile_cnt = compact(union[:, :rows])
     # Entries past a row's count are never read; clamped to stay in the gather's range.
     owned = torch.gather(listed, 2, tile_idx.clamp(0, tiles - 1).long())
     return tile_idx | owned.to(torch.int32) * owned_bit, tile_cnt
