@@ -681,50 +681,33 @@ class BlockSparseFwdSm90:
         words = None
         if cutlass.const_expr(logits is not None):
             words = new_mask_words(logits)
-        next_entry = cutlass.Int32(0)
-        if num_tiles > 0:
-            next_entry = tile_ids[0]
-            next_tile = self.tile_of(next_entry)
-            next_len = mTileLen[next_tile]
+        if cutlass.const_expr(not self.union):
+            if num_tiles > 0:
+                next_tile = tile_ids[0]
+                next_len = mTileLen[next_tile]
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
-        for j in cutlass.range(num_tiles, unroll=1):
-            tile = next_tile
-            tile_len = next_len
-            # Union lists: a tile this warpgroup's unit does not list is not computed, but its
-            # K and V stages are waited for all the same before they are released (released
-            # early, they would count towards the stage's previous fill, which the other
-            # warpgroups may still be reading).
-            owned = next_entry >= OWNED_BIT if cutlass.const_expr(self.union) else None
-            k_handle = kv_consumer.wait_and_advance()
-            self.when(
-                owned,
-                lambda k_handle=k_handle: self.qk(
-                    qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index]
-                ),
-            )
-            if cutlass.const_expr(logits is not None):
-                load_mask_words(logits, words, tile)
-            kv_producer = self.refill_ring(
-                kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
-            )
-            next_entry = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
-            next_tile = self.tile_of(next_entry)
-            next_len = mTileLen[next_tile]
-            self.when(owned, lambda: warpgroup.wait_group(0))
-            k_handle.release()
-            if cutlass.const_expr(self.union):
-                # The ring's state moves outside the branch (every warpgroup alike).
-                v_handle = kv_consumer.wait_and_advance()
-                self.when(
-                    owned,
-                    lambda v_handle=v_handle, tile_len=tile_len: self.softmax_pv_drained(
-                        pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV,
-                        sV[None, None, v_handle.index], v_handle.index, tile_len, tidx, bar,
-                    ),
-                )  # fmt: skip
-                v_handle.release()
-            else:
+        if cutlass.const_expr(self.union):
+            self.walk_union(
+                qk_mma, pv_mma, sQ_stage, tSrK, tOrV, sV, acc_S, acc_O, tScS_mn, row_max,
+                row_sum, scale_log2, kv_producer, kv_consumer, loads, tile_ids, num_tiles,
+                mTileLen, next_ids, tidx, warp, bar,
+            )  # fmt: skip
+        else:
+            for j in cutlass.range(num_tiles, unroll=1):
+                tile = next_tile
+                tile_len = next_len
+                k_handle = kv_consumer.wait_and_advance()
+                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+                if cutlass.const_expr(logits is not None):
+                    load_mask_words(logits, words, tile)
+                kv_producer = self.refill_ring(
+                    kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
+                )
+                next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
+                next_len = mTileLen[next_tile]
+                warpgroup.wait_group(0)
+                k_handle.release()
                 self.softmax_then_pv(
                     pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
                     kv_consumer, tile_len, tidx, bar, logits, words, tile, drain=True,
@@ -734,29 +717,69 @@ class BlockSparseFwdSm90:
         )
 
     @cute.jit
-    def when(self, owned, compute):
-        """compute() where the warpgroup computes the tile: always (owned None), else where
-        `owned` (union lists)."""
-        if cutlass.const_expr(owned is None):
-            compute()
-        else:
-            if owned:
-                compute()
+    def walk_union(
+        self, qk_mma, pv_mma, sQ_stage, tSrK, tOrV, sV, acc_S, acc_O, tScS_mn, row_max,
+        row_sum, scale_log2, kv_producer, kv_consumer, loads, tile_ids, num_tiles, mTileLen,
+        next_ids, tidx, warp, bar,
+    ):  # fmt: skip
+        """Union lists: the warpgroup walks every position of its CTA's union list (the ring
+        streams each tile once) and computes only those flagged as its unit's. A skipped
+        tile's K and V stages are waited for all the same before they are released (released
+        early, they would count towards the stage's previous fill, which the other
+        warpgroups may still be reading), and warp 0 refills the ring at every position.
+        The computed tiles run in a loop of their own, so that no MMA sits in a branch (a
+        branch around them made ptxas serialize every wgmma)."""
+        position = cutlass.Int32(0)
+        for _ in cutlass.range(self.owned_count(tile_ids, num_tiles, tidx % 32), unroll=1):
+            while tile_ids[position] < OWNED_BIT:
+                kv_producer, kv_consumer = self.skip_position(
+                    kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+                )
+                position = position + 1
+            tile = tile_ids[position] - OWNED_BIT
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            kv_producer = self.refill_ring(
+                kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+            )
+            tile_len = mTileLen[tile]
+            warpgroup.wait_group(0)
+            k_handle.release()
+            self.softmax_then_pv(
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
+                kv_consumer, tile_len, tidx, bar, None, None, tile, drain=True,
+            )  # fmt: skip
+            position = position + 1
+        while position < num_tiles:
+            kv_producer, kv_consumer = self.skip_position(
+                kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+            )
+            position = position + 1
 
     @cute.jit
-    def softmax_pv_drained(
-        self, pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV_stage,
-        stage, tile_len, tidx, bar,
-    ):  # fmt: skip
-        """Union lists, a tile the warpgroup computes, its V stage already waited for:
-        softmax of acc_S, O += P V, and the wait for it (the caller releases the stage)."""
-        tOrP = self.probabilities(
-            acc_S, acc_O, tScS_mn, tile_len, row_max, row_sum, scale_log2, None, None, None
+    def owned_count(self, tile_ids, num_tiles, lane):
+        """How many entries of a union list are flagged as the unit's own (a warp's vote)."""
+        count = cutlass.Int32(0)
+        for first in cutlass.range(0, num_tiles, 32, unroll=1):
+            entry = tile_ids[cutlass.min(first + lane, num_tiles - 1)]
+            owned = (first + lane < num_tiles) & (entry >= OWNED_BIT)
+            count = count + cutlass.Int32(cute.arch.popc(cute.arch.vote_ballot_sync(owned)))
+        return count
+
+    @cute.jit
+    def skip_position(
+        self, kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+    ):
+        """Union lists, a position the warpgroup does not compute: its K and V stages waited
+        for and released, the ring refilled (warp 0). Returns the producer and the consumer
+        (rebind both: a loop carries only what its body rebinds)."""
+        k_handle = kv_consumer.wait_and_advance()
+        kv_producer = self.refill_ring(
+            kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
         )
-        if tile_len < TILE_N:
-            self.zero_keys_from(sV_stage, tile_len, tidx, bar)
-        self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, stage])
-        warpgroup.wait_group(0)
+        k_handle.release()
+        kv_consumer.wait_and_advance().release()
+        return kv_producer, kv_consumer
 
     @cute.jit
     def softmax_then_pv(
@@ -944,11 +967,20 @@ class BlockSparseFwdSm90:
         )
 
 
+class BlockSparseUnionSm90(BlockSparseFwdSm90):
+    """The shared-ring kernel over union lists (sm90_wgmma_union): a class of its own, so
+    that its cubins' kernel symbols name it (ci/compile_matrix.py)."""
+
+    def __init__(self, dtype, head_dim: int, warpgroups: int):
+        super().__init__(dtype, head_dim, warpgroups, union=True)
+
+
 def make_kernel(variant):
     p = variant.params
     if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
+    if p.get("union"):
+        return BlockSparseUnionSm90(element_type(p["dtype"]), p["head_dim"], p["warpgroups"])
     return BlockSparseFwdSm90(
-        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits"),
-        p.get("union", False),
-    )  # fmt: skip
+        element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits")
+    )
