@@ -53,10 +53,19 @@ FORMATS = [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
 FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 
-def use_tile(monkeypatch, tile):
+TWO_WARPGROUP_FAMILY = {"e4m3": "msa_sparse_attention_fp8kv", "nvfp4": "msa_sparse_attention_nvfp4"}
+
+
+def use_tile(monkeypatch, tile, kv_format=None):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
-    its sm_90a form (G = 16), "token", the one-token kernel (decode's), or "hybrid", the
-    wgmma tile handing tiles of little shared selection to the one-token kernel."""
+    its sm_90a form (G = 16), "wgmma_w2", that form with two warpgroups a CTA (FP8 / NVFP4
+    K/V of bf16 q; forced by SPARSEFORGE_VARIANT), "token", the one-token kernel (decode's),
+    or "hybrid", the wgmma tile handing tiles of little shared selection to the one-token
+    kernel."""
+    if tile == "wgmma_w2":
+        family = TWO_WARPGROUP_FAMILY[kv_format]
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{family}__wgmma__bf16_d128_w2__sm_90a")
+        tile = "wgmma"
     attention = msa_ops._attention
     monkeypatch.setattr(
         msa_ops, "_attention", lambda *a, **kw: attention(*a, **kw | {"tile": tile})
@@ -75,14 +84,14 @@ CASES += [
     (fmt, paged, hq, hkv, tile)
     for fmt, paged in FORMATS
     for hq, hkv in [(16, 1), (32, 2)]
-    for tile in ("wgmma", "hybrid")
+    for tile in ("wgmma", "hybrid") + (("wgmma_w2",) if fmt in TWO_WARPGROUP_FAMILY else ())
 ]
 
 
 @pytest.mark.parametrize("kv_format, paged, hq, hkv, tile", CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_the_reference(kv_format, paged, hq, hkv, causal, tile, monkeypatch):
-    use_tile(monkeypatch, tile)
+    use_tile(monkeypatch, tile, kv_format)
     seq_q, seq_k = [70, 1, 33], [700, 128, 200]
     kernel, ref = msa_attention_inputs(
         kv_format, paged, seq_q, seq_k, hq, hkv, seed=hq + hkv + causal
@@ -125,14 +134,15 @@ def rows_outside_the_sequences(table, used, pages):
 
 @pytest.mark.parametrize(
     "kv_format, tile",
-    [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token", "wgmma")],
+    [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token", "wgmma")]
+    + [(f, "wgmma_w2") for f in TWO_WARPGROUP_FAMILY],
 )
 def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
     """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3
     scales, V's through the 4x4 swizzle): the output equals the reference's on the clean
     cache, with nothing NaN."""
-    use_tile(monkeypatch, tile)
-    hkv = 1 if tile == "wgmma" else 4
+    use_tile(monkeypatch, tile, kv_format)
+    hkv = 1 if tile in ("wgmma", "wgmma_w2") else 4
     kernel, ref = msa_attention_inputs(kv_format, True, [5, 1, 3], [300, 129, 70], 16, hkv, 16, 12)
     want, _, _ = run_reference(ref, True)
     outside = rows_outside_the_sequences(

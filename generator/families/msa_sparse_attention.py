@@ -150,15 +150,21 @@ def _family(name: str, doc: str) -> Family:
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM) for t in Q_DTYPES),
                 portable=True,
             ),
-            # The union tile on sm_90a for G = 16 (4 tokens a CTA): wgmma, K and V tiles
-            # TMA-gathered by page (FP8 / NVFP4 converted to q's dtype in shared memory).
-            # Chosen by tile="wgmma".
+            # The union tile on sm_90a for G = 16 (4 tokens a warpgroup): wgmma, K and V
+            # tiles TMA-gathered by page (FP8 / NVFP4 converted to fp16 in shared memory).
+            # Chosen by tile="wgmma": one warpgroup a CTA; FP8 / NVFP4 K/V also build two
+            # (one converted tile for both), listed after it: chosen only when forced
+            # (SPARSEFORGE_VARIANT).
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",
                 mma="wgmma",
                 archs=("sm_90a",),
-                configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma") for t in Q_DTYPES),
+                configs=tuple(
+                    dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma", warpgroups=w)
+                    for w in ((1,) if KV_FORMATS[name][0] == "input" else (1, 2))
+                    for t in Q_DTYPES
+                ),
             ),
             # One token a CTA, each warp a quarter of every block (decode): mma.sync on every
             # arch, K/V read from shared memory straight into MMA operands. Chosen by

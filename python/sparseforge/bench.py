@@ -695,7 +695,9 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
         tile = msa_ops._prefill_tile(kv_format, hq // hkv, q.device, seq, hkv)
         chosen[fmt] = tile_names[tile]
         others[fmt] = {
-            v["name"]: f"{tile_names[v['params'].get('tile')]}, forced"
+            v["name"]: f"{tile_names[v['params'].get('tile')]}"
+            + (" of two warpgroups" if v["params"].get("warpgroups", 1) == 2 else "")
+            + ", forced"
             for v in _library.manifest()["variants"]
             if v["family"] == family
             and v["arch"] == arch

@@ -79,15 +79,16 @@ def block_union(
 
 
 @cute.jit
-def row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos):
-    """Per row of this thread (tScS_mn: the accumulator's coordinates as (rows, columns)):
-    its token, and the end of the keys it may see (the sequence's, or with causal its own
-    position + 1; 0 for rows past the tile's tokens)."""
+def row_limits(args, tScS_mn, group, tokens, seqlen_k, first_pos, first_token=0):
+    """Per row of this thread (tScS_mn: the accumulator's coordinates as (rows, columns),
+    row r being the tile's token first_token + r // group): its token, and the end of the
+    keys it may see (the sequence's, or with causal its own position + 1; 0 for rows past
+    the tile's tokens)."""
     rows = cute.size(tScS_mn, mode=[0])
     row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)
     key_end = cute.make_rmem_tensor((rows,), cutlass.Int32)
     for r in cutlass.range_constexpr(rows):
-        row_token[r] = tScS_mn[r, 0][0] // group
+        row_token[r] = first_token + tScS_mn[r, 0][0] // group
         key_end[r] = seqlen_k
         if args.causal != 0:
             key_end[r] = cutlass.min(seqlen_k, first_pos + row_token[r] + 1)

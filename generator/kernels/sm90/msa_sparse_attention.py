@@ -24,9 +24,16 @@ FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 
   softmax, O += P V, each waited for: the conversion needs the fp16 tiles free, so CTAs
   overlap each other's steps, not their own. The MMAs run in fp16 whatever q's dtype (bf16
   tiles would cost a conversion through fp32 and a pack a pair): bf16 q enters the fp16 Q
-  tile divided by the power of two that puts the CTA's largest magnitude in [2^14, 2^15)
-  (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the softmax and
+  tile divided by the power of two that puts its warpgroup's largest magnitude in
+  [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the softmax and
   output scales.
+Two warpgroups a CTA (FP8 / NVFP4 K/V, `warpgroups` 2): 8 tokens, warpgroup w owning rows
+  of tokens 4w .. 4w + 3; each converts half of every tile's rows (32 of 64) and both
+  multiply their own rows by the whole converted tile, so a tile is converted once for 128
+  rows instead of 64. Per 64 rows and 64-key tile the SM's shared memory then moves ~80 KB
+  for FP8 K/V, what the 16-bit path moves, instead of ~112 (raw TMA writes 16, conversion
+  48 and the MMAs' reads 48 for one warpgroup). Two CTAs an SM (128 registers), a raw ring
+  of K and V two tiles ahead.
 """
 
 import cutlass
@@ -78,19 +85,24 @@ from generator.kernels.sm90.block_sparse_fwd import (
 )
 
 assert TILE_M == TILE_ROWS
-TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a CTA
+WG_TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a warpgroup's 64 rows
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
-UNION_CAPACITY = TOKENS * MAX_TOPK
-RAW_STAGES = 2  # FP8 / NVFP4: raw K and V of one tile ahead (three CTAs an SM: <= 71 KB each)
+# FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: <= 71
+# KB each), of two tiles ahead at two (two CTAs an SM).
+RAW_STAGES = {1: 2, 2: 4}
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
-    def __init__(self, dtype, kv_format: str):
+    def __init__(self, dtype, kv_format: str, warpgroups: int = 1):
         self.converted = kv_format != "16bit"
+        # Two warpgroups share the converted tiles (FP8 / NVFP4 only; see the docstring).
+        assert warpgroups == 1 or (self.converted and warpgroups in RAW_STAGES)
         # The MMAs' type: fp16 for converted K/V (see the module's docstring), else q's.
-        super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM)
+        super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM, warpgroups)
+        self.tokens = warpgroups * WG_TOKENS  # of a CTA
+        self.union_capacity = self.tokens * MAX_TOPK
         self.io_dtype = dtype  # q's and the output's
         self.kv_format = kv_format
         # NVFP4 tiles hold value x scale / 2^7 (decode_chunks in fp16): the factor their
@@ -103,7 +115,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         self.ring_stages = self.kv_stages
         if self.converted:
             self.kv_stages = 2  # the converted K tile (stage 0) and V tile (stage 1)
-            self.ring_stages = RAW_STAGES
+            self.ring_stages = RAW_STAGES[warpgroups]
 
     @cute.jit
     def launch(self, args, stream):
@@ -166,6 +178,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             tile_bytes = tile_bytes + TILE_N * SCALE_BYTES
             scale_size = cute.cosize(scale_layout)
 
+        warps = self.num_threads // 32
+        capacity = self.union_capacity
+
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ring_stages]
@@ -175,20 +190,20 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             sRawScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, scale_size], 128]
             sBits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
             sBase: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WORDS], 16]
-            sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
-            sQMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4], 16]
-            sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
-            sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, UNION_CAPACITY], 16]
-            sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * UNION_CAPACITY], 16]
+            sWarpSums: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, warps], 16]
+            sQMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, warps], 16]
+            sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, capacity], 16]
+            sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, capacity], 16]
+            sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * capacity], 16]
 
-        tiles_bound = args.mQ.shape[0] // TOKENS + args.mCuQ.shape[0] - 1
+        tiles_bound = args.mQ.shape[0] // self.tokens + args.mCuQ.shape[0] - 1
         self.kernel(
             qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, tma_ks, tma_ks_tensor,
             tma_vs, tma_vs_tensor, args, sQ_layout, sK_layout, sV_layout, sO_layout, raw_layout,
             scale_layout, tile_bytes, SharedStorage,
         ).launch(
             grid=[tiles_bound, mK.shape[1], 1],
-            block=[CONSUMER_THREADS, 1, 1],
+            block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -219,7 +234,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         SharedStorage: cutlass.Constexpr,
     ):
         cta, kv_head, _ = cute.arch.block_idx()
-        seq, chunk = token_tile_of_cta(args.mCuQ, cta, TOKENS)
+        seq, chunk = token_tile_of_cta(args.mCuQ, cta, self.tokens)
         if seq >= 0:
             loads = (tma_k, mK_tma, tma_v, mV_tma, tma_ks, mKS_tma, tma_vs, mVS_tma)
             self.attend_tile(
@@ -234,39 +249,46 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
     ):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bar = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        # Warpgroup wg owns the CTA's rows 64 wg .. 64 wg + 63: tokens 4 wg .. 4 wg + 3.
+        wg = 0
+        wg_tidx = tidx
+        if cutlass.const_expr(self.warpgroups > 1):
+            wg = warp // 4
+            wg_tidx = tidx % CONSUMER_THREADS
+        bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         loader = warp == 0
         q_start = args.mCuQ[seq]
         seqlen_q = args.mCuQ[seq + 1] - q_start
-        first_token = q_start + chunk * TOKENS
-        tokens = cutlass.min(TOKENS, seqlen_q - chunk * TOKENS)
+        first_token = q_start + chunk * self.tokens
+        tokens = cutlass.min(self.tokens, seqlen_q - chunk * self.tokens)
         seqlen_k, key_start, blocks = sequence_keys(args, seq)
         blocks = cutlass.min(blocks, MAX_BLOCKS)
-        first_pos = seqlen_k - seqlen_q + chunk * TOKENS  # position of token 0
+        first_pos = seqlen_k - seqlen_q + chunk * self.tokens  # position of token 0
         if args.has_q_offset != 0:
-            first_pos = args.mQOffset[seq] + chunk * TOKENS
+            first_pos = args.mQOffset[seq] + chunk * self.tokens
 
         storage, sQ, sK, sV = self.shared_operands(SharedStorage, sQ_layout, sK_layout, sV_layout)
+        warps = self.num_threads // 32
         ring_producer, ring_consumer = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ring_barriers.data_ptr(),
             num_stages=self.ring_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, warps),
             tx_count=tile_bytes,
         ).make_participants()
-        sIds = storage.sIds.get_tensor(cute.make_layout(UNION_CAPACITY))
-        sPages = storage.sPages.get_tensor(cute.make_layout(UNION_CAPACITY))
-        sMask = storage.sMask.get_tensor(cute.make_layout(2 * UNION_CAPACITY))
+        sIds = storage.sIds.get_tensor(cute.make_layout(self.union_capacity))
+        sPages = storage.sPages.get_tensor(cute.make_layout(self.union_capacity))
+        sMask = storage.sMask.get_tensor(cute.make_layout(2 * self.union_capacity))
         num_union = block_union(
             args, storage.sBits.get_tensor(cute.make_layout(WORDS)),
             storage.sBase.get_tensor(cute.make_layout(WORDS)),
-            storage.sWarpSums.get_tensor(cute.make_layout(4)), sIds, sMask, tidx, seq, kv_head,
-            first_token, tokens, blocks, CONSUMER_THREADS,
+            storage.sWarpSums.get_tensor(cute.make_layout(warps)), sIds, sMask, tidx, seq,
+            kv_head, first_token, tokens, blocks, self.num_threads,
         )  # fmt: skip
         keep = self.keeps_tile(args, num_union, first_token, tokens, kv_head, tidx)
         if keep:
             # Where each union block lies, for the loads: its page (flat: the one "page").
-            for i in cutlass.range(tidx, num_union, CONSUMER_THREADS, unroll=1):
+            for i in cutlass.range(tidx, num_union, self.num_threads, unroll=1):
                 sPages[i] = 0
                 if args.paged != 0:
                     sPages[i] = args.mPageTable[seq, sIds[i]]
@@ -275,24 +297,29 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             tiles = num_union * HALVES
             place = (sIds, sPages, key_start, kv_head)
             tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
-                qk_mma, pv_mma, sQ, sK, sV, tidx
+                qk_mma, pv_mma, sQ, sK, sV, wg_tidx
             )
-            row_token, key_end = row_limits(args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos)
+            row_token, key_end = row_limits(
+                args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos, wg * WG_TOKENS
+            )
             t_max, t_sum = new_softmax_state(cute.size(row_max))  # the temperature lse's
             with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
             state = (row_max, row_sum, t_max, t_sum, with_temperature)
             masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
-            operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, 0], tSrK, tOrV)
+            operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, wg], tSrK, tOrV)
+            # This warpgroup's Q rows and its warps' entries of sQMax.
+            wg_first_token = first_token + wg * WG_TOKENS
+            wg_tokens = tokens - wg * WG_TOKENS
             q_rows = (
-                sQ[None, None, 0], kv_head, first_token, tokens,
-                storage.sQMax.get_tensor(cute.make_layout(4)),
+                sQ[None, None, wg], kv_head, wg_first_token, wg_tokens,
+                cute.make_tensor(storage.sQMax.data_ptr() + 4 * wg, cute.make_layout(4)),
             )  # fmt: skip
             if cutlass.const_expr(self.converted):
                 sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
                 sScale = storage.sRawScale.get_tensor(scale_layout)
                 scale_log2 = self.stream_converted(
                     args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
-                    ring_producer, ring_consumer, tidx, loader, bar,
+                    ring_producer, ring_consumer, wg_tidx, wg, loader, bar,
                 )  # fmt: skip
             else:
                 scale_log2 = self.stream_16bit(
@@ -308,8 +335,8 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 args, acc_O, state, row_lse, row_lse_t, self.p_offset, scale_log2, out_scale
             )
             self.store_rows(
-                args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
-                first_token, tokens,
+                args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, wg_tidx, wg, bar,
+                kv_head, wg_first_token, wg_tokens,
             )  # fmt: skip
 
     @cute.jit
@@ -324,7 +351,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             handed = cutlass.Int32(1)
             if keep:
                 handed = cutlass.Int32(0)
-            for t in cutlass.range(tidx, tokens, CONSUMER_THREADS, unroll=1):
+            for t in cutlass.range(tidx, tokens, self.num_threads, unroll=1):
                 args.mHandOff[first_token + t, kv_head] = handed
         return keep
 
@@ -385,15 +412,18 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
     @cute.jit
     def stream_converted(
         self, args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
-        raw_producer, raw_consumer, tidx, loader, bar,
+        raw_producer, raw_consumer, tidx, wg, loader, bar,
     ):  # fmt: skip
         """FP8 / NVFP4 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n
-        odd), one tile ahead; each tile is converted into the one fp16 K tile (sK stage 0)
-        and V tile (sV stage 1), then multiplied. Returns the softmax's scale (log2 units:
-        q's power of two and NVFP4's 2^7 folded in)."""
+        odd), ring_stages / 2 tiles ahead; each tile is converted into the one fp16 K tile
+        (sK stage 0) and V tile (sV stage 1), each warpgroup its share of the rows, then
+        every warpgroup multiplies its own rows by both. tidx: the thread's index in its
+        warpgroup `wg`. Returns the softmax's scale (log2 units: q's power of two and NVFP4's
+        2^7 folded in)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
         tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
         sIds, seqlen_k = masks[0], masks[5]
+        ahead = self.ring_stages // 2  # tiles in the raw ring
         k_tile = sK[None, None, 0]
         v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as its rows (keys)
         v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
@@ -403,25 +433,28 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             if cutlass.const_expr(self.kv_format == "nvfp4"):
                 cpasync.prefetch_descriptor(tma_ks)
                 cpasync.prefetch_descriptor(tma_vs)
-            if tiles > 0:
-                for x in cutlass.range_constexpr(2):
-                    self.load_raw(raw_producer, loads, sRaw, sScale, args, place, 0, x == 1)
-                    raw_producer.advance()
+            for u in cutlass.range_constexpr(ahead):
+                if u < tiles:
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
+                        raw_producer.advance()
         q_factor = self.store_q(args, *q_rows, tidx)
         scale_log2 = args.scale_log2 * q_factor * self.value_factor
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
             k_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, k_raw.index, k_tile, tidx, valid_rows, False)
+            self.convert(sRaw, sScale, k_raw.index, k_tile, tidx, wg, valid_rows, False)
             k_raw.release()
             v_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, valid_rows, True)
+            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, wg, valid_rows, True)
             v_raw.release()
             if loader:
-                if j + 1 < tiles:  # tile j + 1 into the stages just released
+                if j + ahead < tiles:  # tile j + ahead into the stages just released
                     for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, j + 1, x == 1)
+                        self.load_raw(
+                            raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
+                        )
                         raw_producer.advance()
             # The converted tiles (generic-proxy stores of every warp) to wgmma.
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -434,18 +467,28 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         return scale_log2
 
     @cute.jit
-    def convert(self, sRaw, sScale, stage, dst, tidx, valid_rows, is_v: cutlass.Constexpr):
-        """The raw tile in `stage` (and its NVFP4 scales, V's in the 4x4 swizzle) into dst."""
+    def convert(self, sRaw, sScale, stage, dst, tidx, wg, valid_rows, is_v: cutlass.Constexpr):
+        """Warpgroup wg's share of the raw tile in `stage` (and of its NVFP4 scales, V's in
+        the 4x4 swizzle) into dst: rows wg x 64 / warpgroups on (tidx: the thread's index in
+        its warpgroup)."""
+        rows = TILE_N // self.warpgroups
+        src = sRaw[None, None, stage]
+        valid = valid_rows
+        if cutlass.const_expr(self.warpgroups > 1):
+            src = cute.local_tile(src, (rows, self.raw_width), (wg, 0))
+            dst = cute.local_tile(dst, (rows, HEAD_DIM), (wg, 0))
+            valid = valid_rows - wg * rows
         if cutlass.const_expr(self.kv_format == "nvfp4"):
+            # A share's scales are contiguous: rows x 8 bytes, linear or 4-row swizzled.
             scales = cute.make_tensor(
-                sScale[None, None, stage].iterator, cute.make_layout(TILE_N * SCALE_BYTES)
+                sScale[None, None, stage].iterator + wg * rows * SCALE_BYTES,
+                cute.make_layout(rows * SCALE_BYTES),
             )
             convert_nvfp4_tile(
-                sRaw[None, None, stage], scales, dst, tidx, valid_rows, is_v,
-                self.value_divisor_log2,
+                src, scales, dst, tidx, valid, is_v, self.value_divisor_log2
             )  # fmt: skip
         else:
-            convert_e4m3_tile(sRaw[None, None, stage], dst, tidx, valid_rows)
+            convert_e4m3_tile(src, dst, tidx, valid)
 
     @cute.jit
     def load_raw(self, producer, loads, sRaw, sScale, args, place, u, is_v: cutlass.Constexpr):
@@ -589,11 +632,12 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
     @cute.jit
     def store_rows(
-        self, args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, bar, kv_head,
-        first_token, tokens,
+        self, args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, wg, bar,
+        kv_head, first_token, tokens,
     ):  # fmt: skip
-        """lse and temperature lse (when asked), then O through shared memory (the Q tile,
-        free by now) to each row's (token, head) by 16-byte stores."""
+        """Warpgroup wg's rows (its tokens from first_token; tidx: the thread's index in the
+        warpgroup): lse and temperature lse (when asked), then O through shared memory (its
+        Q tile, free by now) to each row's (token, head) by 16-byte stores."""
         tOcO_mn = acc_mn_view(
             pv_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
         )
@@ -605,7 +649,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     head = kv_head * WGMMA_GROUP + row % WGMMA_GROUP
                     args.mLSE[token, head] = row_lse[r]
                     args.mLSET[token, head] = row_lse_t[r]
-        sO = storage.sQ.get_tensor(sO_layout, dtype=self.io_dtype)[None, None, 0]
+        sO = storage.sQ.get_tensor(sO_layout, dtype=self.io_dtype)[None, None, wg]
         tOrO, tOcO, _ = self.stage_output(pv_mma, acc_O, sO, self.io_dtype, tidx, bar)
         for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
@@ -648,4 +692,5 @@ def scale_rows_view(mS: cute.Tensor) -> cute.Tensor:
 
 def make_kernel(variant):
     kv_format = KV_FORMAT[variant.family.name]
-    return MsaUnionTileSm90(element_type(variant.params["dtype"]), kv_format)
+    p = variant.params
+    return MsaUnionTileSm90(element_type(p["dtype"]), kv_format, p.get("warpgroups", 1))
