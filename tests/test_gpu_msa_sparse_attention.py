@@ -53,18 +53,27 @@ FORMATS = [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
 FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 
-TWO_WARPGROUP_FAMILY = {"e4m3": "msa_sparse_attention_fp8kv", "nvfp4": "msa_sparse_attention_nvfp4"}
+# The K/V formats whose wgmma union tile is also built with 2 and 4 warpgroups a CTA.
+SHARED_CONVERSION_FAMILY = {
+    "e4m3": "msa_sparse_attention_fp8kv",
+    "nvfp4": "msa_sparse_attention_nvfp4",
+}
+SHARED_CONVERSION_TILES = ("wgmma_w2", "wgmma_w4")
+WGMMA_TILES = ("wgmma",) + SHARED_CONVERSION_TILES
 
 
 def use_tile(monkeypatch, tile, kv_format=None):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
-    its sm_90a form (G = 16), "wgmma_w2", that form with two warpgroups a CTA (FP8 / NVFP4
-    K/V of bf16 q; forced by SPARSEFORGE_VARIANT), "token", the one-token kernel (decode's),
-    or "hybrid", the wgmma tile handing tiles of little shared selection to the one-token
-    kernel."""
-    if tile == "wgmma_w2":
-        family = TWO_WARPGROUP_FAMILY[kv_format]
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{family}__wgmma__bf16_d128_w2__sm_90a")
+    its sm_90a form (G = 16), "wgmma_w2" / "wgmma_w4", that form with 2 / 4 warpgroups a CTA
+    (FP8 / NVFP4 K/V of bf16 q; forced by SPARSEFORGE_VARIANT), "token", the one-token kernel
+    (decode's), or "hybrid", the wgmma tile handing tiles of little shared selection to the
+    one-token kernel."""
+    if tile in SHARED_CONVERSION_TILES:
+        family = SHARED_CONVERSION_FAMILY[kv_format]
+        warpgroups = tile.split("_")[1]
+        monkeypatch.setenv(
+            "SPARSEFORGE_VARIANT", f"{family}__wgmma__bf16_d128_{warpgroups}__sm_90a"
+        )
         tile = "wgmma"
     attention = msa_ops._attention
     monkeypatch.setattr(
@@ -84,7 +93,8 @@ CASES += [
     (fmt, paged, hq, hkv, tile)
     for fmt, paged in FORMATS
     for hq, hkv in [(16, 1), (32, 2)]
-    for tile in ("wgmma", "hybrid") + (("wgmma_w2",) if fmt in TWO_WARPGROUP_FAMILY else ())
+    for tile in ("wgmma", "hybrid")
+    + (SHARED_CONVERSION_TILES if fmt in SHARED_CONVERSION_FAMILY else ())
 ]
 
 
@@ -135,14 +145,14 @@ def rows_outside_the_sequences(table, used, pages):
 @pytest.mark.parametrize(
     "kv_format, tile",
     [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token", "wgmma")]
-    + [(f, "wgmma_w2") for f in TWO_WARPGROUP_FAMILY],
+    + [(f, t) for f in SHARED_CONVERSION_FAMILY for t in SHARED_CONVERSION_TILES],
 )
 def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
     """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3
     scales, V's through the 4x4 swizzle): the output equals the reference's on the clean
     cache, with nothing NaN."""
     use_tile(monkeypatch, tile, kv_format)
-    hkv = 1 if tile in ("wgmma", "wgmma_w2") else 4
+    hkv = 1 if tile in WGMMA_TILES else 4
     kernel, ref = msa_attention_inputs(kv_format, True, [5, 1, 3], [300, 129, 70], 16, hkv, 16, 12)
     want, _, _ = run_reference(ref, True)
     outside = rows_outside_the_sequences(

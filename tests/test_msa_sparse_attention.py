@@ -272,10 +272,10 @@ def test_a_forced_variant_picks_its_tile(monkeypatch):
         assert family.forced_tile("e4m3") == "auto"
 
 
-def test_the_two_warpgroup_wgmma_tile_runs_only_when_forced(monkeypatch):
-    """FP8 / NVFP4 K/V also build the wgmma union tile with two warpgroups a CTA; the
+def test_the_shared_conversion_wgmma_tiles_run_only_when_forced(monkeypatch):
+    """FP8 / NVFP4 K/V also build the wgmma union tile with 2 and 4 warpgroups a CTA; the
     one-warpgroup form stays the choice for tile "wgmma" unless SPARSEFORGE_VARIANT forces
-    the other (whose tile prefill then runs)."""
+    another (whose tile prefill then runs)."""
     from sparseforge import families
     from sparseforge.families import msa_sparse_attention as family
 
@@ -284,10 +284,11 @@ def test_the_two_warpgroup_wgmma_tile_runs_only_when_forced(monkeypatch):
         name = family.FAMILY_OF_FORMAT[kv_format]
         params = dict(dtype="bf16", head_dim=128, tile="wgmma")
         assert families.choose(name, "sm_90a", **params).params["warpgroups"] == 1
-        forced = f"{name}__wgmma__bf16_d128_w2__sm_90a"
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", forced)
-        assert families.choose(name, "sm_90a", **params).name == forced
-        assert family.forced_tile(kv_format) == "wgmma"
+        for warpgroups in (2, 4):
+            forced = f"{name}__wgmma__bf16_d128_w{warpgroups}__sm_90a"
+            monkeypatch.setenv("SPARSEFORGE_VARIANT", forced)
+            assert families.choose(name, "sm_90a", **params).name == forced
+            assert family.forced_tile(kv_format) == "wgmma"
         monkeypatch.delenv("SPARSEFORGE_VARIANT")
 
 

@@ -153,8 +153,8 @@ def _family(name: str, doc: str) -> Family:
             # The union tile on sm_90a for G = 16 (4 tokens a warpgroup): wgmma, K and V
             # tiles TMA-gathered by page (FP8 / NVFP4 converted to fp16 in shared memory).
             # Chosen by tile="wgmma": one warpgroup a CTA; FP8 / NVFP4 K/V also build two
-            # (one converted tile for both), listed after it: chosen only when forced
-            # (SPARSEFORGE_VARIANT).
+            # and four (one converted tile for all), listed after it: chosen only when
+            # forced (SPARSEFORGE_VARIANT).
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",
@@ -162,7 +162,7 @@ def _family(name: str, doc: str) -> Family:
                 archs=("sm_90a",),
                 configs=tuple(
                     dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma", warpgroups=w)
-                    for w in ((1,) if KV_FORMATS[name][0] == "input" else (1, 2))
+                    for w in ((1,) if KV_FORMATS[name][0] == "input" else (1, 2, 4))
                     for t in Q_DTYPES
                 ),
             ),

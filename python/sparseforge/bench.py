@@ -696,7 +696,7 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
         chosen[fmt] = tile_names[tile]
         others[fmt] = {
             v["name"]: f"{tile_names[v['params'].get('tile')]}"
-            + (" of two warpgroups" if v["params"].get("warpgroups", 1) == 2 else "")
+            + (f" of {w} warpgroups" if (w := v["params"].get("warpgroups", 1)) > 1 else "")
             + ", forced"
             for v in _library.manifest()["variants"]
             if v["family"] == family

@@ -27,13 +27,13 @@ FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 
   tile divided by the power of two that puts its warpgroup's largest magnitude in
   [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the softmax and
   output scales.
-Two warpgroups a CTA (FP8 / NVFP4 K/V, `warpgroups` 2): 8 tokens, warpgroup w owning rows
-  of tokens 4w .. 4w + 3; each converts half of every tile's rows (32 of 64) and both
-  multiply their own rows by the whole converted tile, so a tile is converted once for 128
-  rows instead of 64. Per 64 rows and 64-key tile the SM's shared memory then moves ~80 KB
-  for FP8 K/V, what the 16-bit path moves, instead of ~112 (raw TMA writes 16, conversion
-  48 and the MMAs' reads 48 for one warpgroup). Two CTAs an SM (128 registers), a raw ring
-  of K and V two tiles ahead.
+Two or four warpgroups a CTA (FP8 / NVFP4 K/V, `warpgroups` W): 4W tokens, warpgroup w
+  owning the rows of tokens 4w .. 4w + 3; each converts 64 / W of every tile's 64 rows and
+  all multiply their own rows by the whole converted tile, so a tile is converted once for
+  64W rows. Per 64 rows and 64-key tile the SM's shared memory then moves ~80 KB (W = 2) or
+  ~64 KB (W = 4) for FP8 K/V instead of ~112 (raw TMA writes 16, conversion 48 and the
+  MMAs' reads 48, the first two shared by the CTA's warpgroups). 4 / W CTAs an SM (128
+  registers), a raw ring of K and V 2 or 3 tiles ahead.
 """
 
 import cutlass
@@ -89,15 +89,15 @@ WG_TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a warpgroup's 64 rows
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
 # FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: <= 71
-# KB each), of two tiles ahead at two (two CTAs an SM).
-RAW_STAGES = {1: 2, 2: 4}
+# KB each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
+RAW_STAGES = {1: 2, 2: 4, 4: 6}
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
     def __init__(self, dtype, kv_format: str, warpgroups: int = 1):
         self.converted = kv_format != "16bit"
-        # Two warpgroups share the converted tiles (FP8 / NVFP4 only; see the docstring).
+        # Warpgroups share the converted tiles (FP8 / NVFP4 only; see the docstring).
         assert warpgroups == 1 or (self.converted and warpgroups in RAW_STAGES)
         # The MMAs' type: fp16 for converted K/V (see the module's docstring), else q's.
         super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM, warpgroups)
