@@ -92,6 +92,7 @@ WORDS = MAX_BLOCKS // 32
 # KB each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
 RAW_STAGES = {1: 2, 2: 4, 4: 6}
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
+SMEM_PER_SM = 228 * 1024
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
@@ -196,6 +197,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, capacity], 16]
             sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * capacity], 16]
 
+        # The CTAs an SM that the register cap assumes must fit its shared memory (228 KB,
+        # 1 KB of it reserved per CTA) too.
+        smem_bytes = SharedStorage.size_in_bytes()
+        assert self.ctas_per_sm * (smem_bytes + 1024) <= SMEM_PER_SM, smem_bytes
         tiles_bound = args.mQ.shape[0] // self.tokens + args.mCuQ.shape[0] - 1
         self.kernel(
             qk_mma, pv_mma, tma_k, tma_k_tensor, tma_v, tma_v_tensor, tma_ks, tma_ks_tensor,
@@ -204,7 +209,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         ).launch(
             grid=[tiles_bound, mK.shape[1], 1],
             block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
+            smem=smem_bytes,
             stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
