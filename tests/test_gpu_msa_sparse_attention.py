@@ -294,19 +294,24 @@ def test_small_batches_split_and_large_ones_do_not():
     assert msa_ops._splits(device, 4, 2) == 2  # at most topk
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize(
+    "kv_format, warpgroups",
+    [("bf16", 1)] + [(f, w) for f in SHARED_CONVERSION_FAMILY for w in (1, 2, 4)],
+)
 @pytest.mark.parametrize("hand_off", [100.0, 1.5, 1e-3])
-def test_hybrid_runs_every_token_once(kv_format, hand_off, monkeypatch):
-    """The wgmma union tile with hand-off, then the one-token kernel: tiles kept (hand_off
-    large), all handed off (tiny), and mixed (chunk-shared selections in one sequence,
-    per-token ones in the other); every row written once (poisoned output), each matching
-    the reference."""
+def test_hybrid_runs_every_token_once(kv_format, warpgroups, hand_off, monkeypatch):
+    """The wgmma union tile (of 1, 2 or 4 warpgroups a CTA) with hand-off, then the
+    one-token kernel: tiles kept (hand_off large), all handed off (tiny), and mixed
+    (chunk-shared selections in one sequence, per-token ones in the other); every row
+    written once (poisoned output), each matching the reference."""
     from sparseforge.families import msa_sparse_attention as family
 
     if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
         pytest.skip("no wgmma union tile for this GPU's arch")
     use_tile(monkeypatch, "hybrid")
-    monkeypatch.setitem(msa_ops.HAND_OFF, "16bit" if kv_format == "bf16" else kv_format, hand_off)
+    fmt = "16bit" if kv_format == "bf16" else kv_format
+    monkeypatch.setitem(msa_ops.HAND_OFF, fmt, hand_off)
+    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
     kernel, ref = msa_attention_inputs(kv_format, True, [96, 61], [3000, 6000], 32, 2, 16, 5)
     q2k = kernel["q2k_indices"]
     q2k[:, :96] = q2k[:, :96:8].repeat_interleave(8, 1)  # tokens of 8 share their blocks

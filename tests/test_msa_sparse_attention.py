@@ -284,12 +284,25 @@ def test_the_shared_conversion_wgmma_tiles_run_only_when_forced(monkeypatch):
         name = family.FAMILY_OF_FORMAT[kv_format]
         params = dict(dtype="bf16", head_dim=128, tile="wgmma")
         assert families.choose(name, "sm_90a", **params).params["warpgroups"] == 1
+        assert family.forced_warpgroups(kv_format) is None
         for warpgroups in (2, 4):
-            forced = f"{name}__wgmma__bf16_d128_w{warpgroups}__sm_90a"
-            monkeypatch.setenv("SPARSEFORGE_VARIANT", forced)
-            assert families.choose(name, "sm_90a", **params).name == forced
+            monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
+            chosen = families.choose(name, "sm_90a", **params, warpgroups=warpgroups)
+            assert chosen.name == f"{name}__wgmma__bf16_d128_w{warpgroups}__sm_90a"
+            monkeypatch.setenv("SPARSEFORGE_VARIANT", chosen.name)
+            assert families.choose(name, "sm_90a", **params).name == chosen.name
             assert family.forced_tile(kv_format) == "wgmma"
+            assert family.forced_warpgroups(kv_format) == warpgroups
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}__warp_mma_token__bf16_d128__sm_90a")
+        assert family.forced_warpgroups(kv_format) is None
         monkeypatch.delenv("SPARSEFORGE_VARIANT")
+    # Prefill's grid check counts the tile's warpgroups: 4 tokens each.
+    monkeypatch.setattr(msa_ops, "_wgmma_built", lambda index, kv_format: True)
+    monkeypatch.setattr(msa_ops, "_multiprocessors", lambda device: 132)
+    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, "e4m3", 4)
+    device = torch.device("cuda", 0)
+    assert msa_ops._prefill_tile("e4m3", 16, device, 132, 4) == "token"
+    assert msa_ops._prefill_tile("e4m3", 16, device, 4 * 132, 4) == "hybrid"
 
 
 def test_the_forced_wgmma_tile_refuses_other_groups(monkeypatch):

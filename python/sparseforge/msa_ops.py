@@ -710,11 +710,16 @@ def msa_sparse_decode_attention(
 # ~1.2 x topk, bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md): tiles of
 # partly shared selections, which neither benchmark holds, go to the faster one.
 HAND_OFF = {"16bit": 2.8, "e4m3": 1.6, "nvfp4": 1.2}
+# The wgmma union tile's warpgroups a CTA (4 tokens each) by K/V format, on both routes that
+# run it. FP8 / NVFP4 K/V also build 2 and 4 (one converted tile for 8 or 16 tokens: less
+# shared-memory traffic and conversion a row, docs/performance.md); not yet measured, so 1.
+WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 1, "nvfp4": 1}
 
 
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
     """msa_sparse_attention's kernel at G = 16 when the wgmma union tile (sm_90a) is built
-    for the K/V format and its grid (4 tokens a CTA, never split) fills the GPU: for 16-bit
+    for the K/V format and its grid (4 tokens a warpgroup, WGMMA_WARPGROUPS a CTA, never
+    split) fills the GPU: for 16-bit
     K/V that tile ("wgmma"), for FP8 and NVFP4 K/V the hand-off route ("hybrid": the wgmma
     tile keeps the tiles whose tokens share their blocks and hands the others to the
     one-token kernel). Otherwise the one-token kernel ("token") for FP8 and NVFP4 K/V (it
@@ -729,7 +734,8 @@ def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int
     10.47-10.52 / 14.48-14.51, one-token 14.23 / 14.24-14.25."""
     if group != attention_family.constant("wgmma_group"):
         return None
-    ctas = tokens * group // attention_family.constant("tile_rows") * kv_heads
+    rows = attention_family.constant("tile_rows") * WGMMA_WARPGROUPS[kv_format]
+    ctas = tokens * group // rows * kv_heads
     fills = _wgmma_built(device.index, kv_format) and ctas >= _multiprocessors(device)
     if kv_format != "16bit":
         return "hybrid" if fills else "token"
@@ -952,6 +958,7 @@ def _attention(
     check_writable("out", out, inputs)
     if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
         tile = attention_family.forced_tile(kv_format)
+    warpgroups = attention_family.forced_warpgroups(kv_format) or WGMMA_WARPGROUPS[kv_format]
     wgmma_group = attention_family.constant("wgmma_group")
     if tile in ("wgmma", "hybrid") and heads // kv_heads != wgmma_group:
         raise ValueError(
@@ -1001,6 +1008,7 @@ def _attention(
                 splits,
                 kernel,
                 hand_off,
+                warpgroups,
             )
             for kernel in kernels
         ]

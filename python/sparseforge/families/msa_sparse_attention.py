@@ -46,10 +46,24 @@ def built_for(device_index: int, kv_format: str, tile: str | None = None) -> boo
 def forced_tile(kv_format: str):
     """The tile of the variant SPARSEFORGE_VARIANT forces in the K/V format's family (None
     for the union tile), or "auto" when it forces none of that family."""
+    forced = _forced(kv_format)
+    return "auto" if forced is None else forced.params.get("tile")
+
+
+def forced_warpgroups(kv_format: str) -> int | None:
+    """The warpgroups a CTA of the wgmma union tile SPARSEFORGE_VARIANT forces in the K/V
+    format's family, or None when it forces no such tile."""
+    forced = _forced(kv_format)
+    if forced is None or forced.params.get("tile") != "wgmma":
+        return None
+    return forced.params["warpgroups"]
+
+
+def _forced(kv_format: str):
     forced = families.forced_variant()
     if forced is not None and forced.family == FAMILY_OF_FORMAT[kv_format]:
-        return forced.params.get("tile")
-    return "auto"
+        return forced
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,17 +82,15 @@ def launch(
     splits: int,
     tile: str | None = None,
     hand_off: float = 0.0,
+    warpgroups: int = 1,
 ):
     """The bound launch; `tile`: None for the union tile kernel (64 // G tokens a CTA),
-    "wgmma" for its sm_90a form (G = 16), "token" for the one-token kernel; `hand_off`:
-    the ABI's (0: off)."""
-    kernel = families.choose(
-        FAMILY_OF_FORMAT[kv_format],
-        arch_for_device(device_index),
-        dtype=dtype,
-        head_dim=constant("head_dim"),
-        tile=tile,
-    )
+    "wgmma" for its sm_90a form (G = 16; `warpgroups` a CTA, 4 tokens each), "token" for
+    the one-token kernel; `hand_off`: the ABI's (0: off)."""
+    params = dict(dtype=dtype, head_dim=constant("head_dim"), tile=tile)
+    if tile == "wgmma":
+        params["warpgroups"] = warpgroups
+    kernel = families.choose(FAMILY_OF_FORMAT[kv_format], arch_for_device(device_index), **params)
     kernel.prepare()
     return kernel.bind(
         scale_log2,
