@@ -152,9 +152,8 @@ def _family(name: str, doc: str) -> Family:
             ),
             # The union tile on sm_90a for G = 16 (4 tokens a warpgroup): wgmma, K and V
             # tiles TMA-gathered by page (FP8 / NVFP4 converted to fp16 in shared memory).
-            # Chosen by tile="wgmma": one warpgroup a CTA; FP8 / NVFP4 K/V also build two
-            # and four (one converted tile for all), listed after it: chosen only when
-            # forced (SPARSEFORGE_VARIANT).
+            # Chosen by tile="wgmma" with `warpgroups` a CTA: one; FP8 / NVFP4 K/V also
+            # build two and four (one converted tile for all; msa_ops.WGMMA_WARPGROUPS).
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",

@@ -25,8 +25,8 @@ FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 
   overlap each other's steps, not their own. The MMAs run in fp16 whatever q's dtype (bf16
   tiles would cost a conversion through fp32 and a pack a pair): bf16 q enters the fp16 Q
   tile divided by the power of two that puts its warpgroup's largest magnitude in
-  [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the softmax and
-  output scales.
+  [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the
+  softmax and output scales.
 Two or four warpgroups a CTA (FP8 / NVFP4 K/V, `warpgroups` W): 4W tokens, warpgroup w
   owning the rows of tokens 4w .. 4w + 3; each converts 64 / W of every tile's 64 rows and
   all multiply their own rows by the whole converted tile, so a tile is converted once for
@@ -88,8 +88,8 @@ assert TILE_M == TILE_ROWS
 WG_TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a warpgroup's 64 rows
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
-# FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: <= 71
-# KB each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
+# FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: 72 KB
+# each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
 RAW_STAGES = {1: 2, 2: 4, 4: 6}
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 SMEM_PER_SM = 228 * 1024
