@@ -53,27 +53,27 @@ FORMATS = [("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True)]
 FORMATS += [("e4m3", False), ("e4m3", True), ("nvfp4", True)]
 
 
-# The K/V formats whose wgmma union tile is also built with 2 and 4 warpgroups a CTA.
-SHARED_CONVERSION_FAMILY = {
+FAMILY = {
+    "bf16": "msa_sparse_attention",
+    "fp16": "msa_sparse_attention",
     "e4m3": "msa_sparse_attention_fp8kv",
     "nvfp4": "msa_sparse_attention_nvfp4",
 }
-SHARED_CONVERSION_TILES = ("wgmma_w2", "wgmma_w4")
-WGMMA_TILES = ("wgmma",) + SHARED_CONVERSION_TILES
+# The wgmma union tile of 2 and 4 warpgroups a CTA (forced by SPARSEFORGE_VARIANT).
+SHARED_TILES = ("wgmma_w2", "wgmma_w4")
+WGMMA_TILES = ("wgmma",) + SHARED_TILES
 
 
 def use_tile(monkeypatch, tile, kv_format=None):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
     its sm_90a form (G = 16), "wgmma_w2" / "wgmma_w4", that form with 2 / 4 warpgroups a CTA
-    (FP8 / NVFP4 K/V of bf16 q; forced by SPARSEFORGE_VARIANT), "token", the one-token kernel
-    (decode's), or "hybrid", the wgmma tile handing tiles of little shared selection to the
-    one-token kernel."""
-    if tile in SHARED_CONVERSION_TILES:
-        family = SHARED_CONVERSION_FAMILY[kv_format]
-        warpgroups = tile.split("_")[1]
-        monkeypatch.setenv(
-            "SPARSEFORGE_VARIANT", f"{family}__wgmma__bf16_d128_{warpgroups}__sm_90a"
-        )
+    (forced by SPARSEFORGE_VARIANT: q is fp16 for fp16 K/V, else bf16), "token", the
+    one-token kernel (decode's), or "hybrid", the wgmma tile handing tiles of little shared
+    selection to the one-token kernel."""
+    if tile in SHARED_TILES:
+        dtype = "fp16" if kv_format == "fp16" else "bf16"
+        name = f"{FAMILY[kv_format]}__wgmma__{dtype}_d128_{tile.split('_')[1]}__sm_90a"
+        monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
         tile = "wgmma"
     attention = msa_ops._attention
     monkeypatch.setattr(
@@ -93,8 +93,7 @@ CASES += [
     (fmt, paged, hq, hkv, tile)
     for fmt, paged in FORMATS
     for hq, hkv in [(16, 1), (32, 2)]
-    for tile in ("wgmma", "hybrid")
-    + (SHARED_CONVERSION_TILES if fmt in SHARED_CONVERSION_FAMILY else ())
+    for tile in ("wgmma", "hybrid") + SHARED_TILES
 ]
 
 
@@ -145,7 +144,7 @@ def rows_outside_the_sequences(table, used, pages):
 @pytest.mark.parametrize(
     "kv_format, tile",
     [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in (None, "token", "wgmma")]
-    + [(f, t) for f in SHARED_CONVERSION_FAMILY for t in SHARED_CONVERSION_TILES],
+    + [(f, t) for f in ("bf16", "e4m3", "nvfp4") for t in SHARED_TILES],
 )
 def test_nan_outside_the_sequences_never_reaches_the_output(kv_format, tile, monkeypatch):
     """Every cache row that holds no key of a sequence is NaN (K and V; NVFP4: their e4m3
@@ -296,7 +295,7 @@ def test_small_batches_split_and_large_ones_do_not():
 
 @pytest.mark.parametrize(
     "kv_format, warpgroups",
-    [("bf16", 1)] + [(f, w) for f in SHARED_CONVERSION_FAMILY for w in (1, 2, 4)],
+    [(f, w) for f in ("bf16", "e4m3", "nvfp4") for w in (1, 2, 4)],
 )
 @pytest.mark.parametrize("hand_off", [100.0, 1.5, 1e-3])
 def test_hybrid_runs_every_token_once(kv_format, warpgroups, hand_off, monkeypatch):

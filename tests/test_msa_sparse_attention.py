@@ -272,15 +272,15 @@ def test_a_forced_variant_picks_its_tile(monkeypatch):
         assert family.forced_tile("e4m3") == "auto"
 
 
-def test_the_shared_conversion_wgmma_tiles_run_only_when_forced(monkeypatch):
-    """FP8 / NVFP4 K/V also build the wgmma union tile with 2 and 4 warpgroups a CTA; the
-    one-warpgroup form stays the choice for tile "wgmma" unless SPARSEFORGE_VARIANT forces
-    another (whose tile prefill then runs)."""
+def test_the_wgmma_tile_of_several_warpgroups_runs_when_chosen_or_forced(monkeypatch):
+    """The wgmma union tile is also built with 2 and 4 warpgroups a CTA: chosen by its
+    `warpgroups`, or forced by SPARSEFORGE_VARIANT (whose tile and warpgroups prefill then
+    runs)."""
     from sparseforge import families
     from sparseforge.families import msa_sparse_attention as family
 
     monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
-    for kv_format in ("e4m3", "nvfp4"):
+    for kv_format in ("16bit", "e4m3", "nvfp4"):
         name = family.FAMILY_OF_FORMAT[kv_format]
         params = dict(dtype="bf16", head_dim=128, tile="wgmma")
         assert families.choose(name, "sm_90a", **params).params["warpgroups"] == 1

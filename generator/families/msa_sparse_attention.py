@@ -152,8 +152,8 @@ def _family(name: str, doc: str) -> Family:
             ),
             # The union tile on sm_90a for G = 16 (4 tokens a warpgroup): wgmma, K and V
             # tiles TMA-gathered by page (FP8 / NVFP4 converted to fp16 in shared memory).
-            # Chosen by tile="wgmma" with `warpgroups` a CTA: one; FP8 / NVFP4 K/V also
-            # build two and four (one converted tile for all; msa_ops.WGMMA_WARPGROUPS).
+            # Chosen by tile="wgmma" with `warpgroups` a CTA: 1, 2 or 4 (one K/V ring, and
+            # for FP8 / NVFP4 one converted tile, for all; msa_ops.WGMMA_WARPGROUPS).
             Template(
                 "wgmma",
                 "generator.kernels.sm90.msa_sparse_attention",
@@ -161,7 +161,7 @@ def _family(name: str, doc: str) -> Family:
                 archs=("sm_90a",),
                 configs=tuple(
                     dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma", warpgroups=w)
-                    for w in ((1,) if KV_FORMATS[name][0] == "input" else (1, 2, 4))
+                    for w in (1, 2, 4)
                     for t in Q_DTYPES
                 ),
             ),

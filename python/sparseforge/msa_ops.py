@@ -711,8 +711,9 @@ def msa_sparse_decode_attention(
 # partly shared selections, which neither benchmark holds, go to the faster one.
 HAND_OFF = {"16bit": 2.8, "e4m3": 1.6, "nvfp4": 1.2}
 # The wgmma union tile's warpgroups a CTA (4 tokens each) by K/V format, on both routes that
-# run it. FP8 / NVFP4 K/V also build 2 and 4 (one converted tile for 8 or 16 tokens: less
-# shared-memory traffic and conversion a row, docs/performance.md); not yet measured, so 1.
+# run it. 2 and 4 are built too (one ring, and for FP8 / NVFP4 one converted tile, for 8 or
+# 16 tokens: less shared-memory traffic, L2 traffic and conversion a row,
+# docs/performance.md); not yet measured, so 1.
 WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 1, "nvfp4": 1}
 
 

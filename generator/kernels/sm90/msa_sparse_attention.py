@@ -27,13 +27,15 @@ FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 
   tile divided by the power of two that puts its warpgroup's largest magnitude in
   [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the
   softmax and output scales.
-Two or four warpgroups a CTA (FP8 / NVFP4 K/V, `warpgroups` W): 4W tokens, warpgroup w
-  owning the rows of tokens 4w .. 4w + 3; each converts 64 / W of every tile's 64 rows and
-  all multiply their own rows by the whole converted tile, so a tile is converted once for
-  64W rows. Per 64 rows and 64-key tile the SM's shared memory then moves ~80 KB (W = 2) or
-  ~64 KB (W = 4) for FP8 K/V instead of ~112 (raw TMA writes 16, conversion 48 and the
-  MMAs' reads 48, the first two shared by the CTA's warpgroups). 4 / W CTAs an SM (128
-  registers), a raw ring of K and V 2 or 3 tiles ahead.
+Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the rows of
+  tokens 4w .. 4w + 3, one union and one ring for all. FP8 / NVFP4 K/V: each warpgroup
+  converts 64 / W of every tile's 64 rows and all multiply their own rows by the whole
+  converted tile, so a tile is converted once for 64W rows. Per 64 rows and 64-key tile the
+  SM's shared memory then moves ~80 KB (W = 2) or ~64 KB (W = 4) for FP8 K/V instead of
+  ~112 (raw TMA writes 16, conversion 48 and the MMAs' reads 48, the first two shared by
+  the CTA's warpgroups); a raw ring of K and V 2 or 3 tiles ahead. 16-bit K/V: the ring of
+  the block-sparse kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of
+  the L2 bytes), S of a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
 """
 
 import cutlass
@@ -91,6 +93,9 @@ WORDS = MAX_BLOCKS // 32
 # FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: 72 KB
 # each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
 RAW_STAGES = {1: 2, 2: 4, 4: 6}
+# 16-bit K/V at two or four warpgroups a CTA: the SM's CTAs hold this much ring between them
+# (4 or 8 stages of 16 KB a CTA, beside 32 or 64 KB of Q tiles).
+SHARED_RING_BYTES_PER_SM = 128 * 1024
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
 SMEM_PER_SM = 228 * 1024
 
@@ -98,8 +103,7 @@ SMEM_PER_SM = 228 * 1024
 class MsaUnionTileSm90(BlockSparseFwdSm90):
     def __init__(self, dtype, kv_format: str, warpgroups: int = 1):
         self.converted = kv_format != "16bit"
-        # Warpgroups share the converted tiles (FP8 / NVFP4 only; see the docstring).
-        assert warpgroups == 1 or (self.converted and warpgroups in RAW_STAGES)
+        assert warpgroups in RAW_STAGES
         # The MMAs' type: fp16 for converted K/V (see the module's docstring), else q's.
         super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM, warpgroups)
         self.tokens = warpgroups * WG_TOKENS  # of a CTA
@@ -113,6 +117,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         # Raw rows as stored: e4m3 a byte a value, NVFP4 two codes a byte (16-bit: unused).
         self.raw_type = cutlass.Uint8 if kv_format == "nvfp4" else cutlass.Float8E4M3FN
         self.raw_width = HEAD_DIM // 2 if kv_format == "nvfp4" else HEAD_DIM
+        if warpgroups > 1:  # 16-bit: the CTA's ring (see SHARED_RING_BYTES_PER_SM)
+            tile_bytes = TILE_N * HEAD_DIM * 2
+            self.kv_stages = SHARED_RING_BYTES_PER_SM // self.ctas_per_sm // tile_bytes
         self.ring_stages = self.kv_stages
         if self.converted:
             self.kv_stages = 2  # the converted K tile (stage 0) and V tile (stage 1)
@@ -326,10 +333,15 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
                     ring_producer, ring_consumer, wg_tidx, wg, loader, bar,
                 )  # fmt: skip
-            else:
+            elif cutlass.const_expr(self.warpgroups == 1):
                 scale_log2 = self.stream_16bit(
                     args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
                     ring_producer, ring_consumer, tidx, loader, bar,
+                )  # fmt: skip
+            else:
+                scale_log2 = self.stream_16bit_shared(
+                    args, operands, state, masks, place, q_rows, tiles, loads, sK, sV,
+                    ring_producer, ring_consumer, wg_tidx, loader, bar,
                 )  # fmt: skip
 
             rows = cute.size(row_max)
@@ -411,6 +423,48 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             self.scores_then_pv(
                 args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, tiles - 1,
                 tidx, bar, args.scale_log2, drain=True,
+            )  # fmt: skip
+        return args.scale_log2
+
+    @cute.jit
+    def stream_16bit_shared(
+        self, args, operands, state, masks, place, q_rows, tiles, loads, sK, sV, kv_producer,
+        kv_consumer, tidx, loader, bar,
+    ):  # fmt: skip
+        """16-bit K/V, the CTA's warpgroups on one ring (load n is K of tile n // 2 for even
+        n, else its V): each warpgroup waits for K, computes S and its rows' probabilities,
+        then waits for V and adds P V, each MMA waited for (at 128 registers S of the next
+        tile is not issued behind P V). In tile j warp 0 refills, under S, the two stages
+        every warpgroup released in tile j - 1. tidx: the thread's index in its warpgroup.
+        Returns the softmax's scale (log2 units)."""
+        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        tma_k, mK_tma, tma_v, mV_tma = loads[:4]
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            for u in cutlass.range_constexpr(self.kv_stages // 2):
+                if u < tiles:
+                    self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, u, True)
+                    kv_producer.advance()
+                    self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, u, False)
+                    kv_producer.advance()
+        self.store_q(args, *q_rows, tidx)
+        ahead = self.kv_stages // 2  # tiles in the ring
+        for j in cutlass.range(tiles, unroll=1):
+            k_handle = kv_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            if loader:
+                if (j > 0) & (j - 1 + ahead < tiles):  # tile j - 1's stages, released
+                    u = j - 1 + ahead
+                    self.load_kv(kv_producer, tma_k, mK_tma, sK, args, place, u, True)
+                    kv_producer.advance()
+                    self.load_kv(kv_producer, tma_v, mV_tma, sV, args, place, u, False)
+                    kv_producer.advance()
+            warpgroup.wait_group(0)
+            k_handle.release()
+            self.scores_then_pv(
+                args, pv_mma, acc_S, acc_O, state, masks, tOrV, sV, kv_consumer, j, tidx, bar,
+                args.scale_log2, drain=True,
             )  # fmt: skip
         return args.scale_log2
 
