@@ -67,6 +67,7 @@ from generator.kernels.common.msa_union import (
     token_tile_of_cta,
 )
 from generator.kernels.common.nvfp4 import FP16_DIVISOR_LOG2
+from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.softmax import (
     acc_mn_view,
     new_softmax_state,
@@ -502,11 +503,16 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
+            row = tidx
+            if cutlass.const_expr(self.warpgroups > 1):
+                # The tiles' addresses recomputed each tile: held across the loop, the
+                # warpgroups' share of them spilled (the accumulators take 96 of 128 registers).
+                row = opaque_int32(tidx)
             k_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, k_raw.index, k_tile, tidx, wg, valid_rows, False)
+            self.convert(sRaw, sScale, k_raw.index, k_tile, row, wg, valid_rows, False)
             k_raw.release()
             v_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, wg, valid_rows, True)
+            self.convert(sRaw, sScale, v_raw.index, v_rows, row, wg, valid_rows, True)
             v_raw.release()
             if loader:
                 if j + ahead < tiles:  # tile j + ahead into the stages just released
