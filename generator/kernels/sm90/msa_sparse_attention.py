@@ -33,7 +33,10 @@ Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the
   converted tile, so a tile is converted once for 64W rows. Per 64 rows and 64-key tile the
   SM's shared memory then moves ~80 KB (W = 2) or ~64 KB (W = 4) for FP8 K/V instead of
   ~112 (raw TMA writes 16, conversion 48 and the MMAs' reads 48, the first two shared by
-  the CTA's warpgroups); a raw ring of K and V 2 or 3 tiles ahead. 16-bit K/V: the ring of
+  the CTA's warpgroups); a raw ring of K and V 2 or 3 tiles ahead. At W = 4 (one CTA an SM,
+  no other CTA to fill the tensor pipe while this one converts) two converted buffers: a
+  warpgroup converts its share of tile j + 1 while its P V of tile j runs, one barrier a
+  tile. 16-bit K/V: the ring of
   the block-sparse kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of
   the L2 bytes), S of a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
 """
@@ -122,8 +125,12 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             tile_bytes = TILE_N * HEAD_DIM * 2
             self.kv_stages = SHARED_RING_BYTES_PER_SM // self.ctas_per_sm // tile_bytes
         self.ring_stages = self.kv_stages
+        # FP8 / NVFP4 at one CTA an SM (W = 4): tile j + 1 converted under tile j's P V.
+        self.double_buffered = self.converted and self.ctas_per_sm == 1
         if self.converted:
-            self.kv_stages = 2  # the converted K tile (stage 0) and V tile (stage 1)
+            # The converted K tile (stage 0) and V tile (stage 1), and double-buffered
+            # those of odd tiles (stages 2 and 3).
+            self.kv_stages = 4 if self.double_buffered else 2
             self.ring_stages = RAW_STAGES[warpgroups]
 
     @cute.jit
@@ -475,18 +482,16 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         raw_producer, raw_consumer, tidx, wg, loader, bar,
     ):  # fmt: skip
         """FP8 / NVFP4 K/V: the raw ring's load n is K of tile n // 2 (n even) or its V (n
-        odd), ring_stages / 2 tiles ahead; each tile is converted into the one fp16 K tile
-        (sK stage 0) and V tile (sV stage 1), each warpgroup its share of the rows, then
-        every warpgroup multiplies its own rows by both. tidx: the thread's index in its
-        warpgroup `wg`. Returns the softmax's scale (log2 units: q's power of two and NVFP4's
-        2^7 folded in)."""
+        odd), ring_stages / 2 tiles ahead; each tile is converted into an fp16 K tile and V
+        tile (sK / sV stages 0 and 1, or with double_buffered 2 and 3 for odd tiles), each
+        warpgroup its share of the rows, then every warpgroup multiplies its own rows by
+        both. Single-buffered, the CTA converts a tile, then multiplies it; double-buffered,
+        a warpgroup converts its share of tile j + 1 while its P V of tile j runs (one
+        barrier a tile). tidx: the thread's index in its warpgroup `wg`. Returns the
+        softmax's scale (log2 units: q's power of two and NVFP4's 2^7 folded in)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
         tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
-        sIds, seqlen_k = masks[0], masks[5]
         ahead = self.ring_stages // 2  # tiles in the raw ring
-        k_tile = sK[None, None, 0]
-        v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as its rows (keys)
-        v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
         if loader:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -500,36 +505,80 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                         raw_producer.advance()
         q_factor = self.store_q(args, *q_rows, tidx)
         scale_log2 = args.scale_log2 * q_factor * self.value_factor
-        for j in cutlass.range(tiles, unroll=1):
-            valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
-            bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
-            row = tidx
-            if cutlass.const_expr(self.warpgroups > 1):
-                # The tiles' addresses recomputed each tile: held across the loop, the
-                # warpgroups' share of them spilled (the accumulators take 96 of 128 registers).
-                row = opaque_int32(tidx)
-            k_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, k_raw.index, k_tile, row, wg, valid_rows, False)
-            k_raw.release()
-            v_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, v_raw.index, v_rows, row, wg, valid_rows, True)
-            v_raw.release()
-            if loader:
-                if j + ahead < tiles:  # tile j + ahead into the stages just released
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(
-                            raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
-                        )
-                        raw_producer.advance()
-            # The converted tiles (generic-proxy stores of every warp) to wgmma.
+        sIds, seqlen_k = masks[0], masks[5]
+        convert_args = (args, place, loads, sRaw, sScale, sK, sV, tidx, wg, loader)
+        if cutlass.const_expr(not self.double_buffered):
+            for j in cutlass.range(tiles, unroll=1):
+                valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
+                bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit K and V
+                raw_producer, raw_consumer = self.convert_tile(
+                    *convert_args, raw_producer, raw_consumer, tiles, j, valid_rows, 0
+                )
+                # The converted tiles (generic-proxy stores of every warp) to wgmma.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                bar.arrive_and_wait()
+                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 0])
+                warpgroup.wait_group(0)
+                tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
+                warpgroup.wait_group(0)
+        else:
+            if tiles > 0:
+                valid_rows = seqlen_k - first_key_of(sIds, 0, TILE_N)
+                raw_producer, raw_consumer = self.convert_tile(
+                    *convert_args, raw_producer, raw_consumer, tiles, 0, valid_rows, 0
+                )
             cute.arch.fence_proxy("async.shared", space="cta")
             bar.arrive_and_wait()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 0])
-            warpgroup.wait_group(0)
-            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
-            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
-            warpgroup.wait_group(0)
+            for j in cutlass.range(tiles, unroll=1):
+                buffer = j % 2
+                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 2 * buffer])
+                warpgroup.wait_group(0)
+                tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 2 * buffer + 1])
+                # Tile j + 1 into the other buffer, whose tile j - 1 every warpgroup's P V
+                # read before the last barrier.
+                if j + 1 < tiles:
+                    valid_rows = seqlen_k - first_key_of(sIds, j + 1, TILE_N)
+                    raw_producer, raw_consumer = self.convert_tile(
+                        *convert_args, raw_producer, raw_consumer, tiles, j + 1, valid_rows,
+                        1 - buffer,
+                    )  # fmt: skip
+                warpgroup.wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                bar.arrive_and_wait()
         return scale_log2
+
+    @cute.jit
+    def convert_tile(
+        self, args, place, loads, sRaw, sScale, sK, sV, tidx, wg, loader, raw_producer,
+        raw_consumer, tiles, u, valid_rows, buffer,
+    ):  # fmt: skip
+        """The CTA's tile u (its keys valid up to valid_rows) from the raw ring into the fp16
+        K and V stages 2 x buffer and 2 x buffer + 1 (this warpgroup's share), its raw
+        stages released and refilled (warp 0) with tile u + ring_stages / 2. Returns the
+        ring's ends (rebind them: a loop carries only what it rebinds)."""
+        ahead = self.ring_stages // 2
+        k_tile = sK[None, None, 2 * buffer]
+        v_stage = sV[None, None, 2 * buffer + 1]  # (D, keys), D contiguous: converted as rows
+        v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
+        row = tidx
+        if cutlass.const_expr(self.warpgroups > 1):
+            # The tiles' addresses recomputed each tile: held across the loop, the
+            # warpgroups' share of them spilled (the accumulators take 96 of 128 registers).
+            row = opaque_int32(tidx)
+        k_raw = raw_consumer.wait_and_advance()
+        self.convert(sRaw, sScale, k_raw.index, k_tile, row, wg, valid_rows, False)
+        k_raw.release()
+        v_raw = raw_consumer.wait_and_advance()
+        self.convert(sRaw, sScale, v_raw.index, v_rows, row, wg, valid_rows, True)
+        v_raw.release()
+        if loader:
+            if u + ahead < tiles:  # tile u + ahead into the stages just released
+                for x in cutlass.range_constexpr(2):
+                    self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u + ahead, x == 1)
+                    raw_producer.advance()
+        return raw_producer, raw_consumer
 
     @cute.jit
     def convert(self, sRaw, sScale, stage, dst, tidx, wg, valid_rows, is_v: cutlass.Constexpr):
