@@ -303,6 +303,11 @@ def test_the_wgmma_tile_of_several_warpgroups_runs_when_chosen_or_forced(monkeyp
     device = torch.device("cuda", 0)
     assert msa_ops._prefill_tile("e4m3", 16, device, 132, 4) == "token"
     assert msa_ops._prefill_tile("e4m3", 16, device, 4 * 132, 4) == "hybrid"
+    # 16-bit K/V on a tile of several warpgroups takes the hand-off route: its union of 8 or
+    # 16 tokens' per-token selections would be several times a token's blocks.
+    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, "16bit", 2)
+    assert msa_ops._prefill_tile("16bit", 16, device, 132, 4) is None
+    assert msa_ops._prefill_tile("16bit", 16, device, 2 * 132, 4) == "hybrid"
 
 
 def test_the_forced_wgmma_tile_refuses_other_groups(monkeypatch):

@@ -720,10 +720,10 @@ WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 1, "nvfp4": 1}
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
     """msa_sparse_attention's kernel at G = 16 when the wgmma union tile (sm_90a) is built
     for the K/V format and its grid (4 tokens a warpgroup, WGMMA_WARPGROUPS a CTA, never
-    split) fills the GPU: for 16-bit
-    K/V that tile ("wgmma"), for FP8 and NVFP4 K/V the hand-off route ("hybrid": the wgmma
-    tile keeps the tiles whose tokens share their blocks and hands the others to the
-    one-token kernel). Otherwise the one-token kernel ("token") for FP8 and NVFP4 K/V (it
+    split) fills the GPU: for 16-bit K/V that tile ("wgmma"; of several warpgroups, the
+    hand-off route), for FP8 and NVFP4 K/V the hand-off route ("hybrid": the wgmma tile
+    keeps the tiles whose tokens share their blocks and hands the others to the one-token
+    kernel). Otherwise the one-token kernel ("token") for FP8 and NVFP4 K/V (it
     splits small launches and converts each block once a token) and the mma.sync union
     tile (None) for 16-bit K/V and at other G.
     MP1 on the H200, ms (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md, each kernel
@@ -740,6 +740,8 @@ def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int
     fills = _wgmma_built(device.index, kv_format) and ctas >= _multiprocessors(device)
     if kv_format != "16bit":
         return "hybrid" if fills else "token"
+    if WGMMA_WARPGROUPS[kv_format] > 1:  # 8 or 16 tokens' union: per-token ones handed off
+        return "hybrid" if fills else None
     return "wgmma" if fills else None
 
 
