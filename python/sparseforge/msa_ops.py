@@ -961,7 +961,6 @@ def _attention(
     check_writable("out", out, inputs)
     if tile == "auto":  # a variant forced by SPARSEFORGE_VARIANT, else prefill's choice
         tile = attention_family.forced_tile(kv_format)
-    warpgroups = attention_family.forced_warpgroups(kv_format) or WGMMA_WARPGROUPS[kv_format]
     wgmma_group = attention_family.constant("wgmma_group")
     if tile in ("wgmma", "hybrid") and heads // kv_heads != wgmma_group:
         raise ValueError(
@@ -981,8 +980,12 @@ def _attention(
             tokens_per_cta = attention_family.constant("tile_rows") // (heads // kv_heads)
             ctas = (total_q // tokens_per_cta + cu_seqlens_q.shape[0] - 1) * kv_heads
         splits = _splits(device, ctas, q2k_indices.shape[2])
+        warpgroups = 1  # of the wgmma tile: the forced variant's, else prefill's choice
         if tile in ("wgmma", "hybrid"):  # one CTA a tile (and the one-token kernel unsplit)
             splits = 1
+            warpgroups = (
+                attention_family.forced_warpgroups(kv_format) or WGMMA_WARPGROUPS[kv_format]
+            )
         partial_o, partial_lse = _no_partials(device)
         if splits > 1:
             partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)
