@@ -309,7 +309,7 @@ def test_hybrid_runs_every_token_once(kv_format, warpgroups, hand_off, monkeypat
         pytest.skip("no wgmma union tile for this GPU's arch")
     use_tile(monkeypatch, "hybrid")
     fmt = "16bit" if kv_format == "bf16" else kv_format
-    monkeypatch.setitem(msa_ops.HAND_OFF, fmt, hand_off)
+    monkeypatch.setitem(msa_ops.HAND_OFF, fmt, {warpgroups: hand_off})
     monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
     kernel, ref = msa_attention_inputs(kv_format, True, [96, 61], [3000, 6000], 32, 2, 16, 5)
     q2k = kernel["q2k_indices"]

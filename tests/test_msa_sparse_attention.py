@@ -245,9 +245,11 @@ def test_prefill_picks_its_kernel_by_format_group_and_grid(monkeypatch, wgmma_bu
     )
     assert msa_ops._prefill_tile("16bit", 16, device, fills - 4, 4) is None
     for kv_format in ("e4m3", "nvfp4"):
+        tokens_a_cta = 4 * msa_ops.WGMMA_WARPGROUPS[kv_format]
+        filled = fills * tokens_a_cta // 4
         assert msa_ops._prefill_tile(kv_format, 16, device, 1, 4) == "token"
-        assert msa_ops._prefill_tile(kv_format, 16, device, fills - 4, 4) == "token"
-        for tokens in (fills, 10 * fills):
+        assert msa_ops._prefill_tile(kv_format, 16, device, filled - tokens_a_cta, 4) == "token"
+        for tokens in (filled, 10 * filled):
             assert msa_ops._prefill_tile(kv_format, 16, device, tokens, 4) == (
                 "hybrid" if wgmma_built else "token"
             )
@@ -329,3 +331,4 @@ def test_the_hybrid_route_refuses_other_groups(monkeypatch):
     with pytest.raises(ValueError, match="takes 16 query heads per kv head; Hq = 16, Hkv = 4"):
         msa_ops.msa_sparse_attention(**api_args(), causal=True)
     assert set(msa_ops.HAND_OFF) == {"16bit", "e4m3", "nvfp4"}
+    assert all(set(by_warpgroups) == {1, 2, 4} for by_warpgroups in msa_ops.HAND_OFF.values())

@@ -621,24 +621,26 @@ def msa_sparse_attention(
     return_softmax_lse also lse = ln sum exp(scale * s) fp32 (total_q, Hq), and with
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
     Kernels (_prefill_tile): at G = 16 where the union tile on wgmma is built (sm_90a) and its
-    grid of 4-token CTAs fills the GPU, that tile with bf16 / fp16 K/V; with FP8 or NVFP4 K/V
-    that tile for groups of 4 tokens whose blocks overlap enough (a union of at most HAND_OFF x
-    topk blocks) and the one-token kernel of msa_sparse_decode_attention (each token reads only
-    its own blocks) for the others, launched next. Smaller launches with FP8 or NVFP4 K/V: the
-    one-token kernel; otherwise the mma.sync union tile. A union tile's CTA of 64 // G tokens
-    walks the union of their blocks once, each row masked to its own: fastest when neighbouring
-    tokens share their blocks. Non-finite values: a NaN or inf in K reaches only the rows that
-    attend to its key; one in V also reaches, as 0 x inf, rows that multiply its 64-key tile
-    without attending to that key, as in dense attention kernels: a row whose causal limit falls
-    inside the tile, and rows of other tokens sharing the tile's MMA (in the wgmma tile the
-    CTA's 4 tokens, in the mma.sync union tile the tokens of one warp's 16 rows: none other at G
-    = 16). Values past each sequence never reach the output. One launch (two for the hand-off
-    route, and when a small batch's keys are split across CTAs: a second merges the fp32
-    partials), no host synchronisation: CUDA-graph capturable (`workspace`, an
-    MSASparseAttentionWorkspace, is accepted and not needed). The index values are not checked
-    on the host (that would need a host synchronisation): ids outside [0, blocks of the
-    sequence) and blocks whose page id lies outside the cache are skipped like -1; offsets
-    (cu_seqlens_q / _k, seqused_k) past the tensors read out of bounds."""
+    grid fills the GPU, that tile with bf16 / fp16 K/V (4 tokens a CTA); with FP8 or NVFP4 K/V
+    that tile of 2 warpgroups (8 tokens a CTA) for groups of tokens whose blocks overlap enough
+    (a union of at most HAND_OFF x topk blocks) and the one-token kernel of
+    msa_sparse_decode_attention (each token reads only its own blocks) for the others, launched
+    next. Selections shared by 8 tokens run fastest there; shared in part (a union of 1.2-1.9 x
+    topk for 8 tokens) they run up to 20% slower than on the 4-token tile (WGMMA_WARPGROUPS).
+    Smaller launches with FP8 or NVFP4 K/V: the one-token kernel; otherwise the mma.sync union
+    tile. A union tile's CTA walks the union of its tokens' blocks once, each row masked to its
+    own: fastest when neighbouring tokens share their blocks. Non-finite values: a NaN or inf in
+    K reaches only the rows that attend to its key; one in V also reaches, as 0 x inf, rows that
+    multiply its 64-key tile without attending to that key, as in dense attention kernels: a row
+    whose causal limit falls inside the tile, and rows of other tokens sharing the tile's MMA
+    (in the wgmma tile the CTA's 4 or 8 tokens, in the mma.sync union tile the tokens of one
+    warp's 16 rows: none other at G = 16). Values past each sequence never reach the output. One
+    launch (two for the hand-off route, and when a small batch's keys are split across CTAs: a
+    second merges the fp32 partials), no host synchronisation: CUDA-graph capturable
+    (`workspace`, an MSASparseAttentionWorkspace, is accepted and not needed). The index values
+    are not checked on the host (that would need a host synchronisation): ids outside [0, blocks
+    of the sequence) and blocks whose page id lies outside the cache are skipped like -1;
+    offsets (cu_seqlens_q / _k, seqused_k) past the tensors read out of bounds."""
     return _attention(
         q, k, v, q2k_indices, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, page_table,
         seqused_k, return_softmax_lse, k_scale, v_scale, k_global_scale, v_global_scale,
@@ -699,22 +701,31 @@ def msa_sparse_decode_attention(
     )  # fmt: skip
 
 
-# tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format] x topk
-# blocks hands its tokens to the one-token kernel. Where the two kernels cross: MP1 on the
-# H200 (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md) with per-token selections
-# (a 4-token union of 41.9 blocks) and hand_off swept from 1.0 to 3.2: 16-bit K/V fastest
-# at 2.8 (14.24-14.25 ms against 14.38-14.39 at 2.4 and 14.49-14.62 at 3.2); FP8 and NVFP4
-# K/V fastest at the lowest values (12.41 / 14.46-14.47 ms at 1.0, 12.45-12.47 /
-# 14.71-14.73 at 1.6) and flat on chunk-shared selections, where every tile stays. The
-# values kept for FP8 and NVFP4 are where the two kernels' per-union times cross (~1.6 and
-# ~1.2 x topk, bench/results/2026-12-04_97b0834_h200_msa_wgmma_tile.md): tiles of
-# partly shared selections, which neither benchmark holds, go to the faster one.
-HAND_OFF = {"16bit": 2.8, "e4m3": 1.6, "nvfp4": 1.2}
+# tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format][warpgroups]
+# x topk blocks hands its tokens to the one-token kernel. The values are where the two
+# kernels' times cross on MP1's shape with selections shared in part (block 0, the own block,
+# s blocks drawn per 16-token group and 14 - s per token; s from 14 down to 6), the wgmma tile
+# forced alone against the one-token kernel, two interleaved rounds on an H100
+# (bench/results/2026-12-05_h100_msa_warpgroups_hand_off.md): FP8 1.46 / 1.65 / 1.55 and
+# NVFP4 1.44 / 1.79 / 1.79 x topk at 1 / 2 / 4 warpgroups, 16-bit 3.1 at 4 and past the
+# sweep's 3.07 at 2 (3.2 extrapolated); 16-bit at one warpgroup keeps 2.8, the H200 sweep of
+# the route (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md), where that sweep gives
+# ~2.9.
+HAND_OFF = {
+    "16bit": {1: 2.8, 2: 3.2, 4: 3.1},
+    "e4m3": {1: 1.45, 2: 1.65, 4: 1.55},
+    "nvfp4": {1: 1.45, 2: 1.8, 4: 1.8},
+}
 # The wgmma union tile's warpgroups a CTA (4 tokens each) by K/V format, on both routes that
-# run it. 2 and 4 are built too (one ring, and for FP8 / NVFP4 one converted tile, for 8 or
-# 16 tokens: less shared-memory traffic, L2 traffic and conversion a row,
-# docs/performance.md); not yet measured, so 1.
-WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 1, "nvfp4": 1}
+# run it. MP1 on an H100, three interleaved rounds (same results file): with chunk-shared
+# selections 2 warpgroups take FP8 from 5.52 to 4.89 ms and NVFP4 from 7.45 to 5.80 on the
+# hand-off route (4 warpgroups: 5.25 / 5.79), with per-token ones the route is the same
+# (10.06 -> 9.99, 12.96 -> 12.87: tiles handed off). The cost: selections shared in part
+# (12-13 of 16 blocks shared by 16 tokens) run up to 19% slower on 2 warpgroups than on 1.
+# 16-bit K/V keeps one (its route: the tile alone): on 2 warpgroups chunk-shared selections
+# take 3.74-4.12 ms on the hand-off route (3.62-3.68 alone) against 3.85-3.89, per-token ones
+# 15.08 (20.67 alone) against 13.93.
+WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 2, "nvfp4": 2}
 
 
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
@@ -995,7 +1006,7 @@ def _attention(
         hand_off, handed = 0.0, unused.view(1, 1)
         kernels = (tile,)
         if tile == "hybrid":
-            hand_off = HAND_OFF[kv_format]
+            hand_off = HAND_OFF[kv_format][warpgroups]
             handed = torch.empty((total_q, kv_heads), dtype=torch.int32, device=device)
             kernels = ("wgmma", "token")
         launches = [
