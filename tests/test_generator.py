@@ -37,7 +37,6 @@ def test_each_arch_prefers_its_native_template():
         "sm90_wgmma",
         "tma_warp_mma",
         "warp_mma",
-        "sm90_wgmma_union",  # forced only: last
     ]
     assert [t.name for t in family.templates_for("sm_100f")] == [
         "sm100_tcgen05",

@@ -368,53 +368,17 @@ def test_units_sharing_a_ring_match_single_ctas(monkeypatch, dtype, head_dim, gr
         assert torch.equal(out2, out1) and torch.equal(lse2, lse1), units
 
 
-@pytest.mark.skipif("sparseforge" not in BACKENDS, reason="no sm90_wgmma build")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group, block, seq", [(1, 64, 1000), (1, 64, 4096), (3, 128, 777)])
-def test_union_streaming_matches_single_ctas(monkeypatch, dtype, group, block, seq):
-    """Two or four consecutive units of one head per CTA over the union of their tiles
-    (sm90_wgmma_union, forced), each computing only its own: bit for bit the output of one
-    unit per CTA, which matches the reference (ragged masks: empty units, one-tile units,
-    a last group short of partners)."""
-    torch.manual_seed(zlib.crc32(f"union{dtype}{group}{block}{seq}".encode()))
-    hkv = 2
-    mb = -(-seq // block)
-    mask = ragged_mask(hkv, mb, mb, seed=seq)
-    sizes = reference.uniform_sizes(seq, block).expand(hkv, -1)
-    q, k, v = random_inputs(hkv * group, hkv, seq, seq, 128, dtype)
-    tag = "bf16" if dtype == torch.bfloat16 else "fp16"
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"block_sparse_fwd__sm90_wgmma__{tag}_d128__sm_90a")
-    out1, lse1 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
-    check(out1, lse1, *reference_for(mask, sizes, sizes, q, k, v))
-    for units in (2, 4):
-        name = f"block_sparse_fwd__sm90_wgmma_union__{tag}_d128_w{units}__sm_90a"
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
-        out2, lse2 = run_variable(mask, sizes, sizes, q, k, v, "sparseforge")[1:]
-        assert torch.equal(out2, out1) and torch.equal(lse2, lse1), units
-
-
-@pytest.mark.parametrize(
-    "template, hq, hkv, why",
-    [
-        # MHA units of 64-row blocks: no group of two shares one tile list.
-        ("sm90_wgmma", 3, 3, "groups of 2"),
-        # Query heads of a kv group share its tiles: no union to stream.
-        ("sm90_wgmma_union", 4, 2, "share their kv head's tiles"),
-    ],
-)
-def test_variants_of_two_units_a_cta_refuse_plans_they_do_not_fit(
-    monkeypatch, template, hq, hkv, why
-):
+def test_shared_ring_variant_refuses_plans_without_groups(monkeypatch):
     if "sparseforge" not in BACKENDS:
         pytest.skip("no sm90_wgmma build")
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", f"block_sparse_fwd__{template}__bf16_d128_w2__sm_90a")
-    sizes = torch.full((hkv, 4), 64)
-    with pytest.raises(ValueError, match=why):
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", "block_sparse_fwd__sm90_wgmma__bf16_d128_w2__sm_90a")
+    sizes = torch.full((3, 4), 64)
+    with pytest.raises(ValueError, match="groups of 2"):
         run_variable(
-            torch.ones(hkv, 4, 4, dtype=torch.bool),
+            torch.ones(3, 4, 4, dtype=torch.bool),
             sizes,
             sizes,
-            *random_inputs(hq, hkv, 256, 256, 128, torch.bfloat16),
+            *random_inputs(3, 3, 256, 256, 128, torch.bfloat16),
             "sparseforge",
         )
 

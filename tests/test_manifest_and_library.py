@@ -209,11 +209,7 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
         "block_sparse_fwd__sm90_wgmma__bf16_d128_w4__sm_90a"
     )
     one = families.choose(
-        "block_sparse_fwd",
-        "sm_90a",
-        fits=lambda kernel: kernel.units_per_cta == 1,
-        dtype="bf16",
-        head_dim=128,
+        "block_sparse_fwd", "sm_90a", fits=lambda units: units == 1, dtype="bf16", head_dim=128
     )
     assert one.name == "block_sparse_fwd__sm90_wgmma__bf16_d128__sm_90a"
     portable = families.choose("sage_fp8_fwd", "sm_90a", portable=True, dtype="e4m3", head_dim=64)

@@ -146,36 +146,6 @@ def test_cta_work_pairs_units_of_128_row_blocks(seq_q):
     assert counts == sorted(counts, reverse=True) and counts[0] == 8
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("seq_q, block_r", [(64 * 8, 64), (64 * 7 - 5, 64), (64 * 9, 192)])
-def test_union_lists_of_a_cta_units(n, seq_q, block_r):
-    """Union kernels: each CTA's units (n consecutive units of one head, as longest_first
-    groups them) list the union of their tiles, ascending, each entry flagged where the
-    unit's own row lists it; the flagged entries are exactly the unit's own list."""
-    owned_bit = 1 << 30
-    hq, units, seq_k = 3, -(-seq_q // 64), 64 * 12
-    mask = random_selection(hq, -(-seq_q // block_r), 12, topk=4)
-    mask[1, 0] = False  # a unit without tiles
-    rows, cols = uniform(hq, seq_q, block_r), uniform(hq, seq_k, 64)
-    own = tile_plan(mask, rows, cols, seq_q, seq_k, hq)
-    plan = tile_plan(mask, rows, cols, seq_q, seq_k, hq, units_per_cta=n, owned_bit=owned_bit)
-    for h in range(hq):
-        for r in range(units):
-            group = range(r - r % n, min(r - r % n + n, units))
-            union = sorted(
-                {int(t) for u in group for t in own.tile_idx[h, u, : own.tile_cnt[h, u]]}
-            )
-            entries = plan.tile_idx[h, r, : plan.tile_cnt[h, r]].tolist()
-            assert [e % owned_bit for e in entries] == union
-            flagged = [e % owned_bit for e in entries if e >= owned_bit]
-            assert flagged == own.tile_idx[h, r, : own.tile_cnt[h, r]].tolist()
-    work = plan.work.view(-1, n).tolist()
-    for members in work:  # one CTA: n consecutive units of one head
-        lead = members[0]
-        assert members == [min(lead + i, (lead // units + 1) * units - 1) for i in range(n)]
-        assert len({int(plan.tile_cnt[m // units, m % units]) for m in members}) == 1
-
-
 def test_tile_padded_scales_rows_are_whole_tiles_with_zero_padding():
     buf = planner.tile_padded_scales(2, 100, 16, 64, "cpu")  # 7 groups of 16 keys, 2 tiles
     assert buf.shape == (1, 2, 8) and buf.is_contiguous()

@@ -26,14 +26,6 @@ WARPGROUPS = (1, 2, 4)
 # head_dim 256: one CTA per SM (its O accumulator alone takes 128 registers per thread), so
 # four warpgroups (128 registers each) cannot hold it.
 WARPGROUPS_D256 = (1, 2)
-# sm90_wgmma_union: warpgroups per CTA over consecutive 64-row units of one head, which list
-# the union of their tiles (one ring) and compute only their own: on W1's random top-64
-# selections four units stream 0.83x the tiles of one a CTA
-# (bench/results/2026-12-05_union_streaming_bytes_cpu.md). Chosen only when forced
-# (SPARSEFORGE_VARIANT) until measured.
-UNION_WARPGROUPS = (2, 4)
-# A union list entry is the tile id plus OWNED_BIT where the entry's own unit lists the tile.
-OWNED_BIT = 1 << 30
 # tma_warp_mma: units per CTA (config key "warpgroups"), 64 query rows each. Its warps own 32
 # rows each up to head_dim 128 (two or four warps), 16 at 256 (four warps: one unit).
 TMA_WARP_MMA_UNITS = {64: (1, 2), 128: (1, 2), 256: (1,)}
@@ -184,24 +176,6 @@ def templates(logits: bool):
             ),
             portable=True,
         ),
-        # Last: never preferred, only forced (UNION_WARPGROUPS).
-        *(
-            ()
-            if logits
-            else (
-                Template(
-                    "sm90_wgmma_union",
-                    "generator.kernels.sm90.block_sparse_fwd",
-                    mma="wgmma",
-                    archs=("sm_90a",),
-                    configs=tuple(
-                        dict(dtype=t, head_dim=128, warpgroups=w, union=True)
-                        for t in DTYPES
-                        for w in UNION_WARPGROUPS
-                    ),
-                ),
-            )
-        ),
     )
 
 
@@ -212,7 +186,6 @@ CONSTANTS = {
     "logit_mask": LOGIT_MASK,
     "logit_alibi": LOGIT_ALIBI,
     "logit_soft_cap": LOGIT_SOFT_CAP,
-    "owned_bit": OWNED_BIT,
 }
 
 FAMILIES = (

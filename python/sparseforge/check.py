@@ -182,9 +182,7 @@ def check_attention(v: dict, block: int, small: bool, seed: int = 0) -> tuple[st
     "scores" kind), planned and run with the variant forced, against the fp32 reference."""
     p = v["params"]
     options = LOGIT_OPTIONS[p["logits"]] if p.get("logits") else {}
-    # Units per CTA as query heads of a kv group; a union variant's are consecutive units of
-    # one head (MHA).
-    group = 1 if p.get("union") else v["constraints"]["units_per_cta"]
+    group = v["constraints"]["units_per_cta"]
     hkv, hq, d = 2, 2 * group, p["head_dim"]
     sq, sk = (300, 200) if small else (1000, 777)
     torch.manual_seed(seed)

@@ -145,13 +145,9 @@ def plan_attention(
         )
     group = num_qo_heads // num_kv_heads
 
-    def fits(kernel) -> bool:
-        """A CTA of several units needs them to share a tile list: query heads of one kv
-        group, or consecutive units of one row block (planner.longest_first); a union
-        kernel, consecutive units of one head (any rows: it lists their tiles' union)."""
-        units = kernel.units_per_cta
-        if kernel.params.get("union"):
-            return group % units != 0
+    def fits(units: int) -> bool:
+        """A CTA of `units` units needs them to share a tile list: query heads of one kv
+        group, or consecutive units of one row block (planner.longest_first)."""
         return group % units == 0 or planner.rows_fit_units(rows, units, unit_rows)
 
     arch = arch_for_device(
@@ -197,7 +193,6 @@ def plan_attention(
         and planner.sizes_are_tiles(cols, tile_keys),
         compact=tile_compact.compact,
         order=order,
-        owned_bit=spec.constant("owned_bit") if kernel.params.get("union") else None,
     )
     launch, refresh = family.bind(kernel, tiles, sm_scale * LOG2_E, scales, logit_args)
     if rope:

@@ -195,7 +195,6 @@ def plan_tiles(
     units_per_cta: int = 1,
     compact: Callable = compact_rows,
     order: Callable | None = None,
-    owned_bit: int | None = None,
 ) -> TilePlan:
     """block_mask (Hkv, MB, NB) bool; row_sizes (Hkv, MB), col_sizes (Hkv, NB) in tokens.
 
@@ -204,8 +203,6 @@ def plan_tiles(
     units_per_cta: units per CTA of the chosen kernel (see longest_first).
     compact: (Hkv, R, NT) bool -> (tile_idx, tile_cnt), as compact_rows.
     order: (tile_cnt, group, units_per_cta) -> work, as longest_first (its default).
-    owned_bit: a union kernel's flag: each CTA's units list the union of their tiles
-    (union_rows).
     """
     device = block_mask.device
     hkv = block_mask.shape[0]
@@ -225,10 +222,7 @@ def plan_tiles(
     if kv_block_lens is not None:  # only kv_block_lens leaves tiles with no valid key
         listed = listed & (tile_len > 0)
 
-    if owned_bit is None:
-        tile_idx, tile_cnt = compact(listed)
-    else:
-        tile_idx, tile_cnt = union_rows(listed, units_per_cta, compact, owned_bit)
+    tile_idx, tile_cnt = compact(listed)
     return TilePlan(
         tile_idx=tile_idx,
         tile_cnt=tile_cnt,
@@ -239,23 +233,6 @@ def plan_tiles(
         num_qo_heads=num_qo_heads,
         num_kv_heads=hkv,
     )
-
-
-def union_rows(
-    listed: torch.Tensor, units: int, compact: Callable, owned_bit: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_idx, tile_cnt) of a (Hkv, R, NT) tile mask for a union kernel: each group of
-    `units` consecutive units (a CTA's, as longest_first groups the units of one head; the
-    last group of a head may be short) lists the union of the group's tiles, ascending, in
-    every unit's row, each entry plus `owned_bit` where that row's own unit lists the tile.
-    The CTA streams each union tile once; each unit computes only its own."""
-    hkv, rows, tiles = listed.shape
-    grouped = torch.nn.functional.pad(listed, (0, 0, 0, -rows % units))
-    union = grouped.view(hkv, -1, units, tiles).any(2).repeat_interleave(units, dim=1)
-    tile_idx, tile_cnt = compact(union[:, :rows])
-    # Entries past a row's count are never read; clamped to stay in the gather's range.
-    owned = torch.gather(listed, 2, tile_idx.clamp(0, tiles - 1).long())
-    return tile_idx | owned.to(torch.int32) * owned_bit, tile_cnt
 
 
 def longest_first(tile_cnt: torch.Tensor, group: int, units_per_cta: int = 1) -> torch.Tensor:

@@ -39,7 +39,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from generator.families.block_sparse_fwd import OWNED_BIT, TILE_KEYS, UNIT_ROWS
+from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
 from generator.kernels.common.entry import element_type, unit_launch_options
 from generator.kernels.common.logit_options import (
     UnitLogits,
@@ -71,19 +71,9 @@ D256_SMEM_BYTES = 192 * 1024
 
 
 class BlockSparseFwdSm90:
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        warpgroups: int = 1,
-        logits: str | None = None,
-        union: bool = False,
-    ):
+    def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: str | None = None):
         self.dtype = dtype
         self.logits = logits  # block_sparse_fwd_logits' kind (LOGIT_KINDS), or None
-        # The warpgroups' units list the union of their tiles, each entry flagged where the
-        # warpgroup's own unit lists it (OWNED_BIT; planner.union_rows).
-        self.union = union
         self.head_dim = head_dim
         self.warpgroups = warpgroups
         self.p_offset = probability_offset(dtype)
@@ -422,13 +412,7 @@ class BlockSparseFwdSm90:
         before the row). A predicated read instead of the clamp cost F1 6%:
         bench/results/2026-12-01_37d12d3_vs_592542c_h200_tile_id_reads_ab.md."""
         for i in cutlass.range_constexpr(2):
-            ids[i] = self.tile_of(tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)])
-
-    def tile_of(self, entry):
-        """The tile id of a tile-list entry (union lists flag owned entries in OWNED_BIT)."""
-        if cutlass.const_expr(self.union):
-            return entry & cutlass.Int32(OWNED_BIT - 1)
-        return entry
+            ids[i] = tile_ids[cutlass.min((first + i) // 2, num_tiles - 1)]
 
     @cute.jit
     def start_ring(self, q_producer, kv_producer, loads, tile_ids, num_tiles, warp, wg, next_ids):
@@ -443,7 +427,7 @@ class BlockSparseFwdSm90:
             cpasync.prefetch_descriptor(k_load[0])
             cpasync.prefetch_descriptor(v_load[0])
             for n in cutlass.range(cutlass.min(2 * num_tiles, self.kv_stages), unroll=1):
-                self.ring_load(kv_producer, k_load, v_load, n, self.tile_of(tile_ids[n // 2]))
+                self.ring_load(kv_producer, k_load, v_load, n, tile_ids[n // 2])
                 kv_producer.advance()
             if num_tiles > 0:  # an empty list has no ids to read (refill_ring never runs)
                 self.read_load_ids(tile_ids, num_tiles, self.kv_stages, next_ids)
@@ -681,105 +665,47 @@ class BlockSparseFwdSm90:
         words = None
         if cutlass.const_expr(logits is not None):
             words = new_mask_words(logits)
-        if cutlass.const_expr(not self.union):
-            if num_tiles > 0:
-                next_tile = tile_ids[0]
-                next_len = mTileLen[next_tile]
+        if num_tiles > 0:
+            next_tile = tile_ids[0]
+            next_len = mTileLen[next_tile]
         q_consumer.wait_and_advance()
         sQ_stage = tSrQ[None, None, None, wg]
-        if cutlass.const_expr(self.union):
-            self.walk_union(
-                qk_mma, pv_mma, sQ_stage, tSrK, tOrV, sV, acc_S, acc_O, tScS_mn, row_max,
-                row_sum, scale_log2, kv_producer, kv_consumer, loads, tile_ids, num_tiles,
-                mTileLen, next_ids, tidx, warp, bar,
-            )  # fmt: skip
-        else:
-            for j in cutlass.range(num_tiles, unroll=1):
-                tile = next_tile
-                tile_len = next_len
-                k_handle = kv_consumer.wait_and_advance()
-                self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
-                if cutlass.const_expr(logits is not None):
-                    load_mask_words(logits, words, tile)
-                kv_producer = self.refill_ring(
-                    kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
-                )
-                next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
-                next_len = mTileLen[next_tile]
-                warpgroup.wait_group(0)
-                k_handle.release()
-                self.softmax_then_pv(
-                    pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
-                    kv_consumer, tile_len, tidx, bar, logits, words, tile, drain=True,
-                )  # fmt: skip
-        self.finish(
-            pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
-        )
-
-    @cute.jit
-    def walk_union(
-        self, qk_mma, pv_mma, sQ_stage, tSrK, tOrV, sV, acc_S, acc_O, tScS_mn, row_max,
-        row_sum, scale_log2, kv_producer, kv_consumer, loads, tile_ids, num_tiles, mTileLen,
-        next_ids, tidx, warp, bar,
-    ):  # fmt: skip
-        """Union lists: the warpgroup walks every position of its CTA's union list (the ring
-        streams each tile once) and computes only those flagged as its unit's. A skipped
-        tile's K and V stages are waited for all the same before they are released (released
-        early, they would count towards the stage's previous fill, which the other
-        warpgroups may still be reading), and warp 0 refills the ring at every position.
-        The computed tiles run in a loop of their own, so that no MMA sits in a branch (a
-        branch around them made ptxas serialize every wgmma)."""
-        position = cutlass.Int32(0)
-        for _ in cutlass.range(self.owned_count(tile_ids, num_tiles, tidx % 32), unroll=1):
-            while tile_ids[position] < OWNED_BIT:
-                kv_producer, kv_consumer = self.skip_position(
-                    kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
-                )
-                position = position + 1
-            tile = tile_ids[position] - OWNED_BIT
+        for j in cutlass.range(num_tiles, unroll=1):
+            tile = next_tile
+            tile_len = next_len
             k_handle = kv_consumer.wait_and_advance()
             self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_handle.index])
+            if cutlass.const_expr(logits is not None):
+                load_mask_words(logits, words, tile)
             kv_producer = self.refill_ring(
-                kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+                kv_producer, loads, tile_ids, num_tiles, warp, j, next_ids
             )
-            tile_len = mTileLen[tile]
+            next_tile = tile_ids[cutlass.min(j + 1, num_tiles - 1)]
+            next_len = mTileLen[next_tile]
             warpgroup.wait_group(0)
             k_handle.release()
             self.softmax_then_pv(
-                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
-                kv_consumer, tile_len, tidx, bar, None, None, tile, drain=True,
-            )  # fmt: skip
-            position = position + 1
-        while position < num_tiles:
-            kv_producer, kv_consumer = self.skip_position(
-                kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+                pv_mma,
+                acc_S,
+                acc_O,
+                tScS_mn,
+                row_max,
+                row_sum,
+                scale_log2,
+                tOrV,
+                sV,
+                kv_consumer,
+                tile_len,
+                tidx,
+                bar,
+                logits,
+                words,
+                tile,
+                drain=True,
             )
-            position = position + 1
-
-    @cute.jit
-    def owned_count(self, tile_ids, num_tiles, lane):
-        """How many entries of a union list are flagged as the unit's own (a warp's vote)."""
-        count = cutlass.Int32(0)
-        for first in cutlass.range(0, num_tiles, 32, unroll=1):
-            entry = tile_ids[cutlass.min(first + lane, num_tiles - 1)]
-            owned = (first + lane < num_tiles) & (entry >= OWNED_BIT)
-            count = count + cutlass.Int32(cute.arch.popc(cute.arch.vote_ballot_sync(owned)))
-        return count
-
-    @cute.jit
-    def skip_position(
-        self, kv_consumer, kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
-    ):
-        """Union lists, a position the warpgroup does not compute: its K and V stages waited
-        for and released, the ring refilled (warp 0). Returns the producer and the consumer
-        (rebind both: a loop carries only what its body rebinds)."""
-        k_handle = kv_consumer.wait_and_advance()
-        kv_producer = self.refill_ring(
-            kv_producer, loads, tile_ids, num_tiles, warp, position, next_ids
+        self.finish(
+            pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
         )
-        k_handle.release()
-        kv_consumer.wait_and_advance().release()
-        return kv_producer, kv_consumer
 
     @cute.jit
     def softmax_then_pv(
@@ -967,20 +893,10 @@ class BlockSparseFwdSm90:
         )
 
 
-class BlockSparseUnionSm90(BlockSparseFwdSm90):
-    """The shared-ring kernel over union lists (sm90_wgmma_union): a class of its own, so
-    that its cubins' kernel symbols name it (ci/compile_matrix.py)."""
-
-    def __init__(self, dtype, head_dim: int, warpgroups: int):
-        super().__init__(dtype, head_dim, warpgroups, union=True)
-
-
 def make_kernel(variant):
     p = variant.params
     if not BlockSparseFwdSm90.can_implement(p["head_dim"]):
         raise ValueError(f"{variant.name}: head_dim {p['head_dim']} not supported")
-    if p.get("union"):
-        return BlockSparseUnionSm90(element_type(p["dtype"]), p["head_dim"], p["warpgroups"])
     return BlockSparseFwdSm90(
         element_type(p["dtype"]), p["head_dim"], p["warpgroups"], p.get("logits")
     )

@@ -109,7 +109,7 @@ def choose(
 ) -> _library.Kernel:
     """The variant of `family` for `arch` with these parameters: the first template in the
     family's preference order (only its portable ones with `portable`) that has one; of
-    its variants, the one with the most units per CTA that `fits(kernel)` allows.
+    its variants, the one with the most units per CTA that `fits(units)` allows.
 
     SPARSEFORGE_VARIANT=<name> forces a variant of the family it belongs to (tuning,
     debugging): it must exist in this build, and for its family's calls be of this arch,
@@ -119,7 +119,7 @@ def choose(
     self-check passed (self_check, sparseforge.selftest): one that fails gives way to the
     next that fits.
     """
-    fits = fits or (lambda kernel: True)
+    fits = fits or (lambda units: True)
     built = _library.kernels(family, arch)
     forced = forced_variant()
     if forced is not None and forced.family == family:
@@ -128,16 +128,10 @@ def choose(
                 f"SPARSEFORGE_VARIANT={forced.name} does not fit: this call needs {family} on "
                 f"{arch} with {params}"
             )
-        if not fits(forced):
+        if not fits(forced.units_per_cta):
             raise ValueError(
                 f"SPARSEFORGE_VARIANT={forced.name} runs units in groups of "
-                f"{forced.units_per_cta} "
-                + (
-                    "of one head over the union of their tiles; this plan's query heads "
-                    "share their kv head's tiles in such groups already"
-                    if forced.params.get("union")
-                    else "with one tile list; this plan has none"
-                )
+                f"{forced.units_per_cta} with one tile list; this plan has none"
             )
         why = self_check(forced, arch)
         if why is not None:
@@ -147,7 +141,7 @@ def choose(
         return forced
     failed = []
     for kernel in _preferred(family, arch, portable, tuple(sorted(params.items()))):
-        if fits(kernel):
+        if fits(kernel.units_per_cta):
             why = self_check(kernel, arch)
             if why is None:
                 return kernel
