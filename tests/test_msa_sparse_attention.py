@@ -332,3 +332,31 @@ def test_the_hybrid_route_refuses_other_groups(monkeypatch):
         msa_ops.msa_sparse_attention(**api_args(), causal=True)
     assert set(msa_ops.HAND_OFF) == {"16bit", "e4m3", "nvfp4"}
     assert all(set(by_warpgroups) == {1, 2, 4} for by_warpgroups in msa_ops.HAND_OFF.values())
+
+
+def test_the_hand_off_route_stages(monkeypatch):
+    """The hand-off route's launches: the wgmma tile, then the one-token kernel, both by
+    HAND_OFF at the tile's warpgroups; with FOUR_TOKEN_HAND_OFF, a tile of several warpgroups
+    hands its large unions to the 4-token tile first (which reads the hand-off flags), and
+    the one-token kernel runs what that tile hands on. Other routes launch one kernel."""
+    hand_off = {1: 1.25, 2: 1.5, 4: 1.75}
+    monkeypatch.setitem(msa_ops.HAND_OFF, "e4m3", hand_off)
+    monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, "e4m3", None)
+    assert msa_ops._stages("token", "e4m3", 1) == (("token", 1, 0.0, False),)
+    assert msa_ops._stages("wgmma", "e4m3", 2) == (("wgmma", 2, 0.0, False),)
+    assert msa_ops._stages("hybrid", "e4m3", 2) == (
+        ("wgmma", 2, 1.5, False),
+        ("token", 1, 1.5, False),
+    )
+    monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, "e4m3", 1.125)
+    assert msa_ops._stages("hybrid", "e4m3", 1) == (
+        ("wgmma", 1, 1.25, False),
+        ("token", 1, 1.25, False),
+    )
+    for warpgroups in (2, 4):
+        assert msa_ops._stages("hybrid", "e4m3", warpgroups) == (
+            ("wgmma", warpgroups, 1.125, False),
+            ("wgmma", 1, 1.25, True),
+            ("token", 1, 1.25, False),
+        )
+    assert set(msa_ops.FOUR_TOKEN_HAND_OFF) == set(msa_ops.HAND_OFF)

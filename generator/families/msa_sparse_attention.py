@@ -78,7 +78,10 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
     hand_off    0, or the union size (in top-k lists) past which a wgmma union tile hands
                 its tokens to the one-token kernel launched after it: the wgmma tile keeps
                 a tile whose union has at most hand_off x topk blocks, the one-token kernel
-                runs only the tokens handed to it (the union tile ignores it)"""
+                runs only the tokens handed to it (the union tile ignores it)
+    hand_in     0, or 1 for a wgmma union tile launched after a wgmma tile of more
+                warpgroups with hand_off: it runs only the tiles whose tokens that tile
+                handed off (mHandOff != 0), itself keeping or handing on by hand_off"""
     x = head_dim // 2 if kv_dtype == "u8" else head_dim
     rows = dict(shape=(None, None, head_dim), stride=(None, None, 1), divisibility=8)
     vector = dict(shape=(None,), stride=(1,))
@@ -119,6 +122,7 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
         ScalarArg("want_lse", "i32"),
         ScalarArg("splits", "i32"),
         ScalarArg("hand_off", "f32"),
+        ScalarArg("hand_in", "i32"),
     )
 
 

@@ -726,6 +726,34 @@ HAND_OFF = {
 # take 3.74-4.12 ms on the hand-off route (3.62-3.68 alone) against 3.85-3.89, per-token ones
 # 15.08 (20.67 alone) against 13.93.
 WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 2, "nvfp4": 2}
+# The hand-off route on a tile of several warpgroups can hand a tile whose union has more than
+# FOUR_TOKEN_HAND_OFF[kv_format] x topk blocks to the 4-token tile (a third launch, between
+# the two), which keeps it or hands it on to the one-token kernel by HAND_OFF[kv_format][1]:
+# on selections shared in part the 4-token tile is up to 20% faster than the 8-token one
+# (above), on chunk-shared ones the 8-token tile keeps every tile. Where the 2- and the
+# 1-warpgroup tiles alone cross on the same sweep: FP8 ~1.1, NVFP4 ~1.35 x topk. None: off;
+# built, not yet run, so off.
+FOUR_TOKEN_HAND_OFF = {"16bit": None, "e4m3": None, "nvfp4": None}
+
+
+def _stages(tile: str | None, kv_format: str, warpgroups: int) -> tuple:
+    """The launches of a route, in order: (kernel, warpgroups, hand_off, hand_in) each.
+    "hybrid": the wgmma union tile, then the one-token kernel for the tokens of the tiles it
+    hands off (a union of more than HAND_OFF x topk blocks); with FOUR_TOKEN_HAND_OFF, a tile
+    of several warpgroups hands its large unions to the 4-token tile first, which keeps them
+    or hands them on by HAND_OFF at one warpgroup. Other routes: the one kernel."""
+    if tile != "hybrid":
+        return ((tile, warpgroups, 0.0, False),)
+    to_four = FOUR_TOKEN_HAND_OFF[kv_format] if warpgroups > 1 else None
+    if to_four is None:
+        last = HAND_OFF[kv_format][warpgroups]
+        return ("wgmma", warpgroups, last, False), ("token", 1, last, False)
+    last = HAND_OFF[kv_format][1]
+    return (
+        ("wgmma", warpgroups, to_four, False),
+        ("wgmma", 1, last, True),
+        ("token", 1, last, False),
+    )
 
 
 def _prefill_tile(kv_format: str, group: int, device, tokens: int, kv_heads: int):
@@ -1001,14 +1029,9 @@ def _attention(
         if splits > 1:
             partial_o = torch.empty((splits, total_q, heads, head_dim), device=device)
             partial_lse = torch.empty((splits, 2, total_q, heads), device=device)
-        # "hybrid": the wgmma union tile, then the one-token kernel for the tokens of the
-        # tiles it hands off (a union of more than HAND_OFF x topk blocks).
-        hand_off, handed = 0.0, unused.view(1, 1)
-        kernels = (tile,)
-        if tile == "hybrid":
-            hand_off = HAND_OFF[kv_format][warpgroups]
+        handed = unused.view(1, 1)
+        if tile == "hybrid":  # per (token, kv head): handed on by the stage before
             handed = torch.empty((total_q, kv_heads), dtype=torch.int32, device=device)
-            kernels = ("wgmma", "token")
         launches = [
             attention_family.launch(
                 device.index,
@@ -1025,9 +1048,10 @@ def _attention(
                 splits,
                 kernel,
                 hand_off,
-                warpgroups,
+                stage_warpgroups,
+                hand_in,
             )
-            for kernel in kernels
+            for kernel, stage_warpgroups, hand_off, hand_in in _stages(tile, kv_format, warpgroups)
         ]
         tensors = (
             q,

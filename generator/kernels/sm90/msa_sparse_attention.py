@@ -255,7 +255,13 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
     ):
         cta, kv_head, _ = cute.arch.block_idx()
         seq, chunk = token_tile_of_cta(args.mCuQ, cta, self.tokens)
-        if seq >= 0:
+        runs = seq >= 0
+        if args.hand_in != 0:
+            # Only the tokens the tile of more warpgroups launched before handed off: its
+            # tiles are whole groups of this one's (both align to the sequence's start).
+            if runs:
+                runs = args.mHandOff[args.mCuQ[seq] + chunk * self.tokens, kv_head] != 0
+        if runs:
             loads = (tma_k, mK_tma, tma_v, mV_tma, tma_ks, mKS_tma, tma_vs, mVS_tma)
             self.attend_tile(
                 qk_mma, pv_mma, loads, args, sQ_layout, sK_layout, sV_layout, sO_layout,

@@ -83,10 +83,11 @@ def launch(
     tile: str | None = None,
     hand_off: float = 0.0,
     warpgroups: int = 1,
+    hand_in: bool = False,
 ):
     """The bound launch; `tile`: None for the union tile kernel (64 // G tokens a CTA),
     "wgmma" for its sm_90a form (G = 16; `warpgroups` a CTA, 4 tokens each), "token" for
-    the one-token kernel; `hand_off`: the ABI's (0: off)."""
+    the one-token kernel; `hand_off`, `hand_in`: the ABI's (0: off)."""
     params = dict(dtype=dtype, head_dim=constant("head_dim"), tile=tile)
     if tile == "wgmma":
         params["warpgroups"] = warpgroups
@@ -103,4 +104,5 @@ def launch(
         int(want_lse),
         splits,
         hand_off,
+        int(hand_in),
     )
