@@ -303,17 +303,25 @@ def test_hybrid_runs_every_token_once(kv_format, warpgroups, hand_off, monkeypat
     one-token kernel: tiles kept (hand_off large), all handed off (tiny), and mixed
     (chunk-shared selections in one sequence, per-token ones in the other); every row
     written once (poisoned output), each matching the reference."""
+    fmt = "16bit" if kv_format == "bf16" else kv_format
+    monkeypatch.setitem(msa_ops.HAND_OFF, fmt, {warpgroups: hand_off})
+    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
+    check_the_hand_off_route(monkeypatch, kv_format, [(0, 96, 8)])
+
+
+def check_the_hand_off_route(monkeypatch, kv_format, sharing):
+    """The hand-off route over two sequences of 96 and 61 tokens with per-token selections
+    except where tokens share their blocks (`sharing`: (first, end, tokens a group) each):
+    every row written once (poisoned output), matching the reference."""
     from sparseforge.families import msa_sparse_attention as family
 
     if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
         pytest.skip("no wgmma union tile for this GPU's arch")
     use_tile(monkeypatch, "hybrid")
-    fmt = "16bit" if kv_format == "bf16" else kv_format
-    monkeypatch.setitem(msa_ops.HAND_OFF, fmt, {warpgroups: hand_off})
-    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
     kernel, ref = msa_attention_inputs(kv_format, True, [96, 61], [3000, 6000], 32, 2, 16, 5)
     q2k = kernel["q2k_indices"]
-    q2k[:, :96] = q2k[:, :96:8].repeat_interleave(8, 1)  # tokens of 8 share their blocks
+    for first, end, tokens in sharing:
+        q2k[:, first:end] = q2k[:, first:end:tokens].repeat_interleave(tokens, 1)
     ref["q2k_indices"] = q2k.clone()
     out = poisoned_out(kernel["q"])
     got, lse = msa_ops.msa_sparse_attention(
@@ -340,29 +348,11 @@ def test_the_four_token_stage_runs_every_token_once(
     tile (to_four large) or hands all (tiny) or some to the 4-token tile, which keeps them
     (hand_off large) or hands all or some on to the one-token kernel; every row written once
     (poisoned output), each matching the reference."""
-    from sparseforge.families import msa_sparse_attention as family
-
-    if not family.built_for(torch.cuda.current_device(), "16bit", "wgmma"):
-        pytest.skip("no wgmma union tile for this GPU's arch")
-    use_tile(monkeypatch, "hybrid")
     fmt = "16bit" if kv_format == "bf16" else kv_format
     monkeypatch.setitem(msa_ops.HAND_OFF, fmt, {1: hand_off})
     monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, fmt, to_four)
     monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
-    kernel, ref = msa_attention_inputs(kv_format, True, [96, 61], [3000, 6000], 32, 2, 16, 5)
-    q2k = kernel["q2k_indices"]
-    q2k[:, :48] = q2k[:, :48:16].repeat_interleave(16, 1)  # tokens of 16 share their blocks
-    q2k[:, 48:96] = q2k[:, 48:96:4].repeat_interleave(4, 1)  # tokens of 4 share theirs
-    ref["q2k_indices"] = q2k.clone()
-    out = poisoned_out(kernel["q"])
-    got, lse = msa_ops.msa_sparse_attention(
-        **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
-        causal=True, out=out, return_softmax_lse=True, **kernel,
-    )  # fmt: skip
-    want, want_lse, _ = run_reference(ref, True)
-    assert not got.isnan().any()
-    assert rel_l2(got, want) < TOLERANCE[kv_format]
-    check_lse(lse, want_lse)
+    check_the_hand_off_route(monkeypatch, kv_format, [(0, 48, 16), (48, 96, 4)])
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp16", "e4m3", "nvfp4"])

@@ -593,24 +593,9 @@ class BlockSparseFwdSm90:
                     kv_producer.advance()
         if num_tiles > 0:
             self.softmax_then_pv(
-                pv_mma,
-                acc_S,
-                acc_O,
-                tScS_mn,
-                row_max,
-                row_sum,
-                scale_log2,
-                tOrV,
-                sV,
-                kv_consumer,
-                tile_len,
-                tidx,
-                bar,
-                logits,
-                words,
-                tile,
-                drain=True,
-            )
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
+                kv_consumer, tile_len, tidx, bar, logits, words, tile, drain=True,
+            )  # fmt: skip
 
         self.finish(
             pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
@@ -685,24 +670,9 @@ class BlockSparseFwdSm90:
             warpgroup.wait_group(0)
             k_handle.release()
             self.softmax_then_pv(
-                pv_mma,
-                acc_S,
-                acc_O,
-                tScS_mn,
-                row_max,
-                row_sum,
-                scale_log2,
-                tOrV,
-                sV,
-                kv_consumer,
-                tile_len,
-                tidx,
-                bar,
-                logits,
-                words,
-                tile,
-                drain=True,
-            )
+                pv_mma, acc_S, acc_O, tScS_mn, row_max, row_sum, scale_log2, tOrV, sV,
+                kv_consumer, tile_len, tidx, bar, logits, words, tile, drain=True,
+            )  # fmt: skip
         self.finish(
             pv_mma, acc_O, row_max, row_sum, scale_log2, sO, mO, mLSE, head, chunk, tidx, bar
         )
