@@ -1314,10 +1314,17 @@ def describe_run() -> str:
             ).stdout.strip()
         except OSError:
             commit = ""
-    return (
-        f"date {datetime.date.today()}, commit {commit or 'unknown'}, "
-        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    gpu = torch.cuda.get_device_name()
+    line = (
+        f"date {datetime.date.today()}, commit {commit or 'unknown'}, GPU {gpu}, "
+        f"torch {torch.__version__}"
     )
+    if "H200" not in gpu:  # the floors are constants measured on the H200
+        line += (
+            f"\nfloors and '% of HBM' use the H200's {MATMUL_CEILING_TFLOPS:.0f} TFLOPS (bf16) "
+            f"and {HBM_TBPS} TB/s, not this GPU's"
+        )
+    return line
 
 
 def main(argv=None) -> int:
