@@ -360,3 +360,13 @@ def test_the_hand_off_route_stages(monkeypatch):
             ("token", 1, 1.25, False),
         )
     assert set(msa_ops.FOUR_TOKEN_HAND_OFF) == set(msa_ops.HAND_OFF)
+
+
+def test_the_prefill_stats_say_which_tile_runs(monkeypatch):
+    """msa_prefill_nvfp4_specialized_stats describes the route prefill takes: the wgmma tile
+    of WGMMA_WARPGROUPS["nvfp4"] warpgroups and its hand-off threshold."""
+    monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, "nvfp4", 4)
+    monkeypatch.setitem(msa_ops.HAND_OFF, "nvfp4", {4: 1.75})
+    text = msa_ops.msa_prefill_nvfp4_specialized_stats()["kernel"]
+    assert "wgmma union tile of 4 warpgroups (16 tokens x 16 heads a CTA" in text
+    assert "at most 1.75 x topk blocks" in text
