@@ -727,7 +727,7 @@ HAND_OFF = {
 # selections 2 warpgroups take FP8 from 5.52 to 4.89 ms and NVFP4 from 7.45 to 5.80 on the
 # hand-off route (4 warpgroups: 5.25 / 5.79), with per-token ones the route is the same
 # (10.06 -> 9.99, 12.96 -> 12.87: tiles handed off). The cost: selections shared in part
-# (12-13 of 16 blocks shared by 16 tokens) run up to 19% slower on 2 warpgroups than on 1.
+# (16 tokens sharing 12-13 of their 14 drawn blocks) run up to 20% slower on 2 warpgroups.
 # 16-bit K/V keeps one (its route: the tile alone): on 2 warpgroups chunk-shared selections
 # take 3.74-4.12 ms on the hand-off route (3.62-3.68 alone) against 3.85-3.89, per-token ones
 # 15.08 (20.67 alone) against 13.93.
