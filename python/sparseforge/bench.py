@@ -634,13 +634,9 @@ def msa_kv(fmt: str, pages: int, hkv: int, gen):
         )  # fmt: skip
         return kwargs, 2 * 128 * (64 + 8)
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.bfloat16
-    k, v = (
-        # Drawn in bf16 (no fp32 copy): MD1's bf16 cache is 34 GB, on an 80 GB GPU too.
-        torch.randn(pages, hkv, 128, 128, device=device, generator=gen, dtype=torch.bfloat16).to(
-            dtype
-        )
-        for _ in range(2)
-    )
+    # Drawn in bf16 (no fp32 copy): MD1's bf16 cache is 34 GB, on an 80 GB GPU too.
+    draw = dict(device=device, generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(pages, hkv, 128, 128, **draw).to(dtype) for _ in range(2))
     return dict(k=k, v=v), 2 * 128 * 128 * k.element_size()
 
 

@@ -732,13 +732,10 @@ HAND_OFF = {
 # take 3.74-4.12 ms on the hand-off route (3.62-3.68 alone) against 3.85-3.89, per-token ones
 # 15.08 (20.67 alone) against 13.93.
 WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 2, "nvfp4": 2}
-# The hand-off route on a tile of several warpgroups can hand a tile whose union has more than
-# FOUR_TOKEN_HAND_OFF[kv_format] x topk blocks to the 4-token tile (a third launch, between
-# the two), which keeps it or hands it on to the one-token kernel by HAND_OFF[kv_format][1]:
-# on selections shared in part the 4-token tile is up to 20% faster than the 8-token one
-# (above), on chunk-shared ones the 8-token tile keeps every tile. Where the 2- and the
-# 1-warpgroup tiles alone cross on the same sweep: FP8 ~1.1, NVFP4 ~1.35 x topk. None: off;
-# built, not yet run, so off.
+# The hand-off route's 4-token stage (_stages) by K/V format: a tile of several warpgroups
+# hands a union of more than this x topk blocks to the 4-token tile, which on selections
+# shared in part is up to 20% faster (above). Where the 2- and 1-warpgroup tiles alone cross
+# on the same sweep: FP8 ~1.1, NVFP4 ~1.35 x topk. None: off; built, not yet run, so off.
 FOUR_TOKEN_HAND_OFF = {"16bit": None, "e4m3": None, "nvfp4": None}
 
 
