@@ -300,11 +300,12 @@ def test_small_batches_split_and_large_ones_do_not():
 @pytest.mark.parametrize("hand_off", [100.0, 1.5, 1e-3])
 def test_hybrid_runs_every_token_once(kv_format, warpgroups, hand_off, monkeypatch):
     """The wgmma union tile (of 1, 2 or 4 warpgroups a CTA) with hand-off, then the
-    one-token kernel: tiles kept (hand_off large), all handed off (tiny), and mixed
-    (chunk-shared selections in one sequence, per-token ones in the other); every row
-    written once (poisoned output), each matching the reference."""
+    one-token kernel (no 4-token stage): tiles kept (hand_off large), all handed off (tiny),
+    and mixed (chunk-shared selections in one sequence, per-token ones in the other); every
+    row written once (poisoned output), each matching the reference."""
     fmt = "16bit" if kv_format == "bf16" else kv_format
     monkeypatch.setitem(msa_ops.HAND_OFF, fmt, {warpgroups: hand_off})
+    monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, fmt, None)
     monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, fmt, warpgroups)
     check_the_hand_off_route(monkeypatch, kv_format, [(0, 96, 8)])
 
@@ -358,8 +359,9 @@ def test_the_four_token_stage_runs_every_token_once(
 @pytest.mark.parametrize("kv_format", ["bf16", "fp16", "e4m3", "nvfp4"])
 def test_prefill_chooses_the_wgmma_tile_where_its_grid_fills_the_gpu(kv_format, monkeypatch):
     """G = 16 with enough tokens: prefill's own choice (no variant forced) is the wgmma union
-    tile where the build has it (for FP8 / NVFP4 K/V followed by the one-token kernel for
-    the tiles it hands off), and it matches the reference."""
+    tile where the build has it (for FP8 / NVFP4 K/V the hand-off route: that tile, the
+    4-token tile where FOUR_TOKEN_HAND_OFF is set, then the one-token kernel), and it
+    matches the reference."""
     from sparseforge.families import msa_sparse_attention as family
 
     monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
@@ -375,7 +377,8 @@ def test_prefill_chooses_the_wgmma_tile_where_its_grid_fills_the_gpu(kv_format, 
         **{n: kernel.pop(n) for n in ("q", "k", "v", "q2k_indices", "cu_seqlens_q")},
         causal=True, out=out, **kernel,
     )  # fmt: skip
-    assert tiles == (["wgmma"] if fmt == "16bit" else ["wgmma", "token"])
+    four = ["wgmma"] if msa_ops.FOUR_TOKEN_HAND_OFF[fmt] is not None else []
+    assert tiles == (["wgmma"] if fmt == "16bit" else ["wgmma", *four, "token"])
     want, _, _ = run_reference(ref, True)
     assert rel_l2(got, want) < TOLERANCE[kv_format]
 

@@ -631,8 +631,10 @@ def msa_sparse_attention(
     that tile of 2 warpgroups (8 tokens a CTA) for groups of tokens whose blocks overlap enough
     (a union of at most HAND_OFF x topk blocks) and the one-token kernel of
     msa_sparse_decode_attention (each token reads only its own blocks) for the others, launched
-    next. Selections shared by 8 tokens run fastest there; shared in part (a union of 1.2-1.9 x
-    topk for 8 tokens) they run up to 20% slower than on the 4-token tile (WGMMA_WARPGROUPS).
+    last; between them the 4-token tile takes the groups of 8 tokens whose union is more than
+    FOUR_TOKEN_HAND_OFF x topk blocks. Selections shared by 8 tokens run fastest there; shared
+    in part (a union of 1.2-1.9 x topk for 8 tokens) they run within 3% of the 4-token tile
+    alone (FOUR_TOKEN_HAND_OFF).
     Smaller launches with FP8 or NVFP4 K/V: the one-token kernel; otherwise the mma.sync union
     tile. A union tile's CTA walks the union of its tokens' blocks once, each row masked to its
     own: fastest when neighbouring tokens share their blocks. Non-finite values: a NaN or inf in
@@ -641,8 +643,8 @@ def msa_sparse_attention(
     whose causal limit falls inside the tile, and rows of other tokens sharing the tile's MMA
     (in the wgmma tile the CTA's 4 or 8 tokens, in the mma.sync union tile the tokens of one
     warp's 16 rows: none other at G = 16). Values past each sequence never reach the output. One
-    launch (two for the hand-off route, and when a small batch's keys are split across CTAs: a
-    second merges the fp32 partials), no host synchronisation: CUDA-graph capturable
+    launch (two or three for the hand-off route; when a small batch's keys are split across
+    CTAs, a second merges the fp32 partials), no host synchronisation: CUDA-graph capturable
     (`workspace`, an MSASparseAttentionWorkspace, is accepted and not needed). The index values
     are not checked on the host (that would need a host synchronisation): ids outside [0, blocks
     of the sequence) and blocks whose page id lies outside the cache are skipped like -1;
@@ -733,10 +735,15 @@ HAND_OFF = {
 # 15.08 (20.67 alone) against 13.93.
 WGMMA_WARPGROUPS = {"16bit": 1, "e4m3": 2, "nvfp4": 2}
 # The hand-off route's 4-token stage (_stages) by K/V format: a tile of several warpgroups
-# hands a union of more than this x topk blocks to the 4-token tile, which on selections
-# shared in part is up to 20% faster (above). Where the 2- and 1-warpgroup tiles alone cross
-# on the same sweep: FP8 ~1.1, NVFP4 ~1.35 x topk. None: off; built, not yet run, so off.
-FOUR_TOKEN_HAND_OFF = {"16bit": None, "e4m3": None, "nvfp4": None}
+# hands a union of more than this x topk blocks to the 4-token tile. Same sweep on an H200, two
+# interleaved rounds, route ms at s = 14 / 13 / 12 / 11 / 10 (8-token unions 0.89 / 1.23 /
+# 1.54 / 1.84 / 2.11 x topk; bench/results/2026-12-05_h200_msa_four_token_stage.md):
+# FP8 at 1.1: 5.01 / 6.99 / 8.11 / 9.45 / 10.05 against 2 warpgroups alone 4.97-5.02 / 7.26 /
+# 9.53 / 9.96 / 10.01 and one 5.62-5.66 / 6.79 / 7.93 / 9.26 / 9.88 (0.9 loses s = 14: 5.59);
+# NVFP4 at 1.6: 5.94 / 8.63 / 10.74 / 12.33 / 13.06 against 5.90 / 8.58-8.60 / 11.33 / 12.72-
+# 12.74 / 12.88-12.89 and 7.58 / 9.06 / 10.50 / 12.14 / 12.87 (1.35: s = 13 8.87). 16-bit runs
+# one warpgroup (no stage).
+FOUR_TOKEN_HAND_OFF = {"16bit": None, "e4m3": 1.1, "nvfp4": 1.6}
 
 
 def _stages(tile: str | None, kv_format: str, warpgroups: int) -> tuple:
