@@ -364,9 +364,16 @@ def test_the_hand_off_route_stages(monkeypatch):
 
 def test_the_prefill_stats_say_which_tile_runs(monkeypatch):
     """msa_prefill_nvfp4_specialized_stats describes the route prefill takes: the wgmma tile
-    of WGMMA_WARPGROUPS["nvfp4"] warpgroups and its hand-off threshold."""
+    of WGMMA_WARPGROUPS["nvfp4"] warpgroups, its hand-off threshold and, with
+    FOUR_TOKEN_HAND_OFF, the 4-token tile's."""
     monkeypatch.setitem(msa_ops.WGMMA_WARPGROUPS, "nvfp4", 4)
-    monkeypatch.setitem(msa_ops.HAND_OFF, "nvfp4", {4: 1.75})
+    monkeypatch.setitem(msa_ops.HAND_OFF, "nvfp4", {1: 1.25, 4: 1.75})
+    monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, "nvfp4", None)
     text = msa_ops.msa_prefill_nvfp4_specialized_stats()["kernel"]
     assert "wgmma union tile of 4 warpgroups (16 tokens x 16 heads a CTA" in text
-    assert "at most 1.75 x topk blocks" in text
+    assert "at most 1.75 x topk blocks, then msa_sparse_decode_attention's" in text
+    assert "4-token tile" not in text
+    monkeypatch.setitem(msa_ops.FOUR_TOKEN_HAND_OFF, "nvfp4", 1.5)
+    text = msa_ops.msa_prefill_nvfp4_specialized_stats()["kernel"]
+    assert "at most 1.5 x topk blocks, then the 4-token tile" in text
+    assert "union is at most 1.25 x topk blocks, then msa_sparse_decode_attention's" in text

@@ -524,22 +524,34 @@ def supports_packed_kv(device=None) -> bool:
     return attention_family.built_for(index, "nvfp4")
 
 
+def _hand_off_route_words(kv_format: str) -> str:
+    """What the hand-off route runs (_stages), in words, for the stats functions."""
+    warpgroups = WGMMA_WARPGROUPS[kv_format]
+    stages = _stages("hybrid", kv_format, warpgroups)
+    words = (
+        f"the wgmma union tile of {warpgroups} warpgroups ({4 * warpgroups} tokens x 16 heads "
+        "a CTA; NVFP4 tiles TMA-gathered by page and converted into fp16 tiles in shared "
+        f"memory) for the tokens whose union is at most {stages[0][2]} x topk blocks, then "
+    )
+    if len(stages) == 3:
+        words += (
+            "the 4-token tile (one warpgroup) for those of the others whose 4 tokens' union "
+            f"is at most {stages[1][2]} x topk blocks, then "
+        )
+    return words + "msa_sparse_decode_attention's one-token kernel for the others"
+
+
 def _nvfp4_route_stats(kind: str) -> dict:
     return {
         "route": f"msa_sparse_{kind}_attention, NVFP4 paged K/V",
         "available": bool(torch.cuda.is_available() and supports_packed_kv()),
         "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
         "kernel": (
-            f"G = 16 on sm_90a where its grid fills the GPU: the wgmma union tile of "
-            f"{WGMMA_WARPGROUPS['nvfp4']} warpgroups ({4 * WGMMA_WARPGROUPS['nvfp4']} tokens "
-            "x 16 heads a CTA; NVFP4 tiles TMA-gathered by page and converted into fp16 tiles "
-            "in shared memory) for the tokens whose union is at most "
-            f"{HAND_OFF['nvfp4'][WGMMA_WARPGROUPS['nvfp4']]} x topk blocks, then "
-            "msa_sparse_decode_attention's one-token kernel for the others; other G = 16 "
-            "launches: the one-token kernel; other G: portable mma.sync union tile, raw NVFP4 "
-            "tiles copied a tile ahead by cp.async and decoded into shared memory, launches "
-            "with fewer tiles than SMs splitting each tile's keys across CTAs, fp32 partials "
-            "merged by their lse (a second launch)"
+            f"G = 16 on sm_90a where its grid fills the GPU: {_hand_off_route_words('nvfp4')}"
+            "; other G = 16 launches: the one-token kernel; other G: portable mma.sync union "
+            "tile, raw NVFP4 tiles copied a tile ahead by cp.async and decoded into shared "
+            "memory, launches with fewer tiles than SMs splitting each tile's keys across "
+            "CTAs, fp32 partials merged by their lse (a second launch)"
             if kind == "prefill"
             else "portable mma.sync, one token's heads a CTA, each warp a quarter of every "
             "block: raw NVFP4 rows copied stages ahead by cp.async into each warp's ring and "
