@@ -524,10 +524,10 @@ def supports_packed_kv(device=None) -> bool:
     return attention_family.built_for(index, "nvfp4")
 
 
-def _hand_off_route_words(kv_format: str) -> str:
-    """What the hand-off route runs (_stages), in words, for the stats functions."""
-    warpgroups = WGMMA_WARPGROUPS[kv_format]
-    stages = _stages("hybrid", kv_format, warpgroups)
+def _nvfp4_hand_off_route_words() -> str:
+    """What NVFP4 prefill's hand-off route runs (_stages), in words, for its stats."""
+    warpgroups = WGMMA_WARPGROUPS["nvfp4"]
+    stages = _stages("hybrid", "nvfp4", warpgroups)
     words = (
         f"the wgmma union tile of {warpgroups} warpgroups ({4 * warpgroups} tokens x 16 heads "
         "a CTA; NVFP4 tiles TMA-gathered by page and converted into fp16 tiles in shared "
@@ -547,7 +547,7 @@ def _nvfp4_route_stats(kind: str) -> dict:
         "available": bool(torch.cuda.is_available() and supports_packed_kv()),
         "compute_capabilities": ["9.0 (run)", "10.0 (built, not run)", "12.0 (built, not run)"],
         "kernel": (
-            f"G = 16 on sm_90a where its grid fills the GPU: {_hand_off_route_words('nvfp4')}"
+            f"G = 16 on sm_90a where its grid fills the GPU: {_nvfp4_hand_off_route_words()}"
             "; other G = 16 launches: the one-token kernel; other G: portable mma.sync union "
             "tile, raw NVFP4 tiles copied a tile ahead by cp.async and decoded into shared "
             "memory, launches with fewer tiles than SMs splitting each tile's keys across "
@@ -640,13 +640,12 @@ def msa_sparse_attention(
     return_temperature_lse also the temperature lse (scale * lse_temperature_scale).
     Kernels (_prefill_tile): at G = 16 where the union tile on wgmma is built (sm_90a) and its
     grid fills the GPU, that tile with bf16 / fp16 K/V (4 tokens a CTA); with FP8 or NVFP4 K/V
-    that tile of 2 warpgroups (8 tokens a CTA) for groups of tokens whose blocks overlap enough
-    (a union of at most HAND_OFF x topk blocks) and the one-token kernel of
-    msa_sparse_decode_attention (each token reads only its own blocks) for the others, launched
-    last; between them the 4-token tile takes the groups of 8 tokens whose union is more than
-    FOUR_TOKEN_HAND_OFF x topk blocks. Selections shared by 8 tokens run fastest there; shared
-    in part (a union of 1.2-1.9 x topk for 8 tokens) they run within 3% of the 4-token tile
-    alone (FOUR_TOKEN_HAND_OFF).
+    the hand-off route (_stages): that tile of 2 warpgroups (8 tokens a CTA) for the groups of
+    tokens whose blocks overlap enough (a union of at most FOUR_TOKEN_HAND_OFF x topk blocks),
+    then the 4-token tile for the groups of 4 of the others whose union is at most HAND_OFF x
+    topk, then the one-token kernel of msa_sparse_decode_attention (each token reads only its
+    own blocks) for the rest. Selections shared by 8 tokens run fastest there; shared in part
+    (a union of 1.2-2.1 x topk for 8 tokens) within 3% of the 4-token tile alone.
     Smaller launches with FP8 or NVFP4 K/V: the one-token kernel; otherwise the mma.sync union
     tile. A union tile's CTA walks the union of its tokens' blocks once, each row masked to its
     own: fastest when neighbouring tokens share their blocks. Non-finite values: a NaN or inf in
