@@ -1,6 +1,7 @@
 """compute-sanitizer over every kernel variant of this GPU's arch, on small problems
-(`python -m sparseforge.check --small`): memcheck, racecheck and initcheck must report no
-error. API-error reports are off: cuda-bindings probes driver entry points with invalid
+(`python -m sparseforge.check --small`): memcheck, initcheck and racecheck must report no
+error, in that order (racecheck, much the slowest, last: a run cut short by a time limit has
+the other two). API-error reports are off: cuda-bindings probes driver entry points with invalid
 arguments at cuInit, which memcheck would count.
 
 SPARSEFORGE_SANITIZE: "1" (default) runs the three tools, "0" none, or a comma-separated
@@ -15,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-TOOLS = ("memcheck", "racecheck", "initcheck")
+TOOLS = ("memcheck", "initcheck", "racecheck")
 
 
 def sanitizer() -> str | None:
