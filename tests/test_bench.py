@@ -1,6 +1,6 @@
-"""The benchmark's helpers that need no GPU: its charts (from rows made up here), the K/V
-bytes MP1's kernels stream (from selections made up here) and the order of a timed run's
-stream operations (CUDA calls replaced by a log)."""
+"""The benchmark's helpers that need no GPU: its charts (from rows made up here), MP1's
+selections and the K/V bytes its kernels stream (from selections made up here) and the order
+of a timed run's stream operations (CUDA calls replaced by a log)."""
 
 import pytest
 import torch
@@ -34,6 +34,36 @@ def test_mp1_streamed_bytes_counts_each_4_token_union_once():
     # Bytes in 1e-6 ms, in TB/s: union 2 blocks x 2 CTAs, one-token 10 blocks.
     assert f"wgmma union 0 GB in 0.00 ms = {4 * 65536 / 1e3:.1f} TB/s" in line
     assert f"one-token 0 GB in 0.00 ms = {10 * 65536 / 1e3:.1f} TB/s" in line
+
+
+@pytest.mark.parametrize("mode", ["random", "chunked", "shared:0", "shared:13", "shared:14"])
+def test_mp1_selections_are_causal_and_shared_as_their_mode_says(mode):
+    """Each token lists block 0, its own block and blocks it sees, ascending with a -1 tail;
+    a 16-token group (inside one 128-token block) lists at most 2 + N + 16 x (14 - N)
+    distinct blocks for "shared:N", its first token's alone where all 14 are shared."""
+    seq, hkv, topk = 2048, 2, 16
+    ids, useful = bench.mp1_selections(seq, 64, hkv, topk, mode, torch.Generator().manual_seed(1))
+    assert ids.shape == (hkv, seq, topk) and ids.dtype == torch.int32 and useful > 0
+    own = torch.arange(seq) // 128
+    valid = ids >= 0
+    assert (valid[..., :-1] >= valid[..., 1:]).all()  # -1 only as a tail
+    assert ((ids[..., 1:] > ids[..., :-1]) | ~valid[..., 1:]).all()  # ascending
+    assert (ids <= own[None, :, None]).all()  # causal
+    assert (ids[..., 0] == 0).all() and ((ids == own[None, :, None]).any(-1)).all()
+    shared = {"random": 0, "chunked": 14}[mode] if ":" not in mode else int(mode[7:])
+    groups = ids.view(hkv, seq // 16, 16 * topk)
+    for group in groups.flatten(0, 1)[::7]:
+        union = group[group >= 0].unique()
+        assert len(union) <= 2 + shared + 16 * (14 - shared)
+        if shared == 14:
+            assert len(union) == int((group[:topk] >= 0).sum())
+
+
+def test_mp1_selections_reject_an_unknown_mode():
+    gen = torch.Generator()
+    for mode in ("shared:15", "blocks"):
+        with pytest.raises(ValueError, match="mode"):
+            bench.mp1_selections(1024, 64, 1, 16, mode, gen)
 
 
 def test_timed_runs_start_after_the_flush_and_a_gpu_spin(monkeypatch):

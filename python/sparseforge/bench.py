@@ -640,13 +640,16 @@ def msa_kv(fmt: str, pages: int, hkv: int, gen):
     return dict(k=k, v=v), 2 * 128 * 128 * k.element_size()
 
 
-def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> list[str]:
+def msa_attention_times(
+    iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), modes=("random", "chunked")
+) -> list[str]:
     """MP1 / MD1 / MD4 (BENCHMARKS.md): msa_sparse_attention and msa_sparse_decode_attention
     on the H200 beside cuDNN dense attention of the same shape (prefill) or the HBM floor
     (decode, cold L2: 256 MB overwritten before each call, outside its timing).
     MP1 runs prefill's choice of kernel and, forced by SPARSEFORGE_VARIANT, the K/V
     format's other kernels of this arch beside it, and the hand-off route (tile "hybrid")
-    where the wgmma union tile is built."""
+    where the wgmma union tile is built, for each selection kind in `modes`
+    (mp1_selections)."""
     from sparseforge import _library, msa_ops
     from sparseforge.arch import arch_for_device
 
@@ -709,7 +712,7 @@ def msa_attention_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4")) -> l
         if tile != "hybrid" and msa_ops._wgmma_built(q.device.index, kv_format):
             others[fmt]["hybrid"] = f"{tile_names['hybrid']}, forced"
     prefill_tile = msa_ops._prefill_tile
-    for mode in ("random", "chunked"):
+    for mode in modes:
         ids, useful = mp1_selections(seq, hq, hkv, topk, mode, gen)
         times = {}
         for fmt in formats:
@@ -772,20 +775,36 @@ def mp1_streamed_bytes(ids, mode: str, times: dict) -> str:
     )
 
 
+# MP1's selection kinds besides "random" and "chunked": "shared:N" (selections shared in
+# part, where the MSA hand-off thresholds are tuned).
+SHARED_GROUP = 16  # tokens that share N of their drawn blocks
+
+
 def mp1_selections(seq: int, hq: int, hkv: int, topk: int, mode: str, gen):
     """MP1's selections for one causal sequence: block 0, the token's own block and 14 more
-    visible ones, drawn per token ("random") or once per 64-token chunk ("chunked", the
-    chunk's first token's visible blocks); ascending with a -1 tail. Returns (q2k (Hkv, seq,
+    visible ones, drawn per token ("random"), once per 64-token chunk ("chunked", the
+    chunk's first token's visible blocks) or in part: "shared:N", N of the 14 drawn once
+    per SHARED_GROUP tokens (as for the group's first token) and 14 - N per token; ascending
+    with a -1 tail (repeats drop out). On the generator's device. Returns (q2k (Hkv, seq,
     topk) int32, useful FLOPs: 4 x Hq x 128 x the keys each query attends)."""
-    device = torch.device("cuda")
+    device = gen.device
     blocks = seq // 128
     pos = torch.arange(seq, device=device)
     own = pos // 128
-    anchor = pos if mode == "random" else pos // 64 * 64
+    shared = 14
+    if mode.startswith("shared:"):
+        shared, group = int(mode.split(":")[1]), SHARED_GROUP
+        if not 0 <= shared <= 14:
+            raise ValueError(f"mode {mode!r}: N must be in 0 .. 14")
+    elif mode in ("random", "chunked"):
+        shared, group = (0, 1) if mode == "random" else (14, 64)
+    else:
+        raise ValueError(f"mode {mode!r}: expected 'random', 'chunked' or 'shared:N'")
     draw = torch.rand(hkv, seq, 14, device=device, generator=gen)
-    if mode == "chunked":
-        draw = draw[:, ::64].repeat_interleave(64, 1)
-    extra = (draw * (anchor // 128 + 1)[None, :, None]).long()
+    # The first `shared` draws of a group are its first token's; the rest each token's own.
+    draw[..., :shared] = draw[:, ::group, :shared].repeat_interleave(group, 1)[:, :seq]
+    anchor = torch.cat([(pos // group * group).expand(shared, seq), pos.expand(14 - shared, seq)]).T
+    extra = (draw * (anchor // 128 + 1)[None]).long()
     ids = torch.cat([torch.zeros_like(extra[..., :1]), own.expand(hkv, seq)[..., None], extra], -1)
     chosen = torch.zeros(hkv, seq, blocks, dtype=torch.bool, device=device)
     chosen.scatter_(2, ids, True)
@@ -1347,6 +1366,12 @@ def main(argv=None) -> int:
         help="also time MSA sparse attention (MP1 prefill, MD1 / MD4 decode)",
     )
     parser.add_argument(
+        "--msa-modes",
+        default="random,chunked",
+        help="MP1's selection kinds for --msa: random, chunked, shared:N (N of 14 drawn "
+        "blocks shared by each 16 tokens)",
+    )
+    parser.add_argument(
         "--sdsa",
         action="store_true",
         help="also time the SDSA indexer (SD1 scores, SD2 threshold select + top-K)",
@@ -1417,7 +1442,8 @@ def main(argv=None) -> int:
     if args.selection:
         report += "\n" + "\n".join(selection_times())
     if args.msa:
-        report += "\n" + "\n".join(msa_attention_times())
+        modes = tuple(args.msa_modes.split(","))
+        report += "\n" + "\n".join(msa_attention_times(modes=modes))
     if args.sdsa:
         report += "\n" + "\n".join(sdsa_times())
     if args.icp:

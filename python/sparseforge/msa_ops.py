@@ -723,7 +723,8 @@ def msa_sparse_decode_attention(
 # tile="hybrid": a wgmma union tile whose union has more than HAND_OFF[kv_format][warpgroups]
 # x topk blocks hands its tokens to the one-token kernel. The values are where the two
 # kernels' times cross on MP1's shape with selections shared in part (block 0, the own block,
-# s blocks drawn per 16-token group and 14 - s per token; s from 14 down to 6), the wgmma tile
+# s blocks drawn per 16-token group and 14 - s per token; s from 14 down to 6: bench's
+# "shared:s", `python -m sparseforge.bench --msa --msa-modes shared:13,...`), the wgmma tile
 # forced alone against the one-token kernel, two interleaved rounds on an H100
 # (bench/results/2026-12-05_h100_msa_warpgroups_hand_off.md): FP8 1.46 / 1.65 / 1.55 and
 # NVFP4 1.44 / 1.79 / 1.79 x topk at 1 / 2 / 4 warpgroups, 16-bit 3.1 at 4 and past the
