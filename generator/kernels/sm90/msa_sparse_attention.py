@@ -39,8 +39,8 @@ Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the
   tile. 16-bit K/V: the ring of
   the block-sparse kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of
   the L2 bytes), S of a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
-The converter schedule (`converter`; FP8 / NVFP4 at W = 2, forced only): a third warpgroup
-  (warpgroup 0, whose warp 0 issues the loads) converts each raw tile whole into a ring of
+The converter schedule (MsaConverterTileSm90; FP8 / NVFP4 at W = 2, forced only): a third
+  warpgroup (warpgroup 0, whose warp 0 issues the loads) converts each raw tile whole into a ring of
   CONVERTED_TILES fp16 K/V tiles, publishing a tile once both are converted; the two others
   own the rows and only multiply: per tile S = Q K^T, softmax, O += P V, the stage released
   to the converter. So a CTA's conversion runs under its own MMAs instead of between them
@@ -108,7 +108,7 @@ RAW_STAGES = {1: 2, 2: 4, 4: 6}
 # (4 or 8 stages of 16 KB a CTA, beside 32 or 64 KB of Q tiles).
 SHARED_RING_BYTES_PER_SM = 128 * 1024
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
-# The converter schedule (FP8 / NVFP4 at two warpgroups, `converter`): a third warpgroup
+# The converter schedule (MsaConverterTileSm90, FP8 / NVFP4 at two warpgroups): a third warpgroup
 # converts the raw tiles (TMA CONVERTER_RAW_TILES tiles ahead) into a ring of CONVERTED_TILES
 # fp16 K/V tiles that the two multiply, one CTA an SM.
 CONVERTED_TILES = 3
@@ -117,9 +117,10 @@ SMEM_PER_SM = 228 * 1024
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
-    def __init__(self, dtype, kv_format: str, warpgroups: int = 1, converter: bool = False):
+    converter = False  # MsaConverterTileSm90's schedule
+
+    def __init__(self, dtype, kv_format: str, warpgroups: int = 1):
         self.converted = kv_format != "16bit"
-        self.converter = converter
         assert warpgroups in RAW_STAGES
         # The MMAs' type: fp16 for converted K/V (see the module's docstring), else q's.
         super().__init__(cutlass.Float16 if self.converted else dtype, HEAD_DIM, warpgroups)
@@ -145,13 +146,6 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             # those of odd tiles (stages 2 and 3).
             self.kv_stages = 4 if self.double_buffered else 2
             self.ring_stages = RAW_STAGES[warpgroups]
-        if converter:
-            assert self.converted and warpgroups == 2
-            self.num_threads = CONSUMER_THREADS * (warpgroups + 1)  # warpgroup 0 converts
-            self.ctas_per_sm = 1
-            self.double_buffered = False
-            self.kv_stages = 2 * CONVERTED_TILES
-            self.ring_stages = 2 * CONVERTER_RAW_TILES
 
     @cute.jit
     def launch(self, args, stream):
@@ -625,75 +619,6 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         return scale_log2
 
     @cute.jit
-    def convert_ring(
-        self, args, place, loads, sRaw, sScale, sK, sV, raw_producer, raw_consumer,
-        converted_producer, tiles, masks, tidx, loader,
-    ):  # fmt: skip
-        """The converter schedule's warpgroup 0: TMA (warp 0) keeps the raw ring
-        ring_stages / 2 tiles ahead; each tile's raw K and V are converted whole into the
-        next free stage of the fp16 ring (sK / sV stages 2i and 2i + 1), then published to
-        the two warpgroups that multiply it (multiply_converted)."""
-        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
-        sIds, seqlen_k = masks[0], masks[5]
-        ahead = self.ring_stages // 2  # tiles in the raw ring
-        if loader:
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.kv_format == "nvfp4"):
-                cpasync.prefetch_descriptor(tma_ks)
-                cpasync.prefetch_descriptor(tma_vs)
-            for u in cutlass.range_constexpr(ahead):
-                if u < tiles:
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
-                        raw_producer.advance()
-        for j in cutlass.range(tiles, unroll=1):
-            valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
-            stage = converted_producer.acquire_and_advance()  # its last readers released it
-            v_stage = sV[None, None, 2 * stage.index + 1]  # (D, keys): converted as rows
-            v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
-            k_raw = raw_consumer.wait_and_advance()
-            self.convert(
-                sRaw, sScale, k_raw.index, sK[None, None, 2 * stage.index], tidx, 0, valid_rows,
-                False,
-            )  # fmt: skip
-            k_raw.release()
-            v_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, 0, valid_rows, True)
-            v_raw.release()
-            if loader:
-                if j + ahead < tiles:  # tile j + ahead into the raw stages just released
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(
-                            raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
-                        )
-                        raw_producer.advance()
-            # The converted tiles (generic-proxy stores) to wgmma, then to the multipliers.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            stage.commit()
-
-    @cute.jit
-    def multiply_converted(
-        self, args, operands, state, masks, q_rows, tiles, converted_consumer, tidx, bar
-    ):
-        """The converter schedule's warpgroups 1 and 2 (tidx: the thread's index in its
-        warpgroup; bar: their barrier): Q stored, then per tile S = Q K^T, the rows'
-        probabilities and O += P V from the next stage of the fp16 ring, each waited for,
-        the stage released to the converter. Returns the softmax's scale (log2 units)."""
-        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
-        q_factor = self.store_q(args, *q_rows, tidx, bar)
-        scale_log2 = args.scale_log2 * q_factor * self.value_factor
-        for j in cutlass.range(tiles, unroll=1):
-            stage = converted_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 2 * stage.index])
-            warpgroup.wait_group(0)
-            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
-            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 2 * stage.index + 1])
-            warpgroup.wait_group(0)
-            stage.release()
-        return scale_log2
-
-    @cute.jit
     def convert_tile(
         self, args, place, loads, sRaw, sScale, sK, sV, tidx, wg, loader, raw_producer,
         raw_consumer, tiles, u, valid_rows, buffer,
@@ -918,6 +843,91 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     dst.store(chunk8(tOrO, m, k).load())
 
 
+class MsaConverterTileSm90(MsaUnionTileSm90):
+    """FP8 / NVFP4 K/V at two warpgroups, with a third that converts (the module's docstring:
+    the converter schedule)."""
+
+    converter = True
+
+    def __init__(self, dtype, kv_format: str):
+        super().__init__(dtype, kv_format, 2)
+        assert self.converted
+        self.num_threads = CONSUMER_THREADS * (self.warpgroups + 1)  # warpgroup 0 converts
+        self.ctas_per_sm = 1
+        self.double_buffered = False
+        self.kv_stages = 2 * CONVERTED_TILES
+        self.ring_stages = 2 * CONVERTER_RAW_TILES
+
+    @cute.jit
+    def convert_ring(
+        self, args, place, loads, sRaw, sScale, sK, sV, raw_producer, raw_consumer,
+        converted_producer, tiles, masks, tidx, loader,
+    ):  # fmt: skip
+        """The converter schedule's warpgroup 0: TMA (warp 0) keeps the raw ring
+        ring_stages / 2 tiles ahead; each tile's raw K and V are converted whole into the
+        next free stage of the fp16 ring (sK / sV stages 2i and 2i + 1), then published to
+        the two warpgroups that multiply it (multiply_converted)."""
+        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
+        sIds, seqlen_k = masks[0], masks[5]
+        ahead = self.ring_stages // 2  # tiles in the raw ring
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.kv_format == "nvfp4"):
+                cpasync.prefetch_descriptor(tma_ks)
+                cpasync.prefetch_descriptor(tma_vs)
+            for u in cutlass.range_constexpr(ahead):
+                if u < tiles:
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
+                        raw_producer.advance()
+        for j in cutlass.range(tiles, unroll=1):
+            valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
+            stage = converted_producer.acquire_and_advance()  # its last readers released it
+            v_stage = sV[None, None, 2 * stage.index + 1]  # (D, keys): converted as rows
+            v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
+            k_raw = raw_consumer.wait_and_advance()
+            self.convert(
+                sRaw, sScale, k_raw.index, sK[None, None, 2 * stage.index], tidx, 0, valid_rows,
+                False,
+            )  # fmt: skip
+            k_raw.release()
+            v_raw = raw_consumer.wait_and_advance()
+            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, 0, valid_rows, True)
+            v_raw.release()
+            if loader:
+                if j + ahead < tiles:  # tile j + ahead into the raw stages just released
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(
+                            raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
+                        )
+                        raw_producer.advance()
+            # The converted tiles (generic-proxy stores) to wgmma, then to the multipliers.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            stage.commit()
+
+    @cute.jit
+    def multiply_converted(
+        self, args, operands, state, masks, q_rows, tiles, converted_consumer, tidx, bar
+    ):
+        """The converter schedule's warpgroups 1 and 2 (tidx: the thread's index in its
+        warpgroup; bar: their barrier): Q stored, then per tile S = Q K^T, the rows'
+        probabilities and O += P V from the next stage of the fp16 ring, each waited for,
+        the stage released to the converter. Returns the softmax's scale (log2 units)."""
+        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
+        q_factor = self.store_q(args, *q_rows, tidx, bar)
+        scale_log2 = args.scale_log2 * q_factor * self.value_factor
+        for j in cutlass.range(tiles, unroll=1):
+            stage = converted_consumer.wait_and_advance()
+            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 2 * stage.index])
+            warpgroup.wait_group(0)
+            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
+            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 2 * stage.index + 1])
+            warpgroup.wait_group(0)
+            stage.release()
+        return scale_log2
+
+
 def sync(bar):
     """Wait at `bar`, or with None at the CTA's barrier."""
     if cutlass.const_expr(bar is None):
@@ -960,6 +970,6 @@ def scale_rows_view(mS: cute.Tensor) -> cute.Tensor:
 def make_kernel(variant):
     kv_format = KV_FORMAT[variant.family.name]
     p = variant.params
-    return MsaUnionTileSm90(
-        element_type(p["dtype"]), kv_format, p.get("warpgroups", 1), p.get("converter", False)
-    )
+    if p.get("converter"):
+        return MsaConverterTileSm90(element_type(p["dtype"]), kv_format)
+    return MsaUnionTileSm90(element_type(p["dtype"]), kv_format, p.get("warpgroups", 1))
