@@ -559,19 +559,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         barrier a tile). tidx: the thread's index in its warpgroup `wg`. Returns the
         softmax's scale (log2 units: q's power of two and NVFP4's 2^7 folded in)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
-        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
-        ahead = self.ring_stages // 2  # tiles in the raw ring
-        if loader:
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.kv_format == "nvfp4"):
-                cpasync.prefetch_descriptor(tma_ks)
-                cpasync.prefetch_descriptor(tma_vs)
-            for u in cutlass.range_constexpr(ahead):
-                if u < tiles:
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
-                        raw_producer.advance()
+        raw_producer = self.start_raw_ring(
+            args, place, loads, sRaw, sScale, raw_producer, tiles, loader
+        )
         q_factor = self.store_q(args, *q_rows, tidx)
         scale_log2 = args.scale_log2 * q_factor * self.value_factor
         sIds, seqlen_k = masks[0], masks[5]
@@ -617,6 +607,25 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 bar.arrive_and_wait()
         return scale_log2
+
+    @cute.jit
+    def start_raw_ring(self, args, place, loads, sRaw, sScale, raw_producer, tiles, loader):
+        """Warp 0 (loader): the TMA descriptors prefetched and the raw ring's first
+        ring_stages / 2 tiles (K and V each) loaded. Returns the ring's producer (rebind it:
+        its state moved)."""
+        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.kv_format == "nvfp4"):
+                cpasync.prefetch_descriptor(tma_ks)
+                cpasync.prefetch_descriptor(tma_vs)
+            for u in cutlass.range_constexpr(self.ring_stages // 2):
+                if u < tiles:
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
+                        raw_producer.advance()
+        return raw_producer
 
     @cute.jit
     def convert_tile(
@@ -867,20 +876,11 @@ class MsaConverterTileSm90(MsaUnionTileSm90):
         ring_stages / 2 tiles ahead; each tile's raw K and V are converted whole into the
         next free stage of the fp16 ring (sK / sV stages 2i and 2i + 1), then published to
         the two warpgroups that multiply it (multiply_converted)."""
-        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
         sIds, seqlen_k = masks[0], masks[5]
         ahead = self.ring_stages // 2  # tiles in the raw ring
-        if loader:
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.kv_format == "nvfp4"):
-                cpasync.prefetch_descriptor(tma_ks)
-                cpasync.prefetch_descriptor(tma_vs)
-            for u in cutlass.range_constexpr(ahead):
-                if u < tiles:
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
-                        raw_producer.advance()
+        raw_producer = self.start_raw_ring(
+            args, place, loads, sRaw, sScale, raw_producer, tiles, loader
+        )
         for j in cutlass.range(tiles, unroll=1):
             valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
             stage = converted_producer.acquire_and_advance()  # its last readers released it
