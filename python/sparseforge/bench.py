@@ -792,7 +792,6 @@ def mp1_selections(seq: int, hq: int, hkv: int, topk: int, mode: str, gen):
     blocks = seq // 128
     pos = torch.arange(seq, device=device)
     own = pos // 128
-    shared = 14
     if mode.startswith("shared:"):
         shared, group = int(mode.split(":")[1]), SHARED_GROUP
         if not 0 <= shared <= 14:
