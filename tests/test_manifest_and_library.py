@@ -232,6 +232,44 @@ def test_variant_choice_and_not_built_errors(monkeypatch):
         families.choose("tile_compact", "sm_90a")
 
 
+def test_cached_launches_follow_the_forced_variant(monkeypatch):
+    """A family module's bound launches are cached per SPARSEFORGE_VARIANT: forcing one
+    variant after another in a process binds each (a plain cache kept the first one bound
+    for the same arguments), and whether a kernel is built does not depend on it."""
+    from sparseforge import families
+
+    binds = []
+
+    @families.launch_cache()
+    def launch(device_index, flag):
+        forced = families.forced_variant()
+        binds.append(forced and forced.name)
+        return len(binds)
+
+    plain = "msa_sparse_attention_fp8kv__wgmma__bf16_d128_w2__sm_90a"
+    converter = "msa_sparse_attention_fp8kv__wgmma_convert__bf16_d128_w2__sm_90a"
+    monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
+    assert launch(0, 1) == launch(0, 1) == 1
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", plain)
+    assert launch(0, 1) == launch(0, 1) == 2
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", converter)
+    assert launch(0, 1) == launch(0, flag=1) - 1 == 3
+    monkeypatch.delenv("SPARSEFORGE_VARIANT")
+    assert launch(0, 1) == 1
+    assert binds == [None, plain, converter, converter]
+    launch.cache_clear()
+    assert launch(0, 1) == 5
+    # The one-token kernel forced: the wgmma tile is still built.
+    monkeypatch.setenv(
+        "SPARSEFORGE_VARIANT", "msa_sparse_attention_fp8kv__warp_mma_token__bf16_d128__sm_90a"
+    )
+    params = dict(dtype="bf16", head_dim=128, tile="wgmma")
+    assert families.has_variant("msa_sparse_attention_fp8kv", "sm_90a", **params)
+    assert not families.has_variant(
+        "msa_sparse_attention_fp8kv", "sm_90a", **(params | {"tile": "no"})
+    )
+
+
 @pytest.mark.parametrize(
     "capability, native",
     [

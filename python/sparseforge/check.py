@@ -1049,19 +1049,16 @@ def check_icp(v: dict, small: bool, seed: int = 0) -> tuple[str, bool]:
     scores, forced blocks, nvp 0 and past 8192, word for word against local_top16 and
     merge."""
     from sparseforge import msa_icp
-    from sparseforge.families import msa_icp as icp_family
 
     family, gen = v["family"], torch.Generator().manual_seed(seed)
     if family in ("msa_icp_score", "msa_icp_list_score"):
         os.environ["SPARSEFORGE_VARIANT"] = v["name"]
-        icp_family.launch.cache_clear()  # bound launches of the default variant
         try:
             if family == "msa_icp_score":
                 return "scores vs the reference", icp_scores_match(v, small, seed)
             return "fused carrier rows vs the reference", icp_fused_prefill_match(v, small, seed)
         finally:
             os.environ.pop("SPARSEFORGE_VARIANT")
-            icp_family.launch.cache_clear()
     tokens = 9 if small else 300
     nvp = torch.randint(0, 9000, (tokens,), generator=gen, dtype=torch.int32)
     nvp[0] = 0

@@ -4,6 +4,8 @@ variant.
     spec(name)            a family's dtypes, templates per arch in preference order, required
                           archs and constants (from its spec in generator/families/)
     choose(name, arch)    the variant a call runs
+    has_variant           whether the build has one for these parameters
+    launch_cache          the cache of a family module's bound launches
     missing_requirements  what a runtime family module needs that the manifest lacks
 
 One module per family (or per family of launches made together) beside this one binds its
@@ -92,6 +94,31 @@ def forced_variant() -> _library.Kernel | None:
             f"SPARSEFORGE_VARIANT={name}: no variant of that name in this build"
         )
     return _library.Kernel.from_manifest(entry)
+
+
+def launch_cache(maxsize: int | None = 64):
+    """functools.lru_cache for what a family module binds after choose(), keyed also by
+    SPARSEFORGE_VARIANT as it stands at each call: the choice depends on it, and a process
+    that forces variants one after another (the bench, sparseforge.check, the tests) must
+    run each of them, not the launch cached for the first."""
+
+    def decorate(bind):
+        cached = functools.lru_cache(maxsize)(lambda forced, *a, **kw: bind(*a, **kw))
+
+        @functools.wraps(bind)
+        def bound(*args, **kwargs):
+            return cached(os.environ.get("SPARSEFORGE_VARIANT"), *args, **kwargs)
+
+        bound.cache_clear = cached.cache_clear
+        return bound
+
+    return decorate
+
+
+def has_variant(family: str, arch: str, **params) -> bool:
+    """Whether this build has a variant of `family` for `arch` with these parameters among
+    the templates choose() prefers (whatever SPARSEFORGE_VARIANT forces)."""
+    return bool(_preferred(family, arch, False, tuple(sorted(params.items()))))
 
 
 def _unchecked(kernel: _library.Kernel, arch: str) -> str | None:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
@@ -13,7 +11,7 @@ CONSTANTS = ("head_dim",)
 CONSTRAINTS = ()
 
 
-@functools.lru_cache(maxsize=16)
+@families.launch_cache(maxsize=16)
 def launch(device_index: int, dtype: str, want_lse: bool):
     kernel = families.choose(
         FAMILIES[0],

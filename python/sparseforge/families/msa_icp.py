@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
@@ -54,7 +52,7 @@ def load(device_index: int, family: str, shard_rows: int | None):
     return kernel
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def launch(device_index: int, family: str, shard_rows: int | None, *scalars):
     """The bound launch of one of FAMILIES with its scalars."""
     return load(device_index, family, shard_rows).bind(*scalars)

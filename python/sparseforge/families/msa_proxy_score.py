@@ -3,8 +3,6 @@ msa_proxy_score_fp4 (that module has the contract)."""
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 from sparseforge.errors import VariantNotBuiltError
@@ -18,7 +16,7 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def launch(
     device_index: int,
     dtype: str,  # "nvfp4": the NVFP4 family (q and k codes with scales)

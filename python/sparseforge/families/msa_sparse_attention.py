@@ -3,11 +3,8 @@ msa_sparse_decode_attention (that module has the contract). One family per K/V f
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
-from sparseforge.errors import VariantNotBuiltError
 
 FAMILIES = ("msa_sparse_attention", "msa_sparse_attention_fp8kv", "msa_sparse_attention_nvfp4")
 FAMILY_OF_FORMAT = dict(zip(("16bit", "e4m3", "nvfp4"), FAMILIES, strict=True))
@@ -30,17 +27,13 @@ def constant(key: str):
 
 def built_for(device_index: int, kv_format: str, tile: str | None = None) -> bool:
     """Whether this build has the K/V format's kernels (of this tile) for the device's arch."""
-    try:
-        families.choose(
-            FAMILY_OF_FORMAT[kv_format],
-            arch_for_device(device_index),
-            dtype="bf16",
-            head_dim=constant("head_dim"),
-            tile=tile,
-        )
-    except VariantNotBuiltError:
-        return False
-    return True
+    return families.has_variant(
+        FAMILY_OF_FORMAT[kv_format],
+        arch_for_device(device_index),
+        dtype="bf16",
+        head_dim=constant("head_dim"),
+        tile=tile,
+    )
 
 
 def forced_tile(kv_format: str):
@@ -66,7 +59,7 @@ def _forced(kv_format: str):
     return None
 
 
-@functools.lru_cache(maxsize=256)
+@families.launch_cache(maxsize=256)
 def launch(
     device_index: int,
     kv_format: str,

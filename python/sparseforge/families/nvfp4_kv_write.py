@@ -3,8 +3,6 @@ the contract)."""
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
@@ -17,7 +15,7 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def launch(device_index: int, dtype: str, k_global_scale: float, v_global_scale: float):
     kernel = families.choose(
         FAMILIES[0], arch_for_device(device_index), dtype=dtype, head_dim=constant("head_dim")

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import _library, families
 from sparseforge.arch import arch_for_device
 
@@ -34,7 +32,7 @@ def head_dims() -> tuple[int, ...]:
     )
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def launches(device_index: int, dtype: str, head_dim: int, chunk: int, smooth_k: int, steps: int):
     """The two launches (statistics + q, then k and v) with chunk_tokens, smooth_k and
     scale_steps bound."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
@@ -24,7 +22,7 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-@functools.lru_cache(maxsize=32)
+@families.launch_cache(maxsize=32)
 def launch(device_index: int, family: str, dtype: str | None, *scalars):
     """The bound launch of one of FAMILIES (dtype None: the family has one variant)."""
     params = {} if dtype is None else dict(dtype=dtype, head_dim=constant("key_dim"))

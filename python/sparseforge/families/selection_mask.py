@@ -4,8 +4,6 @@ twenty torch launches (20-35 us of host time each on the machines we measured)."
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparseforge import families, sparsity
@@ -16,7 +14,7 @@ CONSTANTS = ("max_columns",)
 CONSTRAINTS = ()
 
 
-@functools.cache
+@families.launch_cache(maxsize=None)
 def _launch(device_index: int, has_counts: bool):
     kernel = families.choose(FAMILIES[0], arch_for_device(device_index))
     kernel.prepare()

@@ -3,8 +3,6 @@ popcount), in place of planner.compact_rows's prefix sum and search."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparseforge import families
@@ -15,7 +13,7 @@ CONSTANTS = ()
 CONSTRAINTS = ()
 
 
-@functools.cache
+@families.launch_cache(maxsize=None)
 def _launch(device_index: int):
     kernel = families.choose(FAMILIES[0], arch_for_device(device_index))
     kernel.prepare()

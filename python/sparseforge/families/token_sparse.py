@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from sparseforge import families
 from sparseforge.arch import arch_for_device
 
@@ -17,14 +15,14 @@ def constant(key: str):
     return families.spec(FAMILIES[0]).constant(key)
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def kv_indices_launch(device_index: int, requests_per_token: int):
     kernel = families.choose(FAMILIES[0], arch_for_device(device_index))
     kernel.prepare()
     return kernel.bind(requests_per_token)
 
 
-@functools.lru_cache(maxsize=64)
+@families.launch_cache(maxsize=64)
 def group_union_launch(device_index: int, num_keys: int):
     """Bound per num_keys (a scalar of the kernel's ABI); decode steps that grow the
     sequence each bind once (a few microseconds of host work)."""

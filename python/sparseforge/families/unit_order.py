@@ -16,7 +16,7 @@ CONSTANTS = ("max_count",)
 CONSTRAINTS = ()
 
 
-@functools.cache
+@families.launch_cache(maxsize=None)
 def _launch(device_index: int, per_head: int, per_item: int, step: int):
     kernel = families.choose(FAMILIES[0], arch_for_device(device_index))
     kernel.prepare()
