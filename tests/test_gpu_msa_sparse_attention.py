@@ -62,24 +62,17 @@ FAMILY = {
 # The wgmma union tile of 2 and 4 warpgroups a CTA (forced by SPARSEFORGE_VARIANT).
 SHARED_TILES = ("wgmma_w2", "wgmma_w4")
 WGMMA_TILES = ("wgmma",) + SHARED_TILES
-# FP8 / NVFP4: the 2-warpgroup tile beside a warpgroup that converts its tiles (forced).
-CONVERTER_TILE = "wgmma_convert"
 
 
 def use_tile(monkeypatch, tile, kv_format=None):
     """Run msa_sparse_attention on the given kernel: None, the portable union tile, "wgmma",
     its sm_90a form (G = 16), "wgmma_w2" / "wgmma_w4", that form with 2 / 4 warpgroups a CTA
-    (forced by SPARSEFORGE_VARIANT: q is fp16 for fp16 K/V, else bf16), CONVERTER_TILE
-    (FP8 / NVFP4: the 2-warpgroup tile beside a converting warpgroup), "token", the
+    (forced by SPARSEFORGE_VARIANT: q is fp16 for fp16 K/V, else bf16), "token", the
     one-token kernel (decode's), or "hybrid", the wgmma tile handing tiles of little shared
     selection to the one-token kernel."""
     if tile in SHARED_TILES:
         dtype = "fp16" if kv_format == "fp16" else "bf16"
         name = f"{FAMILY[kv_format]}__wgmma__{dtype}_d128_{tile.split('_')[1]}__sm_90a"
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
-        tile = "wgmma"
-    if tile == CONVERTER_TILE:
-        name = f"{FAMILY[kv_format]}__wgmma_convert__bf16_d128_w2__sm_90a"
         monkeypatch.setenv("SPARSEFORGE_VARIANT", name)
         tile = "wgmma"
     attention = msa_ops._attention
@@ -101,12 +94,6 @@ CASES += [
     for fmt, paged in FORMATS
     for hq, hkv in [(16, 1), (32, 2)]
     for tile in ("wgmma", "hybrid") + SHARED_TILES
-]
-CASES += [
-    (fmt, paged, hq, hkv, CONVERTER_TILE)
-    for fmt, paged in FORMATS
-    if fmt in ("e4m3", "nvfp4")
-    for hq, hkv in [(16, 1), (32, 2)]
 ]
 
 

@@ -298,27 +298,6 @@ def test_the_wgmma_tile_of_several_warpgroups_runs_when_chosen_or_forced(monkeyp
         monkeypatch.setenv("SPARSEFORGE_VARIANT", f"{name}__warp_mma_token__bf16_d128__sm_90a")
         assert family.forced_warpgroups(kv_format) is None
         monkeypatch.delenv("SPARSEFORGE_VARIANT")
-
-
-def test_the_converter_tile_runs_only_when_forced(monkeypatch):
-    """FP8 / NVFP4: the 2-warpgroup wgmma tile beside a converting warpgroup has the tile and
-    warpgroups of the plain 2-warpgroup tile, which prefill keeps choosing; forced by
-    SPARSEFORGE_VARIANT, it is what runs."""
-    from sparseforge import families
-    from sparseforge.families import msa_sparse_attention as family
-
-    params = dict(dtype="bf16", head_dim=128, tile="wgmma", warpgroups=2)
-    for kv_format in ("e4m3", "nvfp4"):
-        name = family.FAMILY_OF_FORMAT[kv_format]
-        monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
-        assert families.choose(name, "sm_90a", **params).name == (
-            f"{name}__wgmma__bf16_d128_w2__sm_90a"
-        )
-        converter = f"{name}__wgmma_convert__bf16_d128_w2__sm_90a"
-        monkeypatch.setenv("SPARSEFORGE_VARIANT", converter)
-        assert families.choose(name, "sm_90a", **params).name == converter
-        assert family.forced_tile(kv_format) == "wgmma"
-        assert family.forced_warpgroups(kv_format) == 2
     # Prefill's grid check counts the tile's warpgroups: 4 tokens each.
     monkeypatch.setattr(msa_ops, "_wgmma_built", lambda index, kv_format: True)
     monkeypatch.setattr(msa_ops, "_multiprocessors", lambda device: 132)

@@ -128,22 +128,6 @@ def abi(head_dim=HEAD_DIM, kv_dtype="input"):
 
 def _family(name: str, doc: str) -> Family:
     kv_dtype, _ = KV_FORMATS[name]
-    # FP8 / NVFP4: the 2-warpgroup wgmma union tile with a third warpgroup converting the
-    # tiles (last in preference: run only when SPARSEFORGE_VARIANT forces it).
-    converter_templates = ()
-    if kv_dtype != "input":
-        converter_templates = (
-            Template(
-                "wgmma_convert",
-                "generator.kernels.sm90.msa_sparse_attention",
-                mma="wgmma",
-                archs=("sm_90a",),
-                configs=tuple(
-                    dict(dtype=t, head_dim=HEAD_DIM, tile="wgmma", warpgroups=2, converter=True)
-                    for t in Q_DTYPES
-                ),
-            ),
-        )
     return Family(
         name=name,
         doc=doc,
@@ -196,8 +180,7 @@ def _family(name: str, doc: str) -> Family:
                 configs=tuple(dict(dtype=t, head_dim=HEAD_DIM, tile="token") for t in Q_DTYPES),
                 portable=True,
             ),
-        )
-        + converter_templates,
+        ),
     )
 
 

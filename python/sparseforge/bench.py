@@ -700,7 +700,6 @@ def msa_attention_times(
         others[fmt] = {
             v["name"]: f"{tile_names[v['params'].get('tile')]}"
             + (f" of {w} warpgroups" if (w := v["params"].get("warpgroups", 1)) > 1 else "")
-            + (" beside a converting one" if v["params"].get("converter") else "")
             + ", forced"
             for v in _library.manifest()["variants"]
             if v["family"] == family

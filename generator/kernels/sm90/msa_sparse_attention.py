@@ -39,13 +39,6 @@ Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the
   tile. 16-bit K/V: the ring of
   the block-sparse kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of
   the L2 bytes), S of a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
-The converter schedule (MsaConverterTileSm90; FP8 / NVFP4 at W = 2, forced only): a third
-  warpgroup (warpgroup 0, whose warp 0 issues the loads) converts each raw tile whole into a ring of
-  CONVERTED_TILES fp16 K/V tiles, publishing a tile once both are converted; the two others
-  own the rows and only multiply: per tile S = Q K^T, softmax, O += P V, the stage released
-  to the converter. So a CTA's conversion runs under its own MMAs instead of between them
-  (the schedules above meet at barriers with no MMA in flight while they convert). One CTA
-  an SM (384 threads, 137 registers).
 """
 
 import cutlass
@@ -108,17 +101,10 @@ RAW_STAGES = {1: 2, 2: 4, 4: 6}
 # (4 or 8 stages of 16 KB a CTA, beside 32 or 64 KB of Q tiles).
 SHARED_RING_BYTES_PER_SM = 128 * 1024
 SCALE_BYTES = HEAD_DIM // NVFP4_GROUP  # NVFP4 scale bytes of a row
-# The converter schedule (MsaConverterTileSm90, FP8 / NVFP4 at two warpgroups): a third warpgroup
-# converts the raw tiles (TMA CONVERTER_RAW_TILES tiles ahead) into a ring of CONVERTED_TILES
-# fp16 K/V tiles that the two multiply, one CTA an SM.
-CONVERTED_TILES = 3
-CONVERTER_RAW_TILES = 4
 SMEM_PER_SM = 228 * 1024
 
 
 class MsaUnionTileSm90(BlockSparseFwdSm90):
-    converter = False  # MsaConverterTileSm90's schedule
-
     def __init__(self, dtype, kv_format: str, warpgroups: int = 1):
         self.converted = kv_format != "16bit"
         assert warpgroups in RAW_STAGES
@@ -210,12 +196,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
         warps = self.num_threads // 32
         capacity = self.union_capacity
-        converted_tiles = CONVERTED_TILES if self.converter else 1
 
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ring_stages]
-            converted_barriers: cute.struct.MemRange[cutlass.Int64, 2 * converted_tiles]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sRaw: cute.struct.Align[cute.struct.MemRange[self.raw_type, raw_size], 1024]
@@ -298,13 +282,6 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             wg = warp // 4
             wg_tidx = tidx % CONSUMER_THREADS
         bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
-        converting = False  # the converter schedule's warpgroup 0
-        if cutlass.const_expr(self.converter):
-            # Warpgroup 0 converts; warpgroups 1 and 2 own the rows (as wg 0 and 1), and meet
-            # at a barrier of their own.
-            converting = warp < 4
-            wg = cutlass.max(warp // 4 - 1, 0)
-            bar = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_threads - 128)
         loader = warp == 0
         q_start = args.mCuQ[seq]
         seqlen_q = args.mCuQ[seq + 1] - q_start
@@ -322,21 +299,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             barrier_storage=storage.ring_barriers.data_ptr(),
             num_stages=self.ring_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 4 if self.converter else warps
-            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, warps),
             tx_count=tile_bytes,
         ).make_participants()
-        converted_producer, converted_consumer = ring_producer, ring_consumer  # converter only
-        if cutlass.const_expr(self.converter):
-            converted_producer, converted_consumer = pipeline.PipelineAsync.create(
-                barrier_storage=storage.converted_barriers.data_ptr(),
-                num_stages=CONVERTED_TILES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_threads - CONSUMER_THREADS
-                ),
-            ).make_participants()
         sIds = storage.sIds.get_tensor(cute.make_layout(self.union_capacity))
         sPages = storage.sPages.get_tensor(cute.make_layout(self.union_capacity))
         sMask = storage.sMask.get_tensor(cute.make_layout(2 * self.union_capacity))
@@ -375,21 +340,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 sQ[None, None, wg], kv_head, wg_first_token, wg_tokens,
                 cute.make_tensor(storage.sQMax.data_ptr() + 4 * wg, cute.make_layout(4)),
             )  # fmt: skip
-            if cutlass.const_expr(self.converter):
-                sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
-                sScale = storage.sRawScale.get_tensor(scale_layout)
-                scale_log2 = args.scale_log2
-                if converting:
-                    self.convert_ring(
-                        args, place, loads, sRaw, sScale, sK, sV, ring_producer, ring_consumer,
-                        converted_producer, tiles, masks, tidx, loader,
-                    )  # fmt: skip
-                else:
-                    scale_log2 = self.multiply_converted(
-                        args, operands, state, masks, q_rows, tiles, converted_consumer,
-                        wg_tidx, bar,
-                    )  # fmt: skip
-            elif cutlass.const_expr(self.converted):
+            if cutlass.const_expr(self.converted):
                 sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
                 sScale = storage.sRawScale.get_tensor(scale_layout)
                 scale_log2 = self.stream_converted(
@@ -407,31 +358,17 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     ring_producer, ring_consumer, wg_tidx, loader, bar,
                 )  # fmt: skip
 
-            rows_out = (
-                args, pv_mma, acc_O, state, scale_log2, storage, sO_layout, wg_tidx, wg, bar,
+            rows = cute.size(row_max)
+            row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
+            row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
+            out_scale = args.out_scale * self.value_factor
+            finalize_rows(
+                args, acc_O, state, row_lse, row_lse_t, self.p_offset, scale_log2, out_scale
+            )
+            self.store_rows(
+                args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, wg_tidx, wg, bar,
                 kv_head, wg_first_token, wg_tokens,
             )  # fmt: skip
-            if cutlass.const_expr(self.converter):
-                if not converting:
-                    self.finish_rows(*rows_out)
-            else:
-                self.finish_rows(*rows_out)
-
-    @cute.jit
-    def finish_rows(
-        self, args, pv_mma, acc_O, state, scale_log2, storage, sO_layout, tidx, wg, bar,
-        kv_head, first_token, tokens,
-    ):  # fmt: skip
-        """Warpgroup wg's rows normalized (finalize_rows), then stored (store_rows)."""
-        rows = cute.size(state[0])
-        row_lse = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        row_lse_t = cute.make_rmem_tensor((rows,), cutlass.Float32)
-        out_scale = args.out_scale * self.value_factor
-        finalize_rows(args, acc_O, state, row_lse, row_lse_t, self.p_offset, scale_log2, out_scale)
-        self.store_rows(
-            args, pv_mma, acc_O, row_lse, row_lse_t, storage, sO_layout, tidx, wg, bar, kv_head,
-            first_token, tokens,
-        )  # fmt: skip
 
     @cute.jit
     def keeps_tile(self, args, num_union, first_token, tokens, kv_head, tidx):
@@ -559,9 +496,19 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         barrier a tile). tidx: the thread's index in its warpgroup `wg`. Returns the
         softmax's scale (log2 units: q's power of two and NVFP4's 2^7 folded in)."""
         qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
-        raw_producer = self.start_raw_ring(
-            args, place, loads, sRaw, sScale, raw_producer, tiles, loader
-        )
+        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
+        ahead = self.ring_stages // 2  # tiles in the raw ring
+        if loader:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.kv_format == "nvfp4"):
+                cpasync.prefetch_descriptor(tma_ks)
+                cpasync.prefetch_descriptor(tma_vs)
+            for u in cutlass.range_constexpr(ahead):
+                if u < tiles:
+                    for x in cutlass.range_constexpr(2):
+                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
+                        raw_producer.advance()
         q_factor = self.store_q(args, *q_rows, tidx)
         scale_log2 = args.scale_log2 * q_factor * self.value_factor
         sIds, seqlen_k = masks[0], masks[5]
@@ -609,25 +556,6 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         return scale_log2
 
     @cute.jit
-    def start_raw_ring(self, args, place, loads, sRaw, sScale, raw_producer, tiles, loader):
-        """Warp 0 (loader): the TMA descriptors prefetched and the raw ring's first
-        ring_stages / 2 tiles (K and V each) loaded. Returns the ring's producer (rebind it:
-        its state moved)."""
-        tma_k, _, tma_v, _, tma_ks, _, tma_vs, _ = loads
-        if loader:
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.kv_format == "nvfp4"):
-                cpasync.prefetch_descriptor(tma_ks)
-                cpasync.prefetch_descriptor(tma_vs)
-            for u in cutlass.range_constexpr(self.ring_stages // 2):
-                if u < tiles:
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
-                        raw_producer.advance()
-        return raw_producer
-
-    @cute.jit
     def convert_tile(
         self, args, place, loads, sRaw, sScale, sK, sV, tidx, wg, loader, raw_producer,
         raw_consumer, tiles, u, valid_rows, buffer,
@@ -663,11 +591,10 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         """Warpgroup wg's share of the raw tile in `stage` (and of its NVFP4 scales, V's in
         the 4x4 swizzle) into dst: rows wg x 64 / warpgroups on (tidx: the thread's index in
         its warpgroup)."""
-        parts = 1 if self.converter else self.warpgroups  # warpgroups converting a tile
-        rows = TILE_N // parts
+        rows = TILE_N // self.warpgroups
         src = sRaw[None, None, stage]
         valid = valid_rows
-        if cutlass.const_expr(parts > 1):
+        if cutlass.const_expr(self.warpgroups > 1):
             src = cute.local_tile(src, (rows, self.raw_width), (wg, 0))
             dst = cute.local_tile(dst, (rows, HEAD_DIM), (wg, 0))
             valid = valid_rows - wg * rows
@@ -749,14 +676,14 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         return tXgX[None, 0], tXsX
 
     @cute.jit
-    def store_q(self, args, sQ, kv_head, first_token, tokens, sQMax, tidx, bar=None):
+    def store_q(self, args, sQ, kv_head, first_token, tokens, sQMax, tidx):
         """The 64 Q rows (zero past the tile's tokens) into the Q tile by 16-byte stores, made
         visible to wgmma (the async proxy) for the whole warpgroup. sQ: the tile as wgmma
         reads it (its swizzle on the pointer, in bytes: sQ_layout's inner swizzle is not one
         of element offsets). Returns the factor the scores are to be multiplied by: 1, or
         for bf16 q in the fp16 tile the power of two the rows were divided by (the largest
         finite magnitude of the CTA's rows into [2^14, 2^15), into_fp16_range; the warps
-        meet in sQMax). `bar`: the barrier of the warps that store Q (None: the CTA's)."""
+        meet in sQMax)."""
         rows_copy = self.rows_copy(self.dtype)
         thr = rows_copy.get_slice(tidx)
         tQsQ = thr.partition_D(sQ)
@@ -777,7 +704,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             top = warp_finite_max(values)
             if tidx % 32 == 0:
                 sQMax[tidx // 32] = top
-            sync(bar)
+            cute.arch.sync_threads()
             for w in cutlass.range_constexpr(CONSUMER_THREADS // 32):
                 top = cute.arch.fmax(top, sQMax[w])
             scaled, factor = into_fp16_range(values, top)
@@ -786,7 +713,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             rQ.store(rows.load())
         cute.copy(rows_copy, rQ, tQsQ)
         cute.arch.fence_proxy("async.shared", space="cta")
-        sync(bar)
+        cute.arch.sync_threads()
         return factor
 
     @cute.jit
@@ -852,90 +779,6 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     dst.store(chunk8(tOrO, m, k).load())
 
 
-class MsaConverterTileSm90(MsaUnionTileSm90):
-    """FP8 / NVFP4 K/V at two warpgroups, with a third that converts (the module's docstring:
-    the converter schedule)."""
-
-    converter = True
-
-    def __init__(self, dtype, kv_format: str):
-        super().__init__(dtype, kv_format, 2)
-        assert self.converted
-        self.num_threads = CONSUMER_THREADS * (self.warpgroups + 1)  # warpgroup 0 converts
-        self.ctas_per_sm = 1
-        self.double_buffered = False
-        self.kv_stages = 2 * CONVERTED_TILES
-        self.ring_stages = 2 * CONVERTER_RAW_TILES
-
-    @cute.jit
-    def convert_ring(
-        self, args, place, loads, sRaw, sScale, sK, sV, raw_producer, raw_consumer,
-        converted_producer, tiles, masks, tidx, loader,
-    ):  # fmt: skip
-        """The converter schedule's warpgroup 0: TMA (warp 0) keeps the raw ring
-        ring_stages / 2 tiles ahead; each tile's raw K and V are converted whole into the
-        next free stage of the fp16 ring (sK / sV stages 2i and 2i + 1), then published to
-        the two warpgroups that multiply it (multiply_converted)."""
-        sIds, seqlen_k = masks[0], masks[5]
-        ahead = self.ring_stages // 2  # tiles in the raw ring
-        raw_producer = self.start_raw_ring(
-            args, place, loads, sRaw, sScale, raw_producer, tiles, loader
-        )
-        for j in cutlass.range(tiles, unroll=1):
-            valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
-            stage = converted_producer.acquire_and_advance()  # its last readers released it
-            v_stage = sV[None, None, 2 * stage.index + 1]  # (D, keys): converted as rows
-            v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
-            k_raw = raw_consumer.wait_and_advance()
-            self.convert(
-                sRaw, sScale, k_raw.index, sK[None, None, 2 * stage.index], tidx, 0, valid_rows,
-                False,
-            )  # fmt: skip
-            k_raw.release()
-            v_raw = raw_consumer.wait_and_advance()
-            self.convert(sRaw, sScale, v_raw.index, v_rows, tidx, 0, valid_rows, True)
-            v_raw.release()
-            if loader:
-                if j + ahead < tiles:  # tile j + ahead into the raw stages just released
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(
-                            raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
-                        )
-                        raw_producer.advance()
-            # The converted tiles (generic-proxy stores) to wgmma, then to the multipliers.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            stage.commit()
-
-    @cute.jit
-    def multiply_converted(
-        self, args, operands, state, masks, q_rows, tiles, converted_consumer, tidx, bar
-    ):
-        """The converter schedule's warpgroups 1 and 2 (tidx: the thread's index in its
-        warpgroup; bar: their barrier): Q stored, then per tile S = Q K^T, the rows'
-        probabilities and O += P V from the next stage of the fp16 ring, each waited for,
-        the stage released to the converter. Returns the softmax's scale (log2 units)."""
-        qk_mma, pv_mma, acc_S, acc_O, sQ_stage, tSrK, tOrV = operands
-        q_factor = self.store_q(args, *q_rows, tidx, bar)
-        scale_log2 = args.scale_log2 * q_factor * self.value_factor
-        for j in cutlass.range(tiles, unroll=1):
-            stage = converted_consumer.wait_and_advance()
-            self.qk(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, 2 * stage.index])
-            warpgroup.wait_group(0)
-            tOrP = self.own_block_probabilities(args, acc_S, acc_O, state, masks, j, scale_log2)
-            self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 2 * stage.index + 1])
-            warpgroup.wait_group(0)
-            stage.release()
-        return scale_log2
-
-
-def sync(bar):
-    """Wait at `bar`, or with None at the CTA's barrier."""
-    if cutlass.const_expr(bar is None):
-        cute.arch.sync_threads()
-    else:
-        bar.arrive_and_wait()
-
-
 def row_chunk(mX: cute.Tensor, first_token, kv_head, row, col):
     """Columns col .. col + 7 of a CTA row (token first_token + row // 16, head row % 16 of
     kv_head) in a (total_q, Hq, D) tensor."""
@@ -970,6 +813,4 @@ def scale_rows_view(mS: cute.Tensor) -> cute.Tensor:
 def make_kernel(variant):
     kv_format = KV_FORMAT[variant.family.name]
     p = variant.params
-    if p.get("converter"):
-        return MsaConverterTileSm90(element_type(p["dtype"]), kv_format)
     return MsaUnionTileSm90(element_type(p["dtype"]), kv_format, p.get("warpgroups", 1))
