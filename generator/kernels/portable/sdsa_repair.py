@@ -160,8 +160,7 @@ class SdsaRepair(SdsaScores):
             )  # fmt: skip
             for v in cutlass.range_constexpr(len(triples)):
                 ok, key, score = triples[v]
-                if ok:
-                    classify(args, row, key, score, threshold, cap)
+                classify(args, row, key, score, threshold, cap, ok)
         self.cluster_sync()
         if (tidx == 0) & (rank == 0):
             self.write_ranges(args, row)

@@ -107,34 +107,35 @@ class SdsaSelect(SdsaScores):
                 if row_of[r] >= 0:
                     for h in cutlass.range_constexpr(2):
                         key = first_key + 16 * t + 8 * h + g
-                        if key < end[r]:
-                            score = acc[2 * h + r, 0, 0] * self.score_factor
-                            classify(args, row_of[r], key, score, threshold[r], cap)
+                        score = acc[2 * h + r, 0, 0] * self.score_factor
+                        classify(args, row_of[r], key, score, threshold[r], cap, key < end[r])
 
 
 @cute.jit
-def classify(args, row, key, score, threshold, cap):
+def classify(args, row, key, score, threshold, cap, valid=True):
     """Count (and store, while there is room) the pair (key, score) of `row` as a
-    candidate or a tie of `threshold`."""
-    stored = score
-    if score <= 2.0 * threshold:
-        stored = score - threshold
-    bits = float_bits(stored)
-    counters = args.mCounters
-    if score > threshold:
-        n = cute.arch.atomic_add(
-            counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
-        )
-        if n < cap:
-            args.mCandidates[row, args.top_k + n, 0] = key
-            args.mCandidates[row, args.top_k + n, 1] = bits
-    elif (score == threshold) | (score != score) | (threshold != threshold):
-        n = cute.arch.atomic_add(
-            counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
-        )
-        if n < args.top_k:
-            args.mCandidates[row, args.top_k - 1 - n, 0] = key
-            args.mCandidates[row, args.top_k - 1 - n, 1] = bits
+    candidate or a tie of `threshold`, if `valid`. A valid score below the threshold or
+    an invalid one (nearly all) costs one test and branch: the rest is behind it."""
+    if valid & ((score >= threshold) | (score != score) | (threshold != threshold)):
+        stored = score
+        if score <= 2.0 * threshold:
+            stored = score - threshold
+        bits = float_bits(stored)
+        counters = args.mCounters
+        if score > threshold:
+            n = cute.arch.atomic_add(
+                counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
+            )
+            if n < cap:
+                args.mCandidates[row, args.top_k + n, 0] = key
+                args.mCandidates[row, args.top_k + n, 1] = bits
+        else:  # equal, or NaN on either side
+            n = cute.arch.atomic_add(
+                counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
+            )
+            if n < args.top_k:
+                args.mCandidates[row, args.top_k - 1 - n, 0] = key
+                args.mCandidates[row, args.top_k - 1 - n, 1] = bits
 
 
 def make_kernel(variant):
