@@ -98,17 +98,46 @@ class SdsaSelect(SdsaScores):
     @cute.jit
     def classify_group(self, atom, args, keys, first_key, group, g):
         """Every score of the warp's 32 keys from first_key against a row_group, classified
-        (keys below each row's end)."""
+        (keys below each row's end). A lane counts its candidates of a row over its four
+        score slots first and takes their places with one atomic: one memory round trip a
+        chunk where a slot's atomic, waited for before its store, made one a slot."""
         query, row_of, threshold, end = group
         cap = args.mCandidates.shape[1] - args.top_k
+        # scores[r, s]: row r's score of key first_key + 16 (s // 2) + 8 (s % 2) + g.
+        scores = cute.make_rmem_tensor((2, 4), cutlass.Float32)
         for t in cutlass.range_constexpr(WARP_KEYS // 16):
             acc = self.tile_scores(atom, keys, t, query)
             for r in cutlass.range_constexpr(2):
-                if row_of[r] >= 0:
-                    for h in cutlass.range_constexpr(2):
-                        key = first_key + 16 * t + 8 * h + g
-                        score = acc[2 * h + r, 0, 0] * self.score_factor
-                        classify(args, row_of[r], key, score, threshold[r], cap, key < end[r])
+                for h in cutlass.range_constexpr(2):
+                    scores[r, 2 * t + h] = acc[2 * h + r, 0, 0] * self.score_factor
+        for r in cutlass.range_constexpr(2):
+            if row_of[r] >= 0:
+                found = cutlass.Int32(0)
+                for s in cutlass.range_constexpr(4):
+                    key = first_key + 16 * (s // 2) + 8 * (s % 2) + g
+                    score = scores[r, s]
+                    if (key < end[r]) & (
+                        (score >= threshold[r]) | (score != score) | (threshold[r] != threshold[r])
+                    ):
+                        if score > threshold[r]:
+                            found = found + 1
+                        else:
+                            add_tie(args, row_of[r], key, score, threshold[r])
+                if found > 0:
+                    n = cute.arch.atomic_add(
+                        args.mCounters.iterator
+                        + cute.crd2idx((row_of[r], 0), args.mCounters.layout),
+                        found,
+                    )
+                    for s in cutlass.range_constexpr(4):
+                        key = first_key + 16 * (s // 2) + 8 * (s % 2) + g
+                        if (key < end[r]) & (scores[r, s] > threshold[r]):
+                            if n < cap:
+                                store_pair(
+                                    args, row_of[r], args.top_k + n, key, scores[r, s],
+                                    threshold[r],
+                                )  # fmt: skip
+                            n = n + 1
 
 
 @cute.jit
@@ -117,25 +146,38 @@ def classify(args, row, key, score, threshold, cap, valid=True):
     candidate or a tie of `threshold`, if `valid`. A valid score below the threshold or
     an invalid one (nearly all) costs one test and branch: the rest is behind it."""
     if valid & ((score >= threshold) | (score != score) | (threshold != threshold)):
-        stored = score
-        if score <= 2.0 * threshold:
-            stored = score - threshold
-        bits = float_bits(stored)
-        counters = args.mCounters
         if score > threshold:
             n = cute.arch.atomic_add(
-                counters.iterator + cute.crd2idx((row, 0), counters.layout), cutlass.Int32(1)
+                args.mCounters.iterator + cute.crd2idx((row, 0), args.mCounters.layout),
+                cutlass.Int32(1),
             )
             if n < cap:
-                args.mCandidates[row, args.top_k + n, 0] = key
-                args.mCandidates[row, args.top_k + n, 1] = bits
-        else:  # equal, or NaN on either side
-            n = cute.arch.atomic_add(
-                counters.iterator + cute.crd2idx((row, 1), counters.layout), cutlass.Int32(1)
-            )
-            if n < args.top_k:
-                args.mCandidates[row, args.top_k - 1 - n, 0] = key
-                args.mCandidates[row, args.top_k - 1 - n, 1] = bits
+                store_pair(args, row, args.top_k + n, key, score, threshold)
+        else:
+            add_tie(args, row, key, score, threshold)
+
+
+@cute.jit
+def add_tie(args, row, key, score, threshold):
+    """Count the pair (key, score) of `row` as a tie of `threshold` (equal, or NaN on
+    either side) and store it while there is room."""
+    n = cute.arch.atomic_add(
+        args.mCounters.iterator + cute.crd2idx((row, 1), args.mCounters.layout),
+        cutlass.Int32(1),
+    )
+    if n < args.top_k:
+        store_pair(args, row, args.top_k - 1 - n, key, score, threshold)
+
+
+@cute.jit
+def store_pair(args, row, slot, key, score, threshold):
+    """Candidate slot `slot` of `row` := (key, the stored value's bits): score - threshold
+    where score <= 2 threshold, else score."""
+    stored = score
+    if score <= 2.0 * threshold:
+        stored = score - threshold
+    args.mCandidates[row, slot, 0] = key
+    args.mCandidates[row, slot, 1] = float_bits(stored)
 
 
 def make_kernel(variant):
