@@ -244,13 +244,15 @@ def assert_exact_top_k(args: dict, ranges, scores) -> torch.Tensor:
     return top_keys
 
 
-@pytest.mark.parametrize("lengths", [[5000, 64, 4097], [5000, 64, 4097, 300, 2000]])
+@pytest.mark.parametrize("lengths", [[5000, 64, 4097], [5000, 64, 4097, 300, 2000], [140_000, 64]])
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_threshold_select_repair(nvfp4, lengths):
     """Rows whose thresholds are +inf (nothing above), -inf (everything above) or from
     the data (some fit, some do not) all end up fitting with their exact top-K; the rows
     that fit keep their thresholds and the plain select's counters. (The repair takes 512
-    rows a cluster: five tiles are two clusters, the second with 128 rows.)"""
+    rows a cluster: five tiles are two clusters, the second with 128 rows. On SM90 a
+    cluster keeps the scores of a row's first 131,072 keys on chip: 140,000 keys make it
+    compute the rest in every pass.)"""
     args = sdsa_select_inputs(lengths, nvfp4, top_k=16, slots=64, device="cuda")
     rows = 128 * len(lengths)
     args["thresholds"][3::5] = -float("inf")

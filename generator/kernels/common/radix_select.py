@@ -35,9 +35,30 @@ def histogram_words(peers: int) -> int:
 
 
 @cute.jit
+def count_digits(
+    values_of, start, end, stride, step: cutlass.Constexpr, prefix, sHist, own: cutlass.Constexpr
+):
+    """One radix pass's counting (radix_select): each valid value of values_of(i) for i =
+    start, start + stride, ... < end whose higher bits match `prefix` adds one to its
+    digit's bin of the histogram at sHist[own]."""
+    shift = 24 - 8 * step
+    for i in cutlass.range(start, end, stride, unroll=1):
+        pairs = values_of(i)
+        for v in cutlass.range_constexpr(len(pairs)):
+            valid, bits = pairs[v]
+            key = order_key(bits)
+            digit = cutlass.Int32((key >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
+            if cutlass.const_expr(step > 0):
+                high = cutlass.Uint32(shift + 8)
+                valid = valid & ((key >> high) == (prefix >> high))
+            if valid:
+                cute.arch.atomic_add(sHist.iterator + own + digit, cutlass.Int32(1))
+
+
+@cute.jit
 def radix_select(
     values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr,
-    peers: cutlass.Constexpr = 1, rank=0,
+    peers: cutlass.Constexpr = 1, rank=0, split: cutlass.Constexpr = None,
 ):  # fmt: skip
     """(the order key of the wanted-th largest of a set of floats (1 <= wanted <= its
     size), how many of the values equal to it are among the wanted largest). The set:
@@ -53,7 +74,12 @@ def radix_select(
     count a multiple of that) into its pass's own histogram; after a cluster barrier each
     sums all of them through distributed shared memory, so all find the same answer. The
     caller keeps every CTA of the cluster alive until a later cluster barrier (its peers
-    read its histograms)."""
+    read its histograms).
+
+    With `split` (a multiple of threads x peers), values_at takes a third argument, a
+    Constexpr: True for i < split, False beyond, in two loops. A caller whose values come
+    from two places (kept on chip, computed) gets each loop compiled for one of them: with
+    both in one loop body ptxas predicated the rarer path and issued it for every i."""
     prefix = cutlass.Uint32(0)
     scan_at = BINS if peers == 1 else 5 * BINS  # sHist's words after the histograms
     if cutlass.const_expr(peers > 1):
@@ -66,17 +92,21 @@ def radix_select(
             for b in cutlass.range(tidx, BINS, threads, unroll=1):
                 sHist[b] = 0
         cute.arch.sync_threads()
-        for i in cutlass.range(tidx + rank * threads, count, threads * peers, unroll=1):
-            pairs = values_at(i, step)
-            for v in cutlass.range_constexpr(len(pairs)):
-                valid, bits = pairs[v]
-                key = order_key(bits)
-                digit = cutlass.Int32((key >> cutlass.Uint32(shift)) & cutlass.Uint32(0xFF))
-                if cutlass.const_expr(step > 0):
-                    high = cutlass.Uint32(shift + 8)
-                    valid = valid & ((key >> high) == (prefix >> high))
-                if valid:
-                    cute.arch.atomic_add(sHist.iterator + own + digit, cutlass.Int32(1))
+        first = tidx + rank * threads
+        if cutlass.const_expr(split is None):
+            count_digits(
+                lambda i, step=step: values_at(i, step), first, count, threads * peers,
+                step, prefix, sHist, own,
+            )  # fmt: skip
+        else:
+            count_digits(
+                lambda i, step=step: values_at(i, step, True), first,
+                cutlass.min(count, split), threads * peers, step, prefix, sHist, own,
+            )  # fmt: skip
+            count_digits(
+                lambda i, step=step: values_at(i, step, False), first + split, count,
+                threads * peers, step, prefix, sHist, own,
+            )  # fmt: skip
         counts = sHist
         if cutlass.const_expr(peers > 1):
             cute.arch.cluster_arrive()

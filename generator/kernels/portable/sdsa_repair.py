@@ -136,16 +136,19 @@ class SdsaRepair(SdsaScores):
         # converged, and every CTA of the cluster makes as many steps.
         count = cute.ceil_div(end, CHUNK_KEYS * peers) * (CHUNK_KEYS * peers)
         threshold = cutlass.Float32(float("inf"))  # nothing wanted: nothing above it
+        # Chunks from `kept` on are beyond the CTAs' caches: their scores are computed in
+        # every pass (in loops of their own: radix_select's split).
+        kept = self.cached_keys * peers
         if wanted > 0:
             key, _ = radix_select(
-                lambda i, step: [
+                lambda i, step, cached: [
                     (ok, float_bits(score))
                     for ok, _, score in self.chunk_scores(
                         atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
-                        cache_filled=step > 0,
+                        cache_filled=step > 0, cached=cached,
                     )
                 ],
-                count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank,
+                count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank, split=kept,
             )  # fmt: skip
             threshold = float_of_order_key(key)
         if (tidx == 0) & (rank == 0):
@@ -153,14 +156,19 @@ class SdsaRepair(SdsaScores):
             args.mCounters[row, 0] = 0
             args.mCounters[row, 1] = 0
         self.cluster_sync()
-        for i in cutlass.range(tidx + rank * CHUNK_KEYS, count, CHUNK_KEYS * peers, unroll=1):
-            triples = self.chunk_scores(
-                atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
-                cache_filled=True,
-            )  # fmt: skip
-            for v in cutlass.range_constexpr(len(triples)):
-                ok, key, score = triples[v]
-                classify(args, row, key, score, threshold, cap, ok)
+        first = tidx + rank * CHUNK_KEYS
+        for cached, start, stop in (
+            (True, first, cutlass.min(count, kept)),
+            (False, first + kept, count),
+        ):
+            for i in cutlass.range(start, stop, CHUNK_KEYS * peers, unroll=1):
+                triples = self.chunk_scores(
+                    atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
+                    cache_filled=True, cached=cached,
+                )  # fmt: skip
+                for v in cutlass.range_constexpr(len(triples)):
+                    ok, key, score = triples[v]
+                    classify(args, row, key, score, threshold, cap, ok)
         self.cluster_sync()
         if (tidx == 0) & (rank == 0):
             self.write_ranges(args, row)
@@ -178,29 +186,27 @@ class SdsaRepair(SdsaScores):
     @cute.jit
     def chunk_scores(
         self, atom, args, query, request, chunk_key, end, g, q, tidx, sScores,
-        cache_filled: cutlass.Constexpr,
+        cache_filled: cutlass.Constexpr, cached: cutlass.Constexpr,
     ):  # fmt: skip
         """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key: its
-        warp's 32 keys through the MMA, valid for lanes q == 0 and keys < end. A chunk below
-        cached_keys is read from sScores once cache_filled, else computed and kept."""
+        warp's 32 keys through the MMA, valid for lanes q == 0 and keys < end. A `cached`
+        chunk (below cached_keys x peers) is read from sScores once cache_filled, else
+        computed and kept; the others are computed."""
         first_key = chunk_key + (tidx // 32) * WARP_KEYS
         # The chunk's place among this CTA's (every peers-th chunk of the row) and its
         # keys' entries in sScores, the same for the whole CTA.
         slot = chunk_key // (CHUNK_KEYS * self.cluster) * CHUNK_KEYS - chunk_key
-        cached = slot + chunk_key + CHUNK_KEYS <= self.cached_keys
         scores = cute.make_rmem_tensor((4,), cutlass.Float32)  # key g + 8j: scores[j]
-        if cutlass.const_expr(cache_filled):
-            if cached:
-                # Each thread reads back the entries it wrote: no barrier needed.
-                for j in cutlass.range_constexpr(4):
-                    scores[j] = sScores[slot + first_key + 8 * j + g]
-            else:
-                self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
+        if cutlass.const_expr(cached and cache_filled):
+            # Each thread reads back the entries it wrote: no barrier needed.
+            for j in cutlass.range_constexpr(4):
+                scores[j] = sScores[slot + first_key + 8 * j + g]
         else:
             self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
-            if cached & (q == 0):
-                for j in cutlass.range_constexpr(4):
-                    sScores[slot + first_key + 8 * j + g] = scores[j]
+            if cutlass.const_expr(cached):
+                if q == 0:
+                    for j in cutlass.range_constexpr(4):
+                        sScores[slot + first_key + 8 * j + g] = scores[j]
         triples = []
         for j in cutlass.range_constexpr(4):
             key = first_key + 8 * j + g
