@@ -5,9 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu/site
 pip install -q --no-deps --no-build-isolation --target .gpu/site .
-# The commit this build is of (-dirty: uncommitted changes), for the GPU machine's reports:
-# its copy of the tree may carry a stale .git.
-git describe --always --dirty --abbrev=7 > .gpu/commit.txt
+# (The library's manifest names the commit it was built from: reports on the GPU machine
+# take it from there, not from that machine's copy of .git.)
 du -sh .gpu/site
 # The matrix and the sm_90 wgmma check (nvdisasm is on this machine, not in the CI venv).
 python ci/compile_matrix.py .gpu/site/sparseforge/libsparseforge_kernels.so

@@ -7,10 +7,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sparseforge-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# Reports name the commit of the build (written by ci/build_for_device.sh).
-if [ -z "${SPARSEFORGE_COMMIT:-}" ] && [ -f .gpu/commit.txt ]; then
-  export SPARSEFORGE_COMMIT="$(cat .gpu/commit.txt)"
-fi
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -m sparseforge info 2>&1 | tee "$OUT/info.txt" || status=1

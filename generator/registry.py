@@ -10,7 +10,7 @@ launcher unpacks them into the typed structs of the exported header.
 manifest.json carries everything the runtime needs to choose, bind and launch: per family
 its dtypes, templates per arch in preference order, required archs and constants; per
 variant its parameters, constraints, ABI and kernel class (the compile matrix finds its
-cubin by that name).
+cubin by that name); and the source revision the build was made from (benchmarks name it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +28,20 @@ from generator.catalog import catalog, families
 from generator.family import ALL_ARCHS, Variant
 
 MANIFEST_SCHEMA = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_revision() -> str | None:
+    """The commit of the tree being built (`git describe --always --dirty`: "-dirty" when it
+    has uncommitted changes), or None outside a git checkout (a build from an sdist)."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
 
 
 def abi_json(variant: Variant) -> list[dict]:
@@ -62,6 +77,7 @@ def manifest(variants: list[Variant], archs) -> dict:
     return {
         "schema": MANIFEST_SCHEMA,
         "archs": list(archs),
+        "source": source_revision(),
         "families": {
             family.name: {
                 "doc": family.doc,

@@ -20,6 +20,8 @@ def test_manifest_schema():
     m = _library.manifest()
     assert m["schema"] == _library.MANIFEST_SCHEMA
     assert m["archs"] and set(m["archs"]) <= set(ARCH_SM)
+    # The commit the build was made from (git describe; None outside a git checkout).
+    assert m["source"] is None or (isinstance(m["source"], str) and m["source"].strip())
     for name, family in m["families"].items():
         assert set(family) == {
             "doc",

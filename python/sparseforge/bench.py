@@ -19,7 +19,6 @@ import functools
 import math
 import os
 import statistics
-import subprocess
 import sys
 import unittest.mock
 from dataclasses import dataclass
@@ -1319,15 +1318,11 @@ def plan_time_us(w: Workload, form: str, iters: int = 20) -> tuple[float, float]
 
 
 def describe_run() -> str:
-    """Date, commit (SPARSEFORGE_COMMIT when the tree has no .git, as on the device), GPU."""
-    commit = os.environ.get("SPARSEFORGE_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
-        except OSError:
-            commit = ""
+    """Date, the commit the kernel library was built from (its manifest's "source";
+    SPARSEFORGE_COMMIT overrides it), GPU."""
+    from sparseforge import _library
+
+    commit = os.environ.get("SPARSEFORGE_COMMIT") or _library.manifest().get("source")
     gpu = torch.cuda.get_device_name()
     line = (
         f"date {datetime.date.today()}, commit {commit or 'unknown'}, GPU {gpu}, "

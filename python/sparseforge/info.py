@@ -15,6 +15,7 @@ def build_summary() -> list[str]:
     m = _library.manifest()
     lines = [
         f"build archs: {', '.join(m['archs'])}",
+        f"built from: {m.get('source') or 'unknown (not a git checkout)'}",
         "variants (family / arch: template x count, params):",
     ]
     groups = defaultdict(list)
