@@ -116,9 +116,7 @@ class SdsaSelect(SdsaScores):
                 for s in cutlass.range_constexpr(4):
                     key = first_key + 16 * (s // 2) + 8 * (s % 2) + g
                     score = scores[r, s]
-                    if (key < end[r]) & (
-                        (score >= threshold[r]) | (score != score) | (threshold[r] != threshold[r])
-                    ):
+                    if (key < end[r]) & candidate_or_tie(score, threshold[r]):
                         if score > threshold[r]:
                             found = found + 1
                         else:
@@ -145,7 +143,7 @@ def classify(args, row, key, score, threshold, cap, valid=True):
     """Count (and store, while there is room) the pair (key, score) of `row` as a
     candidate or a tie of `threshold`, if `valid`. A valid score below the threshold or
     an invalid one (nearly all) costs one test and branch: the rest is behind it."""
-    if valid & ((score >= threshold) | (score != score) | (threshold != threshold)):
+    if valid & candidate_or_tie(score, threshold):
         if score > threshold:
             n = cute.arch.atomic_add(
                 args.mCounters.iterator + cute.crd2idx((row, 0), args.mCounters.layout),
@@ -155,6 +153,13 @@ def classify(args, row, key, score, threshold, cap, valid=True):
                 store_pair(args, row, args.top_k + n, key, score, threshold)
         else:
             add_tie(args, row, key, score, threshold)
+
+
+@cute.jit
+def candidate_or_tie(score, threshold):
+    """Whether score is above threshold or ties it (equal, or NaN on either side): one
+    FSETP.GEU (greater, equal or unordered)."""
+    return (score >= threshold) | (score != score) | (threshold != threshold)
 
 
 @cute.jit
