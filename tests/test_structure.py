@@ -89,3 +89,21 @@ def test_planner_and_sparsity_are_pure_torch():
     graph = runtime_imports()
     assert graph["sparseforge.planner"] == set()
     assert graph["sparseforge.sparsity"] <= {"sparseforge.checks", "sparseforge.planner"}
+
+
+def test_no_plain_cache_holds_a_choice_of_variant():
+    """A function that calls families.choose is cached, if at all, with
+    families.launch_cache: the choice depends on SPARSEFORGE_VARIANT, which
+    functools.cache / lru_cache do not see (a later forced variant would run the first)."""
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            plain = [d for d in node.decorator_list if "functools" in ast.unparse(d)]
+            chooses = any(
+                isinstance(c, ast.Call)
+                and isinstance(c.func, ast.Attribute)
+                and c.func.attr == "choose"
+                for c in ast.walk(node)
+            )
+            assert not (plain and chooses), f"{path.name}: {node.name}"
