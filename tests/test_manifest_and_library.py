@@ -249,16 +249,16 @@ def test_cached_launches_follow_the_forced_variant(monkeypatch):
         return len(binds)
 
     plain = "msa_sparse_attention_fp8kv__wgmma__bf16_d128_w2__sm_90a"
-    converter = "msa_sparse_attention_fp8kv__wgmma_convert__bf16_d128_w2__sm_90a"
+    other = "msa_sparse_attention_fp8kv__wgmma__bf16_d128_w4__sm_90a"
     monkeypatch.delenv("SPARSEFORGE_VARIANT", raising=False)
     assert launch(0, 1) == launch(0, 1) == 1
     monkeypatch.setenv("SPARSEFORGE_VARIANT", plain)
     assert launch(0, 1) == launch(0, 1) == 2
-    monkeypatch.setenv("SPARSEFORGE_VARIANT", converter)
+    monkeypatch.setenv("SPARSEFORGE_VARIANT", other)
     assert launch(0, 1) == launch(0, flag=1) - 1 == 3
     monkeypatch.delenv("SPARSEFORGE_VARIANT")
     assert launch(0, 1) == 1
-    assert binds == [None, plain, converter, converter]
+    assert binds == [None, plain, other, other]
     launch.cache_clear()
     assert launch(0, 1) == 5
     # The one-token kernel forced: the wgmma tile is still built.
