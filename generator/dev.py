@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 from generator.catalog import by_name
-
-ROOT = Path(__file__).resolve().parents[1]
+from generator.registry import ROOT
 
 
 def variants_with_planner(names: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ from generator.catalog import catalog, families
 from generator.family import ALL_ARCHS, Variant
 
 MANIFEST_SCHEMA = 2
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the source tree
 
 
 def source_revision() -> str | None:
