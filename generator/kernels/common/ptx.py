@@ -65,3 +65,12 @@ def opaque_int32(value, *, loc=None, ip=None):
     return inline_ptx(
         cutlass.Int32, operands, "mov.b32 $0, $1;", "=r,r", side_effects=True, loc=loc, ip=ip
     )
+
+
+@dsl_user_op
+def store_int32x4_broadcast(address, value, *, loc=None, ip=None):
+    """`value` into the four 32-bit words at a global byte address (16-byte aligned): one
+    vector store."""
+    operands = [cutlass.Int64(address), cutlass.Int32(value)]
+    asm = "st.global.v4.b32 [$0], {$1, $1, $1, $1};"
+    inline_ptx(None, operands, asm, "l,r", side_effects=True, loc=loc, ip=ip)
