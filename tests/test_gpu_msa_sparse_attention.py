@@ -197,6 +197,22 @@ def test_bf16_queries_far_outside_fp16s_range_on_the_decode_kernel(kv_format, ma
     assert rel_l2(got, want) < TOLERANCE[kv_format]
 
 
+@pytest.mark.parametrize("kv_format", ["e4m3", "nvfp4"])
+@pytest.mark.parametrize("tile", WGMMA_TILES)
+def test_query_heads_of_very_different_magnitudes_on_the_wgmma_tile(kv_format, tile, monkeypatch):
+    """The wgmma tile brings q to its MMAs' range per warpgroup (fp16 tiles) or per row (FP8
+    K/V's two e4m3 parts): heads 2^-8 .. 2^2 in magnitude within one warpgroup's rows still
+    match the reference."""
+    use_tile(monkeypatch, tile, kv_format)
+    kernel, ref = msa_attention_inputs(kv_format, True, [9, 1, 6], [300, 129, 700], 16, 1, 16, 14)
+    q = kernel["q"]
+    q.mul_(torch.exp2(torch.linspace(-8, 2, q.shape[1], device=DEV))[None, :, None].to(q.dtype))
+    got = msa_ops.msa_sparse_attention(**kernel, causal=True)
+    want, _, _ = run_reference(ref | {"q": q.float()}, True)
+    assert torch.isfinite(got).all()
+    assert rel_l2(got, want) < TOLERANCE[kv_format]
+
+
 def test_errors_against_the_unquantized_values_are_reported():
     """FP8 and NVFP4 K/V against the reference on the unquantized K/V (printed, loosely
     bounded: the quantization error, not the kernel's)."""

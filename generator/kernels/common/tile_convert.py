@@ -90,16 +90,18 @@ def convert_nvfp4_tile(
 
 
 @cute.jit
-def warp_finite_max(values):
-    """The largest finite magnitude of a TensorSSA (fp32) over the thread's values and its
-    warp's, 0 when none is."""
+def warp_finite_max(values, lanes: cutlass.Constexpr = 32):
+    """The largest finite magnitude of a TensorSSA (fp32) over the thread's values and those
+    of the `lanes` adjacent threads of its group (its whole warp by default), 0 when none
+    is."""
     magnitudes = abs(values)
     finite = cute.where(
         magnitudes < cutlass.Float32.inf, magnitudes, cute.full_like(magnitudes, 0.0)
     )
     top = finite.reduce(cute.ReductionOp.MAX, cutlass.Float32(0.0), 0)
     for offset in (16, 8, 4, 2, 1):
-        top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+        if cutlass.const_expr(offset < lanes):
+            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
     return top
 
 
@@ -109,13 +111,40 @@ def into_fp16_range(values, top):
     divided by the power of two that brings top into [2^14, 2^15), in fp16; that power of
     two, the factor products of them are to be multiplied by). Exact unless a value falls
     2^24 below top; the factor is 1 when top is 0, and at least 2^-100."""
+    shift = _shift_into(top, 14)
+    return (values * _power_of_two(-shift)).to(cutlass.Float16), _power_of_two(shift)
+
+
+@cute.jit
+def split_into_e4m3(values, top):
+    """(hi, lo, factor): values (fp32 TensorSSA, largest finite magnitude `top` >= 0)
+    divided by the power of two `factor` that brings top into [2^7, 2^8), as the sum of two
+    e4m3 parts: hi = e4m3(x), lo = e4m3(x - hi). hi + lo carries ~8 significant bits (e4m3
+    alone 4), as bf16 does, down to values ~2^-12 of top (below, lo's subnormals). Inf and
+    NaN become NaN (e4m3 has no inf) in both parts."""
+    shift = _shift_into(top, 7)
+    magnitudes = abs(values)
+    scaled = cute.where(
+        magnitudes < cutlass.Float32.inf,
+        values * _power_of_two(-shift),
+        cute.full_like(values, float("nan")),
+    )
+    hi = scaled.to(cutlass.Float8E4M3FN)
+    lo = (scaled - hi.to(cutlass.Float32)).to(cutlass.Float8E4M3FN)
+    return hi, lo, _power_of_two(shift)
+
+
+@cute.jit
+def _shift_into(top, exponent):
+    """The power of two (its exponent, at least -100) that divides top (fp32, >= 0) into
+    [2^exponent, 2^(exponent + 1)); 0 when top is 0."""
     shift = cutlass.Int32(0)
     if top > 0.0:
         bits = cute.make_rmem_tensor((1,), cutlass.Float32)
         bits[0] = top
-        exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
-        shift = cutlass.max(exponent - 14, -100)
-    return (values * _power_of_two(-shift)).to(cutlass.Float16), _power_of_two(shift)
+        top_exponent = ((cute.recast_tensor(bits, cutlass.Int32)[0] >> 23) & 0xFF) - 127
+        shift = cutlass.max(top_exponent - exponent, -100)
+    return shift
 
 
 @cute.jit

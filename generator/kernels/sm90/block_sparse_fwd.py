@@ -73,6 +73,10 @@ D256_SMEM_BYTES = 192 * 1024
 class BlockSparseFwdSm90:
     def __init__(self, dtype, head_dim: int, warpgroups: int = 1, logits: str | None = None):
         self.dtype = dtype
+        # S = Q K^T's operand type and the Q tiles (one a warpgroup): q's dtype here; a
+        # subclass may multiply in another (the MSA tile: e4m3 Q in two parts against FP8 K).
+        self.qk_type = dtype
+        self.q_stages = warpgroups
         self.logits = logits  # block_sparse_fwd_logits' kind (LOGIT_KINDS), or None
         self.head_dim = head_dim
         self.warpgroups = warpgroups
@@ -202,8 +206,8 @@ class BlockSparseFwdSm90:
         V of major mode `self.v_major`), fp32 accumulators, one warpgroup's 64 rows."""
         d = self.head_dim
         qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
+            self.qk_type,
+            self.qk_type,
             OperandMajorMode.K,
             OperandMajorMode.K,
             cutlass.Float32,
@@ -230,7 +234,7 @@ class BlockSparseFwdSm90:
             LayoutEnum.ROW_MAJOR if self.v_major == OperandMajorMode.K else LayoutEnum.COL_MAJOR
         )
         sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.warpgroups
+            LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.qk_type, self.q_stages
         )
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), self.dtype, self.kv_stages

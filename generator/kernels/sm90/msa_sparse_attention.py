@@ -27,6 +27,12 @@ FP8 / NVFP4 K/V: TMA fills a ring of 2 raw stages (K and V of a tile as stored, 
   tile divided by the power of two that puts its warpgroup's largest magnitude in
   [2^14, 2^15) (store_q). That factor, NVFP4's 2^7, k_scale and v_scale fold into the
   softmax and output scales.
+FP8 K/V at one or two warpgroups a CTA (split_q): only V is converted. S = Q K^T runs on
+  e4m3 wgmma with K as the raw ring holds it, Q entering as two e4m3 tiles, hi = e4m3(x)
+  and lo = e4m3(x - hi) of each row x divided by its own power of two (its largest
+  magnitude into [2^7, 2^8); split_into_e4m3), both MMA chains into one accumulator: two
+  e4m3 MMAs take the tensor time of one fp16 MMA, and hi + lo carries the 8 significant
+  bits of bf16 q. Each row of S is multiplied back by its factor before the softmax.
 Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the rows of
   tokens 4w .. 4w + 3, one union and one ring for all. FP8 / NVFP4 K/V: each warpgroup
   converts 64 / W of every tile's 64 rows and all multiply their own rows by the whole
@@ -81,6 +87,7 @@ from generator.kernels.common.tile_convert import (
     convert_e4m3_tile,
     convert_nvfp4_tile,
     into_fp16_range,
+    split_into_e4m3,
     warp_finite_max,
 )
 from generator.kernels.sm90.block_sparse_fwd import (
@@ -132,6 +139,14 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             # those of odd tiles (stages 2 and 3).
             self.kv_stages = 4 if self.double_buffered else 2
             self.ring_stages = RAW_STAGES[warpgroups]
+        # FP8 K/V single-buffered: S = Q K^T on e4m3 wgmma, K as the raw ring holds it and Q
+        # as two e4m3 parts (store_q_split); only V is converted.
+        self.split_q = kv_format == "e4m3" and not self.double_buffered
+        if self.split_q:
+            # Two e4m3 Q tiles a warpgroup (its parts hi and lo: stages 2w, 2w + 1; the bytes
+            # of its fp16 one). The converted tiles as above, V's alone used.
+            self.qk_type = cutlass.Float8E4M3FN
+            self.q_stages = 2 * warpgroups
 
     @cute.jit
     def launch(self, args, stream):
@@ -196,11 +211,12 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
         warps = self.num_threads // 32
         capacity = self.union_capacity
+        rows = TILE_M * self.warpgroups if self.split_q else 1  # (sRowFactor: split_q's)
 
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ring_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_type, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sRaw: cute.struct.Align[cute.struct.MemRange[self.raw_type, raw_size], 1024]
             sRawScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, scale_size], 128]
@@ -211,6 +227,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             sIds: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, capacity], 16]
             sPages: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, capacity], 16]
             sMask: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * capacity], 16]
+            sRowFactor: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, rows], 16]
 
         # The CTAs an SM that the register cap assumes must fit its shared memory (228 KB,
         # 1 KB of it reserved per CTA) too.
@@ -322,8 +339,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
 
             tiles = num_union * HALVES
             place = (sIds, sPages, key_start, kv_head)
+            sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
             tSrQ, tSrK, tOrV, acc_S, acc_O, tScS_mn, row_max, row_sum = self.fragments(
-                qk_mma, pv_mma, sQ, sK, sV, wg_tidx
+                qk_mma, pv_mma, sQ, sRaw if self.split_q else sK, sV, wg_tidx
             )
             row_token, key_end = row_limits(
                 args, tScS_mn, WGMMA_GROUP, tokens, seqlen_k, first_pos, wg * WG_TOKENS
@@ -332,16 +350,26 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
             with_temperature = (args.want_lse != 0) & (args.temperature != 1.0)
             state = (row_max, row_sum, t_max, t_sum, with_temperature)
             masks = (sIds, sMask, row_token, key_end, tScS_mn, seqlen_k)
-            operands = (qk_mma, pv_mma, acc_S, acc_O, tSrQ[None, None, None, wg], tSrK, tOrV)
-            # This warpgroup's Q rows and its warps' entries of sQMax.
             wg_first_token = first_token + wg * WG_TOKENS
             wg_tokens = tokens - wg * WG_TOKENS
-            q_rows = (
-                sQ[None, None, wg], kv_head, wg_first_token, wg_tokens,
-                cute.make_tensor(storage.sQMax.data_ptr() + 4 * wg, cute.make_layout(4)),
-            )  # fmt: skip
+            if cutlass.const_expr(self.split_q):
+                # This warpgroup's Q parts (hi, lo) and its rows' factors.
+                q_stage = (tSrQ[None, None, None, 2 * wg], tSrQ[None, None, None, 2 * wg + 1])
+                q_rows = (
+                    (sQ[None, None, 2 * wg], sQ[None, None, 2 * wg + 1]), kv_head, wg_first_token,
+                    wg_tokens, cute.make_tensor(
+                        storage.sRowFactor.data_ptr() + TILE_M * wg, cute.make_layout(TILE_M)
+                    ),
+                )  # fmt: skip
+            else:
+                # This warpgroup's Q rows and its warps' entries of sQMax.
+                q_stage = tSrQ[None, None, None, wg]
+                q_rows = (
+                    sQ[None, None, wg], kv_head, wg_first_token, wg_tokens,
+                    cute.make_tensor(storage.sQMax.data_ptr() + 4 * wg, cute.make_layout(4)),
+                )  # fmt: skip
+            operands = (qk_mma, pv_mma, acc_S, acc_O, q_stage, tSrK, tOrV)
             if cutlass.const_expr(self.converted):
-                sRaw = storage.sRaw.get_tensor(raw_layout.outer, swizzle=raw_layout.inner)
                 sScale = storage.sRawScale.get_tensor(scale_layout)
                 scale_log2 = self.stream_converted(
                     args, operands, state, masks, place, q_rows, tiles, loads, sRaw, sScale, sK, sV,
@@ -509,9 +537,43 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     for x in cutlass.range_constexpr(2):
                         self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
                         raw_producer.advance()
+        sIds, seqlen_k = masks[0], masks[5]
+        if cutlass.const_expr(self.split_q):
+            row_factor = self.store_q_split(args, *q_rows, masks[4], tidx)
+            v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as rows
+            v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
+            for j in cutlass.range(tiles, unroll=1):
+                valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
+                row = tidx
+                if cutlass.const_expr(self.warpgroups > 1):
+                    row = opaque_int32(tidx)  # (see convert_tile)
+                bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit V
+                k_raw = raw_consumer.wait_and_advance()
+                v_raw = raw_consumer.wait_and_advance()
+                self.convert(sRaw, sScale, v_raw.index, v_rows, row, wg, valid_rows, True)
+                v_raw.release()
+                # The converted V (generic-proxy stores of every warp) to wgmma.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                bar.arrive_and_wait()
+                self.qk_split(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_raw.index])
+                warpgroup.wait_group(0)
+                k_raw.release()
+                if loader:
+                    if j + ahead < tiles:  # into tile j's stages (K's once every warp is done)
+                        for x in cutlass.range_constexpr(2):
+                            self.load_raw(
+                                raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
+                            )
+                            raw_producer.advance()
+                scale_rows(acc_S, row_factor)
+                tOrP = self.own_block_probabilities(
+                    args, acc_S, acc_O, state, masks, j, args.scale_log2
+                )
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
+                warpgroup.wait_group(0)
+            return args.scale_log2
         q_factor = self.store_q(args, *q_rows, tidx)
         scale_log2 = args.scale_log2 * q_factor * self.value_factor
-        sIds, seqlen_k = masks[0], masks[5]
         convert_args = (args, place, loads, sRaw, sScale, sK, sV, tidx, wg, loader)
         if cutlass.const_expr(not self.double_buffered):
             for j in cutlass.range(tiles, unroll=1):
@@ -690,14 +752,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         tQcQ = thr.partition_D(cute.make_identity_tensor((TILE_M, self.head_dim)))
         rQ = cute.make_fragment_like(tQsQ)
         rows = cute.make_fragment_like(tQsQ, self.io_dtype)
-        for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
-                row, col = tQcQ[0, m, k][0], tQcQ[0, m, k][1]
-                if row // WGMMA_GROUP < tokens:
-                    src = row_chunk(args.mQ, first_token, kv_head, row, col)
-                    chunk8(rows, m, k).store(src.load())
-                else:
-                    chunk8(rows, m, k).fill(0)
+        load_q_rows(args, rows, tQcQ, kv_head, first_token, tokens)
         factor = cutlass.Float32(1.0)
         if cutlass.const_expr(self.io_dtype != self.dtype):
             values = rows.load().to(cutlass.Float32)
@@ -715,6 +770,58 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         return factor
+
+    @cute.jit
+    def store_q_split(
+        self, args, sQ_parts, kv_head, first_token, tokens, sRowFactor, tScS_mn, tidx
+    ):
+        """The 64 Q rows (zero past the tile's tokens) as two e4m3 tiles, hi and lo
+        (split_into_e4m3, each row divided by its own power of two: a warpgroup's rows are 16
+        heads whose magnitudes may differ by orders), by 8-byte stores, made visible to
+        wgmma for the whole warpgroup. Returns the factors of the thread's rows of S
+        (tScS_mn's rows), which their scores are to be multiplied by."""
+        sHi, sLo = sQ_parts
+        per_row = 8  # threads a row, 8 values each: 16-byte loads of 16-bit q
+        parts_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.qk_type, num_bits_per_copy=64),
+            cute.make_layout((CONSUMER_THREADS // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, 8)),
+        )
+        thr = parts_copy.get_slice(tidx)
+        tHsH = thr.partition_D(sHi)
+        tLsL = thr.partition_D(sLo)
+        tQcQ = thr.partition_D(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
+        rows = cute.make_fragment_like(tHsH, self.io_dtype)
+        load_q_rows(args, rows, tQcQ, kv_head, first_token, tokens)
+        rHi = cute.make_fragment_like(tHsH)
+        rLo = cute.make_fragment_like(tLsL)
+        for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+            values = rows[None, m, None].load().to(cutlass.Float32)
+            hi, lo, factor = split_into_e4m3(values, warp_finite_max(values, per_row))
+            rHi[None, m, None].store(hi)
+            rLo[None, m, None].store(lo)
+            if tidx % per_row == 0:
+                sRowFactor[tQcQ[0, m, 0][0]] = factor
+        cute.copy(parts_copy, rHi, tHsH)
+        cute.copy(parts_copy, rLo, tLsL)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        factors = cute.make_rmem_tensor((cute.size(tScS_mn, mode=[0]),), cutlass.Float32)
+        for r in cutlass.range_constexpr(cute.size(factors)):
+            factors[r] = sRowFactor[tScS_mn[r, 0][0]]
+        return factors
+
+    @cute.jit
+    def qk_split(self, qk_mma, acc_S, q_parts, tSrK):
+        """Issue S = (Q_hi + Q_lo) K^T for one tile, both parts into one accumulator
+        (asynchronous: wait_group before reading acc_S)."""
+        acc_S.fill(0.0)
+        warpgroup.fence()
+        for p in cutlass.range_constexpr(2):
+            tSrQ = q_parts[p]
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+        warpgroup.commit_group()
 
     @cute.jit
     def own_block_probabilities(self, args, acc_S, acc_O, state, masks, u, scale_log2):
@@ -777,6 +884,29 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 if row // WGMMA_GROUP < tokens:
                     dst = row_chunk(args.mO, first_token, kv_head, row, col)
                     dst.store(chunk8(tOrO, m, k).load())
+
+
+@cute.jit
+def scale_rows(acc_S, factors):
+    """Each row of S (acc_mn_view's) times its factor."""
+    acc_S_mn = acc_mn_view(acc_S)
+    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            acc_S_mn[r, c] = acc_S_mn[r, c] * factors[r]
+
+
+@cute.jit
+def load_q_rows(args, rows, tQcQ, kv_head, first_token, tokens):
+    """A thread's Q chunks of a warpgroup's rows copy (8 values each, at tQcQ's (row,
+    column) coordinates) into the fragment `rows`, zero past the tile's tokens."""
+    for m in cutlass.range_constexpr(cute.size(tQcQ, mode=[1])):
+        for k in cutlass.range_constexpr(cute.size(tQcQ, mode=[2])):
+            row, col = tQcQ[0, m, k][0], tQcQ[0, m, k][1]
+            if row // WGMMA_GROUP < tokens:
+                src = row_chunk(args.mQ, first_token, kv_head, row, col)
+                chunk8(rows, m, k).store(src.load())
+            else:
+                chunk8(rows, m, k).fill(0)
 
 
 def row_chunk(mX: cute.Tensor, first_token, kv_head, row, col):
