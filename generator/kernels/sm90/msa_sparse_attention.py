@@ -39,12 +39,12 @@ Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the
   converted tile, so a tile is converted once for 64W rows. Per 64 rows and 64-key tile the
   SM's shared memory then moves ~80 KB (W = 2) or ~64 KB (W = 4) for FP8 K/V converted
   whole instead of ~112 (raw TMA writes 16, conversion 48 and the MMAs' reads 48, the first
-  two shared by the CTA's warpgroups; split_q converts V alone); a raw ring of K and V 2 or 3 tiles ahead. At W = 4 (one CTA an SM,
-  no other CTA to fill the tensor pipe while this one converts) two converted buffers: a
-  warpgroup converts its share of tile j + 1 while its P V of tile j runs, one barrier a
-  tile. 16-bit K/V: the ring of
-  the block-sparse kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of
-  the L2 bytes), S of a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
+  two shared by the CTA's warpgroups; split_q converts V alone); a raw ring of K and V 2 or
+  3 tiles ahead. At W = 4 (one CTA an SM, no other CTA to fill the tensor pipe while this
+  one converts) two converted buffers: a warpgroup converts its share of tile j + 1 while
+  its P V of tile j runs, one barrier a tile. 16-bit K/V: the ring of the block-sparse
+  kernel's shared loop (64 and 56 KB instead of 80; half or a quarter of the L2 bytes), S of
+  a tile not issued behind P V. 4 / W CTAs an SM (128 registers).
 """
 
 import cutlass
