@@ -34,7 +34,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
 from generator.families.block_sparse_fwd import TILE_KEYS, UNIT_ROWS
@@ -77,7 +77,7 @@ class BlockSparseFwdTcgen05:
     # O in TMEM: one accumulator over all tiles (Sage's subclass: two, one tile's P V each).
     O_BUFFERS = 1
     # V as the P V MMA's B operand: the head dimension contiguous (Sage: V^T, keys contiguous).
-    V_MAJOR = tcgen05.OperandMajorMode.MN
+    V_MAJOR = OperandMajorMode.MN
 
     def __init__(self, dtype, head_dim: int, units: int):
         self.dtype = dtype
@@ -105,8 +105,8 @@ class BlockSparseFwdTcgen05:
         qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            tcgen05.OperandMajorMode.K,
-            tcgen05.OperandMajorMode.K,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
             cutlass.Float32,
             tcgen05.CtaGroup.ONE,
             (TILE_M, TILE_KEYS),
@@ -114,7 +114,7 @@ class BlockSparseFwdTcgen05:
         pv = sm100_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            tcgen05.OperandMajorMode.K,
+            OperandMajorMode.K,
             self.V_MAJOR,
             cutlass.Float32,
             tcgen05.CtaGroup.ONE,

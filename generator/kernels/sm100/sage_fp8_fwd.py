@@ -12,7 +12,7 @@ the tensor core computes P V(j + 1)). V^T tiles (keys contiguous) are the K-majo
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import tcgen05
+from cutlass.cute.nvgpu import OperandMajorMode
 
 from generator.families.block_sparse_fwd import TILE_KEYS
 from generator.families.sage_quantize import KEYS_PER_SCALE
@@ -23,7 +23,7 @@ from generator.kernels.sm100.block_sparse_fwd import OUT_CHUNK, BlockSparseFwdTc
 
 class SageFp8FwdTcgen05(BlockSparseFwdTcgen05):
     O_BUFFERS = 2  # P V of tiles j and j + 1
-    V_MAJOR = tcgen05.OperandMajorMode.K  # V^T: keys contiguous
+    V_MAJOR = OperandMajorMode.K  # V^T: keys contiguous
 
     def __init__(self, head_dim: int, units: int):
         super().__init__(cutlass.Float8E4M3FN, head_dim, units)
