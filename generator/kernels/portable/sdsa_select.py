@@ -103,7 +103,7 @@ class SdsaSelect(SdsaScores):
         chunk where a slot's atomic, waited for before its store, made one a slot."""
         query, row_of, threshold, end = group
         cap = args.mCandidates.shape[1] - args.top_k
-        # scores[r, s]: row r's score of key first_key + 16 (s // 2) + 8 (s % 2) + g.
+        # scores[r, s]: row r's score of key slot_key(first_key, s, g).
         scores = cute.make_rmem_tensor((2, 4), cutlass.Float32)
         for t in cutlass.range_constexpr(WARP_KEYS // 16):
             acc = self.tile_scores(atom, keys, t, query)
@@ -114,7 +114,7 @@ class SdsaSelect(SdsaScores):
             if row_of[r] >= 0:
                 found = cutlass.Int32(0)
                 for s in cutlass.range_constexpr(4):
-                    key = first_key + 16 * (s // 2) + 8 * (s % 2) + g
+                    key = slot_key(first_key, s, g)
                     score = scores[r, s]
                     if (key < end[r]) & candidate_or_tie(score, threshold[r]):
                         if score > threshold[r]:
@@ -122,13 +122,9 @@ class SdsaSelect(SdsaScores):
                         else:
                             add_tie(args, row_of[r], key, score, threshold[r])
                 if found > 0:
-                    n = cute.arch.atomic_add(
-                        args.mCounters.iterator
-                        + cute.crd2idx((row_of[r], 0), args.mCounters.layout),
-                        found,
-                    )
+                    n = count_pairs(args, row_of[r], 0, found)
                     for s in cutlass.range_constexpr(4):
-                        key = first_key + 16 * (s // 2) + 8 * (s % 2) + g
+                        key = slot_key(first_key, s, g)
                         if (key < end[r]) & (scores[r, s] > threshold[r]):
                             if n < cap:
                                 store_pair(
@@ -138,6 +134,12 @@ class SdsaSelect(SdsaScores):
                             n = n + 1
 
 
+def slot_key(first_key, s: int, g):
+    """The key of a lane's score slot s (of 4) in its warp's 32 keys from first_key: the
+    MMA's rows g and g + 8 of each 16-key tile."""
+    return first_key + 16 * (s // 2) + 8 * (s % 2) + g
+
+
 @cute.jit
 def classify(args, row, key, score, threshold, cap, valid=True):
     """Count (and store, while there is room) the pair (key, score) of `row` as a
@@ -145,10 +147,7 @@ def classify(args, row, key, score, threshold, cap, valid=True):
     an invalid one (nearly all) costs one test and branch: the rest is behind it."""
     if valid & candidate_or_tie(score, threshold):
         if score > threshold:
-            n = cute.arch.atomic_add(
-                args.mCounters.iterator + cute.crd2idx((row, 0), args.mCounters.layout),
-                cutlass.Int32(1),
-            )
+            n = count_pairs(args, row, 0, cutlass.Int32(1))
             if n < cap:
                 store_pair(args, row, args.top_k + n, key, score, threshold)
         else:
@@ -166,12 +165,18 @@ def candidate_or_tie(score, threshold):
 def add_tie(args, row, key, score, threshold):
     """Count the pair (key, score) of `row` as a tie of `threshold` (equal, or NaN on
     either side) and store it while there is room."""
-    n = cute.arch.atomic_add(
-        args.mCounters.iterator + cute.crd2idx((row, 1), args.mCounters.layout),
-        cutlass.Int32(1),
-    )
+    n = count_pairs(args, row, 1, cutlass.Int32(1))
     if n < args.top_k:
         store_pair(args, row, args.top_k - 1 - n, key, score, threshold)
+
+
+@cute.jit
+def count_pairs(args, row, column, n):
+    """Add n to `row`'s count of candidates (column 0) or of ties (column 1); returns the
+    count before (the first of the slots they take)."""
+    return cute.arch.atomic_add(
+        args.mCounters.iterator + cute.crd2idx((row, column), args.mCounters.layout), n
+    )
 
 
 @cute.jit
