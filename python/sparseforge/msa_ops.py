@@ -730,10 +730,14 @@ def msa_sparse_decode_attention(
 # NVFP4 1.44 / 1.79 / 1.79 x topk at 1 / 2 / 4 warpgroups, 16-bit 3.1 at 4 and past the
 # sweep's 3.07 at 2 (3.2 extrapolated); 16-bit at one warpgroup keeps 2.8, the H200 sweep of
 # the route (bench/results/2026-12-04_1d463a9_h200_msa_hand_off.md), where that sweep gives
-# ~2.9.
+# ~2.9. FP8 at one warpgroup is 1.8 since its tile runs S on e4m3 wgmma and four CTAs an SM:
+# on the hand-off route (2 warpgroups, 4-token stage 1.1), MP1 on an H100, two rounds, ms at
+# s = 14 (chunked) / 13 / 12 / 11 / 10 / per-token, 1.45: 4.62-4.66 / 6.08-6.12 / 7.22-7.36 /
+# 8.56 / 9.62-9.70 / 10.19-10.28, 1.8: 4.57-4.66 / 6.04-6.08 / 7.13-7.18 / 8.01-8.04 /
+# 8.79-9.01 / 10.17-10.29 (bench/results/2026-12-05_h100_msa_fp8_overlap.md).
 HAND_OFF = {
     "16bit": {1: 2.8, 2: 3.2, 4: 3.1},
-    "e4m3": {1: 1.45, 2: 1.65, 4: 1.55},
+    "e4m3": {1: 1.8, 2: 1.65, 4: 1.55},
     "nvfp4": {1: 1.45, 2: 1.8, 4: 1.8},
 }
 # The wgmma union tile's warpgroups a CTA (4 tokens each) by K/V format, on both routes that

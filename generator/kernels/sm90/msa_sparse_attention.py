@@ -32,7 +32,10 @@ FP8 K/V at one or two warpgroups a CTA (split_q): only V is converted. S = Q K^T
   and lo = e4m3(x - hi) of each row x divided by its own power of two (its largest
   magnitude into [2^7, 2^8); split_into_e4m3), both MMA chains into one accumulator: two
   e4m3 MMAs take the tensor time of one fp16 MMA, and hi + lo carries the 8 significant
-  bits of bf16 q. Each row of S is multiplied back by its factor before the softmax.
+  bits of bf16 q. Each row of S is multiplied back by its factor before the softmax. S of a
+  tile is issued as soon as its raw K lands and runs while the warps convert its V; the one
+  fp16 stage (V's) frees K's: at one warpgroup four CTAs an SM instead of three (128
+  registers, a few spilled), at two a raw ring one tile deeper.
 Two or four warpgroups a CTA (`warpgroups` W): 4W tokens, warpgroup w owning the rows of
   tokens 4w .. 4w + 3, one union and one ring for all. FP8 / NVFP4 K/V: each warpgroup
   converts 64 / W of every tile's 64 rows and all multiply their own rows by the whole
@@ -102,7 +105,8 @@ WG_TOKENS = TILE_ROWS // WGMMA_GROUP  # tokens of a warpgroup's 64 rows
 HALVES = BLOCK_KEYS // TILE_N  # 64-key tiles a block
 WORDS = MAX_BLOCKS // 32
 # FP8 / NVFP4: raw K and V of one tile ahead at one warpgroup a CTA (three CTAs an SM: 72 KB
-# each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM).
+# each), of two tiles ahead at two (two CTAs an SM), of three at four (one CTA an SM); FP8
+# single-buffered (split_q) adjusts these in MsaUnionTileSm90.
 RAW_STAGES = {1: 2, 2: 4, 4: 6}
 # 16-bit K/V at two or four warpgroups a CTA: the SM's CTAs hold this much ring between them
 # (4 or 8 stages of 16 KB a CTA, beside 32 or 64 KB of Q tiles).
@@ -144,9 +148,20 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         self.split_q = kv_format == "e4m3" and not self.double_buffered
         if self.split_q:
             # Two e4m3 Q tiles a warpgroup (its parts hi and lo: stages 2w, 2w + 1; the bytes
-            # of its fp16 one). The converted tiles as above, V's alone used.
+            # of its fp16 one).
             self.qk_type = cutlass.Float8E4M3FN
             self.q_stages = 2 * warpgroups
+            # One fp16 stage (V's). The bytes of K's: at one warpgroup a fourth CTA an SM, at
+            # two a raw tile more in the ring. MP1 on an H100, FP8 K/V, two interleaved rounds
+            # (bench/results/2026-12-05_h100_msa_fp8_overlap.md), ms, chunked / s13 / s12:
+            # W1 4.84-4.85 / 6.58-6.64 / 6.84-6.86 -> 4.65-4.73 / 5.64-5.66 / 6.60-6.61 (of
+            # which S under V's conversion at three CTAs: 4.79-4.83 / 5.81 / 6.81), W2
+            # 4.50-4.51 / 6.67-6.68 / 8.72-8.78 -> 4.42-4.46 / 6.56-6.62 / 8.59-8.64.
+            self.kv_stages = 1
+            if warpgroups > 1:
+                self.ring_stages = RAW_STAGES[warpgroups] + 2
+            else:
+                self.ctas_per_sm = 4
 
     @cute.jit
     def launch(self, args, stream):
@@ -540,7 +555,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         sIds, seqlen_k = masks[0], masks[5]
         if cutlass.const_expr(self.split_q):
             row_factor = self.store_q_split(args, *q_rows, masks[4], tidx)
-            v_stage = sV[None, None, 1]  # (D, keys), D contiguous: converted as rows
+            v_stage = sV[None, None, 0]  # (D, keys), D contiguous: converted as rows
             v_rows = cute.make_tensor(v_stage.iterator, cute.select(v_stage.layout, mode=[1, 0]))
             for j in cutlass.range(tiles, unroll=1):
                 valid_rows = seqlen_k - first_key_of(sIds, j, TILE_N)
@@ -549,13 +564,14 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                     row = opaque_int32(tidx)  # (see convert_tile)
                 bar.arrive_and_wait()  # every warp is done with tile j - 1's 16-bit V
                 k_raw = raw_consumer.wait_and_advance()
+                # S of the raw K runs while the warps convert V.
+                self.qk_split(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_raw.index])
                 v_raw = raw_consumer.wait_and_advance()
                 self.convert(sRaw, sScale, v_raw.index, v_rows, row, wg, valid_rows, True)
                 v_raw.release()
                 # The converted V (generic-proxy stores of every warp) to wgmma.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 bar.arrive_and_wait()
-                self.qk_split(qk_mma, acc_S, sQ_stage, tSrK[None, None, None, k_raw.index])
                 warpgroup.wait_group(0)
                 k_raw.release()
                 if loader:
@@ -569,7 +585,7 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 tOrP = self.own_block_probabilities(
                     args, acc_S, acc_O, state, masks, j, args.scale_log2
                 )
-                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 1])
+                self.pv(pv_mma, acc_O, tOrP, tOrV[None, None, None, 0])
                 warpgroup.wait_group(0)
             return args.scale_log2
         q_factor = self.store_q(args, *q_rows, tidx)
