@@ -549,9 +549,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 cpasync.prefetch_descriptor(tma_vs)
             for u in cutlass.range_constexpr(ahead):
                 if u < tiles:
-                    for x in cutlass.range_constexpr(2):
-                        self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u, x == 1)
-                        raw_producer.advance()
+                    raw_producer = self.load_raw_tile(
+                        raw_producer, loads, sRaw, sScale, args, place, u
+                    )
         sIds, seqlen_k = masks[0], masks[5]
         if cutlass.const_expr(self.split_q):
             row_factor = self.store_q_split(args, *q_rows, masks[4], tidx)
@@ -576,11 +576,9 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
                 k_raw.release()
                 if loader:
                     if j + ahead < tiles:  # into tile j's stages (K's once every warp is done)
-                        for x in cutlass.range_constexpr(2):
-                            self.load_raw(
-                                raw_producer, loads, sRaw, sScale, args, place, j + ahead, x == 1
-                            )
-                            raw_producer.advance()
+                        raw_producer = self.load_raw_tile(
+                            raw_producer, loads, sRaw, sScale, args, place, j + ahead
+                        )
                 scale_rows(acc_S, row_factor)
                 tOrP = self.own_block_probabilities(
                     args, acc_S, acc_O, state, masks, j, args.scale_log2
@@ -659,10 +657,19 @@ class MsaUnionTileSm90(BlockSparseFwdSm90):
         v_raw.release()
         if loader:
             if u + ahead < tiles:  # tile u + ahead into the stages just released
-                for x in cutlass.range_constexpr(2):
-                    self.load_raw(raw_producer, loads, sRaw, sScale, args, place, u + ahead, x == 1)
-                    raw_producer.advance()
+                raw_producer = self.load_raw_tile(
+                    raw_producer, loads, sRaw, sScale, args, place, u + ahead
+                )
         return raw_producer, raw_consumer
+
+    @cute.jit
+    def load_raw_tile(self, producer, loads, sRaw, sScale, args, place, u):
+        """TMA-load raw tile u into the ring's next two stages, K then V. Returns the ring's
+        producer end (rebind it)."""
+        for x in cutlass.range_constexpr(2):
+            self.load_raw(producer, loads, sRaw, sScale, args, place, u, x == 1)
+            producer.advance()
+        return producer
 
     @cute.jit
     def convert(self, sRaw, sScale, stage, dst, tidx, wg, valid_rows, is_v: cutlass.Constexpr):
