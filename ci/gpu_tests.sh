@@ -19,12 +19,18 @@ icp=tests/test_gpu_msa_icp.py
 python3 -m pytest "$icp" -q -m gpu -p no:cacheprovider "${timeout_args[@]}" 2>&1 | tail -n 100 > "$OUT/gpu_tests_icp.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 tail -n 5 "$OUT/gpu_tests_icp.log"
-python3 -m pytest tests -q -m gpu -p no:cacheprovider --ignore "$icp" "${timeout_args[@]}" "$@" 2>&1 | tail -n 300 > "$OUT/gpu_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# compute-sanitizer over every variant takes minutes: its own process, last, so that a time
+# limit cutting it short leaves the suite's log whole. Logs are written as the tests run.
+sanitize=tests/test_gpu_sanitizer.py
+python3 -m pytest tests -q -m gpu -p no:cacheprovider --ignore "$icp" --ignore "$sanitize" \
+  "${timeout_args[@]}" "$@" > "$OUT/gpu_tests.log" 2>&1 || status=1
 tail -n 15 "$OUT/gpu_tests.log"
 python3 -m sparseforge demo 2>&1 | tee "$OUT/demo.txt" || status=1
 if [ "${SPARSEFORGE_BENCH:-1}" = 1 ]; then
   python3 -m sparseforge.bench --selection --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1
   python3 -m sparseforge.bench --backend warp_mma --out "$OUT/bench_warp_mma.md" 2>&1 | tail -n 12 || status=1
 fi
+# SPARSEFORGE_SANITIZE picks the tools (0: none).
+python3 -m pytest "$sanitize" -q -s -m gpu -p no:cacheprovider > "$OUT/gpu_sanitizer.log" 2>&1 || status=1
+tail -n 8 "$OUT/gpu_sanitizer.log"
 exit $status
