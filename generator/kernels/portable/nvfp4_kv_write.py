@@ -20,8 +20,8 @@ from generator.families.nvfp4_kv_write import (
     V_SCALES,
 )
 from generator.kernels.common.nvfp4 import quantize_group
+from generator.kernels.common.thread_items import launch_thread_items, split_item, thread_item
 
-THREADS = 128
 GROUPS = HEAD_DIM // GROUP
 
 
@@ -29,21 +29,12 @@ class Nvfp4KvWrite:
     @cute.jit
     def launch(self, args, stream):
         tokens, heads, _ = args.mK.shape
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(tokens * heads * GROUPS, THREADS), 1, 1],
-            block=[THREADS, 1, 1],
-            stream=stream,
-        )
+        launch_thread_items(self.kernel(args), tokens * heads * GROUPS, stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         tokens, heads, _ = args.mK.shape
-        index = bidx * THREADS + tidx
-        group = index % GROUPS
-        head = (index // GROUPS) % heads
-        token = index // (GROUPS * heads)
+        group, head, token = split_item(thread_item(), GROUPS, heads)
         if token < tokens:
             slot = args.mSlots[token]
             if slot >= 0:

@@ -11,8 +11,7 @@ import cutlass.cute as cute
 
 from generator.families.rope_llama import CHANNELS_PER_THREAD
 from generator.kernels.common.entry import element_type
-
-THREADS = 128
+from generator.kernels.common.thread_items import launch_thread_items, split_item, thread_item
 
 
 class RopeLlama:
@@ -24,23 +23,14 @@ class RopeLlama:
     def launch(self, args, stream):
         tokens, heads, _ = args.mX.shape
         per_row = self.head_dim // 2 // CHANNELS_PER_THREAD
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(tokens * heads * per_row, THREADS), 1, 1],
-            block=[THREADS, 1, 1],
-            stream=stream,
-        )
+        launch_thread_items(self.kernel(args), tokens * heads * per_row, stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         tokens, heads, _ = args.mX.shape
         half = self.head_dim // 2
         per_row = half // CHANNELS_PER_THREAD
-        index = bidx * THREADS + tidx
-        group = index % per_row
-        head = (index // per_row) % heads
-        token = index // (per_row * heads)
+        group, head, token = split_item(thread_item(), per_row, heads)
         if token < tokens:
             position = cutlass.Float32(token + args.position_offset) * args.inv_rope_scale
             # 16-byte vectors: channels 8g .. 8g + 7 of each half.

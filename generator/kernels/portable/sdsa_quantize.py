@@ -12,8 +12,8 @@ import cutlass.cute as cute
 
 from generator.families.sdsa import KEY_DIM, NVFP4_GROUP, PAGE_KEYS
 from generator.kernels.common.nvfp4 import quantize_group
+from generator.kernels.common.thread_items import launch_thread_items, thread_item
 
-THREADS = 128
 GROUPS = KEY_DIM // NVFP4_GROUP
 
 
@@ -21,17 +21,11 @@ class SdsaQuantize:
     @cute.jit
     def launch(self, args, stream):
         rows = args.mKey.shape[0] + args.mQuery.shape[0]
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(rows * GROUPS, THREADS), 1, 1],
-            block=[THREADS, 1, 1],
-            stream=stream,
-        )
+        launch_thread_items(self.kernel(args), rows * GROUPS, stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        index = bidx * THREADS + tidx
+        index = thread_item()
         group = index % GROUPS
         row = index // GROUPS
         keys = args.mKey.shape[0]

@@ -11,8 +11,8 @@ import cutlass.cute as cute
 
 from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
+from generator.kernels.common.thread_items import launch_thread_items, split_item, thread_item
 
-THREADS = 128
 CHUNK_BYTES = 16
 
 
@@ -26,21 +26,12 @@ class SdsaSample:
     @cute.jit
     def launch(self, args, stream):
         rows, cap, _ = args.mSampleKeys.shape
-        self.kernel(args).launch(
-            grid=[cute.ceil_div(rows * cap * self.chunks, THREADS), 1, 1],
-            block=[THREADS, 1, 1],
-            stream=stream,
-        )
+        launch_thread_items(self.kernel(args), rows * cap * self.chunks, stream)
 
     @cute.kernel
     def kernel(self, args):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         rows, cap, _ = args.mSampleKeys.shape
-        index = bidx * THREADS + tidx
-        chunk = index % self.chunks
-        slot = (index // self.chunks) % cap
-        row = index // (self.chunks * cap)
+        chunk, slot, row = split_item(thread_item(), self.chunks, cap)
         if row < rows:
             if slot < args.mSampleEnds[row]:
                 run = slot // args.samples_per_run
