@@ -1240,37 +1240,50 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
 HOST_SERIES_LEAD_CYCLES = 100_000_000
 
 
-def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> float:
-    """Microseconds of host time per run() on a tiny problem (out= given): the median over
-    `series` series of the mean of `calls` back-to-back calls, so that one stalled series
-    does not set the number. Each series queues behind a GPU spin (HOST_SERIES_LEAD_CYCLES):
-    timed back to back on an idle GPU, calls faster than the GPU runs their kernels would be
-    timed at the GPU's pace once its launch queue filled. The host itself varies more: with
-    the same code, machines have read 15 us (d4244c8) and 17-23 us (three calls in one
-    process on another)."""
+def run_host_overhead(backend: str = "auto", calls: int = 400, series: int = 5) -> dict:
+    """Microseconds of host time per run() on a tiny problem (out= given), by wrapper
+    ("variable", "BSR"): the median over `series` series of the mean of `calls` back-to-back
+    calls, so that one stalled series does not set the number. Each series queues behind a
+    GPU spin (HOST_SERIES_LEAD_CYCLES): timed back to back on an idle GPU, calls faster than
+    the GPU runs their kernels would be timed at the GPU's pace once its launch queue
+    filled. The host itself varies more: with the same code, machines have read 15 us
+    (d4244c8) and 17-23 us (three calls in one process on another)."""
     import time
 
-    from sparseforge import VariableBlockSparseAttentionWrapper
+    from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 
     device = torch.device("cuda")
-    q = torch.randn(1, 64, 128, device=device, dtype=torch.bfloat16)
+    workspace = torch.empty(1, device=device)
+    q = torch.randn(1, 64, 128, device=device, dtype=torch.bfloat16)  # HND: 64 tokens, 1 head
     mask = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
     sizes = torch.full((1, 1), 64, dtype=torch.int32, device=device)
-    wrapper = VariableBlockSparseAttentionWrapper(torch.empty(1, device=device), backend=backend)
-    wrapper.plan(mask, sizes, sizes, 1, 1, 128, q_data_type=torch.bfloat16)
-    out = torch.empty_like(q)
-    for _ in range(50):
-        wrapper.run(q, q, q, out=out)
-    means = []
-    for _ in range(series):
+    variable = VariableBlockSparseAttentionWrapper(workspace, backend=backend)
+    variable.plan(mask, sizes, sizes, 1, 1, 128, q_data_type=torch.bfloat16)
+    # The same problem through the BSR wrapper (NHD): one 64 x 64 block.
+    bsr = BlockSparseAttentionWrapper(workspace, backend=backend)
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    bsr.plan(indptr, indptr[:1], 64, 64, 64, 64, 1, 1, 128, q_data_type=torch.bfloat16)
+    q_nhd = q.transpose(0, 1).contiguous()
+    out, out_nhd = torch.empty_like(q), torch.empty_like(q_nhd)
+    runs = {
+        "variable": lambda: variable.run(q, q, q, out=out),
+        "BSR": lambda: bsr.run(q_nhd, q_nhd, q_nhd, out=out_nhd),
+    }
+    overhead = {}
+    for name, run in runs.items():
+        for _ in range(50):
+            run()
+        means = []
+        for _ in range(series):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_SERIES_LEAD_CYCLES)
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            means.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
-        torch.cuda._sleep(HOST_SERIES_LEAD_CYCLES)
-        start = time.perf_counter()
-        for _ in range(calls):
-            wrapper.run(q, q, q, out=out)
-        means.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(means)
+        overhead[name] = statistics.median(means)
+    return overhead
 
 
 def plan_time_us(w: Workload, form: str, iters: int = 20) -> tuple[float, float]:
@@ -1422,7 +1435,8 @@ def main(argv=None) -> int:
             table(rows),
             "",
             *sage_lines,
-            f"run() host overhead: {overhead:.1f} us per call",
+            f"run() host overhead: {overhead['variable']:.1f} us per call (variable wrapper), "
+            f"{overhead['BSR']:.1f} us (BSR wrapper)",
             *plan_rows,
         ]
     )
