@@ -59,7 +59,6 @@ from sparseforge.msa_icp import (  # noqa: F401
     msa_icp_topk_select_publish,
     prepare_msa_icp_indexer,
 )
-from sparseforge.planner import device_constant
 from sparseforge.sparsity import uniform_offsets
 
 
@@ -843,13 +842,8 @@ def _no_partials(device: torch.device) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _no_scales(device: torch.device) -> torch.Tensor:
-    """The NVFP4 scale arguments of the other K/V formats' kernels (never read), made once
-    a GPU: a fresh one was an allocation and a fill launch every call."""
-
-    def make():
-        return torch.zeros((1, 1, 2, 8), dtype=torch.uint8, device=device)
-
-    return device_constant(("no NVFP4 scales",), device, make)
+    """The NVFP4 scale arguments of the other K/V formats' kernels (never read)."""
+    return torch.zeros((1, 1, 2, 8), dtype=torch.uint8, device=device)
 
 
 def _positive(name: str, value, default: float) -> float:
