@@ -14,8 +14,9 @@ scores of rows 2q, 2q + 1 for keys g and g + 8 of each tile. With keys as rows, 
 is key data and a 16-key tile takes one MMA a k-step (as query rows, a tile of 8 keys took
 one, its A mostly zero rows).
 
-A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32 (the
-next chunk's loads issued before this one's decode and stores), decoding its query once.
+A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32, decoding
+its query once. BF16 keys: the next chunk's loads issued before this one's decode and stores;
+NVFP4 keys (a quarter of the registers a chunk): all four chunks' loads first.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
 32-bit word at a time into e4m3 bytes via e2m1_word_as_e4m3, converted to fp16 in pairs,
@@ -45,10 +46,12 @@ WARP_KEYS = 32  # scored by a warp at a time: keys g + 8j (j < 4) a lane
 assert PAGE_KEYS % WARP_KEYS == 0  # a warp's keys share a page (fetch_warp_keys)
 CHUNKS = 4  # of WARP_KEYS keys a warp, in sdsa_scores
 KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
-# sdsa_scores with NVFP4 keys: registers capped for 7 CTAs an SM (72 and 24 bytes of stack,
-# against 96 and 5 CTAs): the kernel waits on its loads, and more warps keep more in flight.
-# BF16 keys (170 registers) would spill hundreds of bytes under any cap that adds a CTA.
-NVFP4_CTAS_PER_SM = 7
+# sdsa_scores with NVFP4 keys issues the loads of all its CHUNKS chunks first (NVFP4_PREFETCH)
+# at 4 CTAs an SM (119 registers, no spills): more bytes in flight an SM than one chunk ahead
+# at 7 CTAs (69 registers, spills), which the kernel, waiting on its loads, needs. BF16 keys
+# (170 registers, one chunk ahead) would spill hundreds of bytes under any cap that adds a CTA.
+NVFP4_CTAS_PER_SM = 4
+NVFP4_PREFETCH = CHUNKS - 1
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -57,8 +60,9 @@ class SdsaScores:
     warps = WARPS  # per CTA
     cluster = 1  # CTAs per cluster
 
-    def __init__(self, dtype, nvfp4: bool, ctas_per_sm: int = 1):
+    def __init__(self, dtype, nvfp4: bool, ctas_per_sm: int = 1, prefetch: int = 1):
         self.nvfp4 = nvfp4
+        self.prefetch = prefetch  # chunks whose loads are in flight while one is scored
         self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
         # The MMA of NVFP4 operands (each scaled by 2^-6) gives q . k / 2^12.
@@ -119,20 +123,18 @@ class SdsaScores:
     @cute.jit
     def for_each_chunk(self, args, request, warp_key, end, g, q, body):
         """body(keys, first_key) for the warp's CHUNKS chunks of 32 keys from warp_key
-        (WARPS x 32 apart) that start below `end`, keys as load_keys gives them; each
-        chunk's loads are issued before the previous chunk's decode and body (whose
-        stores the compiler may not move loads across)."""
-        raw = self.fetch_warp_keys(args, request, warp_key, end, g, q)
+        (WARPS x 32 apart) that start below `end`, keys as load_keys gives them; the loads
+        of the next `self.prefetch` chunks are issued before a chunk's decode and body
+        (whose stores the compiler may not move loads across)."""
+        fetched = []
         for c in cutlass.range_constexpr(CHUNKS):
-            first_key = warp_key + c * WARPS * WARP_KEYS
-            following = raw
-            if cutlass.const_expr(c + 1 < CHUNKS):
-                following = self.fetch_warp_keys(
-                    args, request, first_key + WARPS * WARP_KEYS, end, g, q
+            for f in cutlass.range_constexpr(len(fetched), min(c + 1 + self.prefetch, CHUNKS)):
+                fetched.append(
+                    self.fetch_warp_keys(args, request, warp_key + f * WARPS * WARP_KEYS, end, g, q)
                 )
+            first_key = warp_key + c * WARPS * WARP_KEYS
             if first_key < end:
-                body(self.decode_warp_keys(raw), first_key)
-            raw = following
+                body(self.decode_warp_keys(fetched[c]), first_key)
 
     @cute.jit
     def fetch_warp_keys(self, args, request, first_key, end, g, q):
@@ -251,4 +253,8 @@ class SdsaScores:
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
-    return SdsaScores(element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM if nvfp4 else 1)
+    if nvfp4:
+        return SdsaScores(
+            element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM, prefetch=NVFP4_PREFETCH
+        )
+    return SdsaScores(element_type(dtype), nvfp4)
