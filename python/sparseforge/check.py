@@ -1138,11 +1138,30 @@ def check_variant(v: dict, small: bool) -> list[tuple[str, bool]]:
     return [check_attention(v, block, small) for block in (64, 128)]
 
 
+def shard_spec(text: str) -> tuple[int, int]:
+    """--shard's "I/N" as (I, N), 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard {text}: needs 0 <= I < N")
+    return index, count
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", help="only this variant")
     parser.add_argument("--family", help="only variants of families whose name starts so")
     parser.add_argument("--small", action="store_true", help="small problems (for sanitizers)")
+    parser.add_argument(
+        "--shard",
+        type=shard_spec,
+        default=(0, 1),
+        metavar="I/N",
+        help="only every N-th chosen variant from the I-th (0 <= I < N): N processes side by "
+        "side check them all (tests/test_gpu_sanitizer.py runs the sanitizers so)",
+    )
     args = parser.parse_args(argv)
     # Every variant is checked here, each on its own: no first-use self-checks besides.
     os.environ["SPARSEFORGE_SELFTEST"] = "0"
@@ -1158,6 +1177,8 @@ def main(argv=None) -> int:
     if not chosen:
         print(f"no variant to check for {arch} in {_library.PACKAGE_DIR} {args.variant or ''}")
         return 1
+    index, count = args.shard
+    chosen = chosen[index::count]
     cases = failed = 0
     for v in chosen:
         for what, ok in check_variant(v, args.small):
