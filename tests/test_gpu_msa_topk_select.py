@@ -1,6 +1,6 @@
 """msa_topk_select on the GPU against the PyTorch reference, id for id: ties (scores on a
 coarse grid), -inf and NaN blocks, forced blocks, valid pages as None, a scalar and per
-token, fewer blocks than 16, output poisoned before the run, and a CUDA graph replay."""
+token, fewer blocks than 16, output poisoned before the run, and CUDA graph captures."""
 
 import pytest
 import torch
@@ -71,6 +71,25 @@ def test_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_a_count_first_given_in_a_capture_is_right_eagerly():
+    """A scalar num_valid_pages first given inside a CUDA graph capture, then eagerly before
+    any replay: the eager call reads that count, not a kept tensor whose fill only the
+    graph would run."""
+    score, _ = topk_scores(4, 128, 200, seed=3)
+    score = score.cuda()
+    valid = 41  # a count no other test gives first
+    out = torch.empty(200, 4, 16, dtype=torch.int32, device="cuda")
+    msa_topk_select(score, 16, None, out, 1, 1)  # loads the kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        msa_topk_select(score, 16, valid, out, 1, 1)
+    got = msa_topk_select(score, 16, valid, None, 1, 1)
+    assert torch.equal(got, reference.msa_topk_select(score, 16, valid, 1, 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
 
 
 def shaped_rows(score):

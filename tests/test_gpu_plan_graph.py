@@ -198,6 +198,35 @@ def test_q2k_plan_and_run_in_cuda_graph_follow_new_selections():
         assert torch.equal(out, want), seed
 
 
+def test_constants_first_needed_in_a_capture_are_made_there():
+    """The device constants plans keep per device (planner.device_constant), first needed
+    inside a CUDA graph capture, are made afresh there: an eager plan() and run() after the
+    capture, before any replay, find no constant whose fill only the graph would run (the
+    stand-in size pair of plans without a recheck read as stale sizes otherwise)."""
+    from sparseforge import planner
+
+    q, k, v = inputs()
+    sel, num = selections(5)
+    common = (None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
+    wrapper = BlockSparseAttentionWrapper(workspace())
+    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    want = wrapper.run(q, k, v)  # kernels loaded before the capture
+    planner._device_constants.clear()
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+        wrapper.run(q, k, v, out=out)
+    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    got = wrapper.run(q, k, v)
+    wrapper.check_plan()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert torch.equal(out, want)
+
+
 def test_torch_compile_fullgraph_runs_the_kernel():
     cls, args, kwargs = plan_forms()["variable"]
     wrapper = cls(workspace())

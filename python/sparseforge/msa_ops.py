@@ -59,6 +59,7 @@ from sparseforge.msa_icp import (  # noqa: F401
     msa_icp_topk_select_publish,
     prepare_msa_icp_indexer,
 )
+from sparseforge.planner import device_constant
 from sparseforge.sparsity import uniform_offsets
 
 
@@ -499,11 +500,14 @@ def _num_valid(num_valid_pages, blocks: int, tokens: int, device) -> torch.Tenso
     return num_valid_pages
 
 
-@functools.lru_cache(maxsize=64)
 def _constant_count(device: torch.device, value: int) -> torch.Tensor:
     """A one-element int32 tensor kept per (device, value): a call per layer with the same
-    count launches no fill kernel and allocates nothing."""
-    return torch.full((1,), value, dtype=torch.int32, device=device)
+    count launches no fill kernel and allocates nothing. Made afresh during a CUDA graph
+    capture (planner.device_constant): a tensor kept from one would hold its value only
+    once the graph had replayed."""
+    return device_constant(
+        ("count", value), device, lambda: torch.full((1,), value, dtype=torch.int32, device=device)
+    )
 
 
 class MSASparseAttentionWorkspace:

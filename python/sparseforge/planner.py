@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -118,13 +119,15 @@ def rows_fit_units(row_sizes: torch.Tensor, units: int, unit_rows: int) -> bool:
     return sizes_tile_aligned(row_sizes, unit_rows * units)
 
 
-_device_constants: dict[tuple, torch.Tensor] = {}
+_device_constants: dict[tuple, object] = {}
+Constant = TypeVar("Constant")
 
 
-def device_constant(key: tuple, device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """make(), a tensor on a GPU that plans only read, made once per key and device: each
-    fill is a launch of plan()'s host time. Made afresh on the host, and during a CUDA
-    graph capture (which would record the fill instead of running it)."""
+def device_constant(key: tuple, device, make: Callable[[], Constant]) -> Constant:
+    """make(), tensors on a GPU that kernels only read, made once per key and device: each
+    fill is a launch of host time. Made afresh on the host, and during a CUDA graph capture
+    (which records the fill instead of running it: a tensor kept from there would hold its
+    values only once the graph had replayed)."""
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return make()

@@ -4,8 +4,6 @@ earlier: one launch where torch takes a dozen (20-35 us of host time each) per p
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from sparseforge import families, planner, sparsity
@@ -23,13 +21,17 @@ def _launch(device_index: int, per_head: int, per_item: int, step: int):
     return kernel.bind(per_head, per_item, step, sparsity.ERR_STALE_SIZES)
 
 
-@functools.cache
 def _unchecked(device_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(size tensor, values read, error word) for plans without a recheck: a pair that
-    agrees, and a word the kernel writes 0 to."""
+    agrees, and a word the kernel writes 0 to. Kept per device, except from a CUDA graph
+    capture (planner.device_constant), whose fills run only when the graph replays."""
     device = torch.device("cuda", device_index)
-    read = torch.zeros((1, 1), dtype=torch.int64, device=device)
-    return read.to(torch.int32), read, torch.empty(1, dtype=torch.int32, device=device)
+
+    def make():
+        read = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        return read.to(torch.int32), read, torch.empty(1, dtype=torch.int32, device=device)
+
+    return planner.device_constant(("unchecked sizes",), device, make)
 
 
 def order(
