@@ -155,6 +155,20 @@ def test_gpu_validation_raises_at_check_and_at_run():
     wrapper.check_plan()  # a good plan clears the error
 
 
+# The BSR wrapper's plan() arguments before the q2k selections.
+Q2K_PLAN = (None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
+
+
+def captured_q2k_plan_and_run(wrapper, q, k, v, sel, num, out):
+    """A CUDA graph of the BSR wrapper's plan() of (sel, num) and its run() into out."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.plan(*Q2K_PLAN, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+        wrapper.run(q, k, v, out=out)
+    return graph
+
+
 @pytest.mark.parametrize("form", ["bsr", "variable"])
 def test_run_in_cuda_graph_is_bit_identical(form):
     cls, args, kwargs = plan_forms()[form]
@@ -177,22 +191,17 @@ def test_q2k_plan_and_run_in_cuda_graph_follow_new_selections():
     q, k, v = inputs()
     sel, num = selections(5)
     wrapper = BlockSparseAttentionWrapper(workspace())
-    common = (None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
-    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    wrapper.plan(*Q2K_PLAN, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
     wrapper.run(q, k, v)
     out = torch.empty_like(q)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
-        wrapper.run(q, k, v, out=out)
+    graph = captured_q2k_plan_and_run(wrapper, q, k, v, sel, num, out)
     for seed in (6, 7):
         new_sel, new_num = selections(seed)
         sel.copy_(new_sel)
         num.copy_(new_num)
         graph.replay()
         eager = BlockSparseAttentionWrapper(workspace())
-        eager.plan(*common, q_data_type=torch.bfloat16, q2k_indices=new_sel, q2k_num=new_num)
+        eager.plan(*Q2K_PLAN, q_data_type=torch.bfloat16, q2k_indices=new_sel, q2k_num=new_num)
         want = eager.run(q, k, v)
         torch.cuda.synchronize()
         assert torch.equal(out, want), seed
@@ -207,18 +216,13 @@ def test_constants_first_needed_in_a_capture_are_made_there():
 
     q, k, v = inputs()
     sel, num = selections(5)
-    common = (None, None, SEQ, SEQ, BLOCK, BLOCK, HQ, HKV, D)
     wrapper = BlockSparseAttentionWrapper(workspace())
-    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    wrapper.plan(*Q2K_PLAN, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
     want = wrapper.run(q, k, v)  # kernels loaded before the capture
     planner._device_constants.clear()
     out = torch.empty_like(q)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
-        wrapper.run(q, k, v, out=out)
-    wrapper.plan(*common, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
+    graph = captured_q2k_plan_and_run(wrapper, q, k, v, sel, num, out)
+    wrapper.plan(*Q2K_PLAN, q_data_type=torch.bfloat16, q2k_indices=sel, q2k_num=num)
     got = wrapper.run(q, k, v)
     wrapper.check_plan()
     graph.replay()
