@@ -3,7 +3,12 @@ torch.compile (plan() as often as run(), for per-step dynamic sparsity)."""
 
 import pytest
 import torch
-from sparseforge import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, reference
+from sparseforge import (
+    BlockSparseAttentionWrapper,
+    VariableBlockSparseAttentionWrapper,
+    planner,
+    reference,
+)
 from sparseforge.bench import random_selection
 
 pytestmark = pytest.mark.gpu
@@ -212,8 +217,6 @@ def test_constants_first_needed_in_a_capture_are_made_there():
     inside a CUDA graph capture, are made afresh there: an eager plan() and run() after the
     capture, before any replay, find no constant whose fill only the graph would run (the
     stand-in size pair of plans without a recheck read as stale sizes otherwise)."""
-    from sparseforge import planner
-
     q, k, v = inputs()
     sel, num = selections(5)
     wrapper = BlockSparseAttentionWrapper(workspace())

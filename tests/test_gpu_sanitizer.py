@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -52,28 +53,26 @@ def test_every_variant_is_clean_under_compute_sanitizer(tool):
     command = [exe, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99"]
     command += [sys.executable, "-m", "sparseforge.check", "--small"]
     count = shards()
-    runs = [
-        subprocess.Popen(
-            command + ["--shard", f"{i}/{count}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    with ThreadPoolExecutor(count) as pool:
+        results = list(
+            pool.map(
+                lambda i: subprocess.run(
+                    command + ["--shard", f"{i}/{count}"],
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                ),
+                range(count),
+            )
         )
-        for i in range(count)
-    ]
     clean = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     problems = []
-    for i, run in enumerate(runs):
-        try:
-            stdout, stderr = run.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for other in runs:
-                other.kill()
-            raise
-        summary = [line for line in stdout.splitlines() if "SUMMARY" in line or "failed" in line]
+    for i, result in enumerate(results):
+        out = result.stdout
+        summary = [line for line in out.splitlines() if "SUMMARY" in line or "failed" in line]
         print(f"shard {i}/{count}: " + " | ".join(summary))
-        if run.returncode != 0 or clean not in stdout:
-            problems.append(f"shard {i}/{count}: {stdout[-3000:]}{stderr[-2000:]}")
+        if result.returncode != 0 or clean not in out:
+            problems.append(f"shard {i}/{count}: {out[-3000:]}{result.stderr[-2000:]}")
     assert not problems, "\n".join(problems)
 
 
