@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,24 +54,22 @@ def test_every_variant_is_clean_under_compute_sanitizer(tool):
     command = [exe, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99"]
     command += [sys.executable, "-m", "sparseforge.check", "--small"]
     count = shards()
-    with ThreadPoolExecutor(count) as pool:
-        results = list(
-            pool.map(
-                lambda i: subprocess.run(
-                    command + ["--shard", f"{i}/{count}"],
-                    capture_output=True,
-                    text=True,
-                    timeout=900,
-                ),
-                range(count),
-            )
+
+    def run_shard(i):
+        start = time.perf_counter()
+        result = subprocess.run(
+            command + ["--shard", f"{i}/{count}"], capture_output=True, text=True, timeout=900
         )
+        return result, time.perf_counter() - start
+
+    with ThreadPoolExecutor(count) as pool:
+        results = list(pool.map(run_shard, range(count)))
     clean = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     problems = []
-    for i, result in enumerate(results):
+    for i, (result, seconds) in enumerate(results):
         out = result.stdout
         summary = [line for line in out.splitlines() if "SUMMARY" in line or "failed" in line]
-        print(f"shard {i}/{count}: " + " | ".join(summary))
+        print(f"{tool} shard {i}/{count} ({seconds:.0f} s): " + " | ".join(summary))
         if result.returncode != 0 or clean not in out:
             problems.append(f"shard {i}/{count}: {out[-3000:]}{result.stderr[-2000:]}")
     assert not problems, "\n".join(problems)

@@ -3,7 +3,7 @@ arguments reach the device check."""
 
 import pytest
 import torch
-from sparseforge import sdsa
+from sparseforge import reference, sdsa
 
 
 def quantize_args(**change):
@@ -152,6 +152,26 @@ def test_top_k_arguments():
         sdsa.top_k_from_candidates(
             candidates.float(), ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
         )
+
+
+def test_fitting_selection_inputs_leave_only_the_marked_rows_to_repair():
+    # The sanitizers' small repair check (python -m sparseforge.check --small) repairs a few
+    # rows, not most: each takes a cluster four radix passes, minutes under racecheck.
+    from sparseforge.check import SDSA_SELECT_LENGTHS, sdsa_select_inputs
+
+    args = sdsa_select_inputs(SDSA_SELECT_LENGTHS[True], True, fitting=True)
+    args["thresholds"][3::41] = float("inf")
+    before = args["thresholds"].clone()
+    rows = before.shape[0]
+    repair = dict(
+        arrivals=torch.zeros(rows // 128, dtype=torch.int32),
+        ranges=torch.zeros(2, rows, dtype=torch.int32),
+    )
+    reference.indexer_threshold_select(**args, **repair)
+    kept = (args["thresholds"] == before) | (args["thresholds"].isnan() & before.isnan())
+    # Rows 0 (+inf: no key reaches it) and 1 (-inf: every key above it, past the slots), and
+    # the marked ones.
+    assert (~kept).nonzero().flatten().tolist() == [0, 1, *range(3, rows, 41)]
 
 
 def test_threshold_select_arguments():
