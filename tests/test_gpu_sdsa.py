@@ -164,6 +164,28 @@ def test_top_k_from_candidates():
         assert same_top_k(got, want, candidates, ranges), k
 
 
+def test_top_k_of_the_live_rows_of_tiles_as_strided_views():
+    """The j-th row of each 128-row tile, picked by strided views of candidates, ranges and
+    top_keys (what a decode engine runs: the other rows see no key), gives the same keys as
+    the whole rows; the rows of other j and of top_keys stay untouched."""
+    tiles, slots, k = 5, 300, 32
+    candidates, ranges = sdsa_candidates(tiles * 128, slots, device="cuda")
+    whole = torch.full((tiles * 128, k), -9, dtype=torch.int32, device="cuda")
+    sdsa.top_k_from_candidates(candidates, ranges, top_keys=whole)
+    live = torch.full((tiles, 3, k), -9, dtype=torch.int32, device="cuda")
+    for j in (0, 2):
+        sdsa.top_k_from_candidates(
+            candidates.view(tiles, 128, slots, 2)[:, j],
+            ranges.view(2, tiles, 128)[:, :, j],
+            top_keys=live[:, j],
+        )
+    by_tile = whole.view(tiles, 128, k)
+    for j in (0, 2):
+        rows = torch.arange(tiles, device="cuda") * 128 + j
+        assert same_top_k(live[:, j], by_tile[:, j], candidates[rows], ranges[:, rows]), j
+    assert (live[:, 1] == -9).all()
+
+
 def test_top_k_walks_many_rows_per_cta():
     """The launch runs at most 1021 CTAs, each walking rows at that stride and loading their
     ranges 256 at a time: 257 x 1021 + 3 rows, each with 0-2 pairs (K = 2: copied, then -1)

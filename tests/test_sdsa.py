@@ -148,6 +148,19 @@ def test_top_k_arguments():
         sdsa.top_k_from_candidates(
             candidates, ranges[:, :2], top_keys=torch.zeros(3, 8, dtype=torch.int32)
         )
+    with pytest.raises(ValueError, match="ranges must be int32 \\(2, 3\\)"):
+        sdsa.top_k_from_candidates(
+            candidates, ranges.long(), top_keys=torch.zeros(3, 8, dtype=torch.int32)
+        )
+    # The live rows of 128-row tiles as strided views of all three: past the checks.
+    tiles = torch.zeros(3 * 128, 40, 2, dtype=torch.int32)
+    tile_ranges = torch.zeros(2, 3 * 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.top_k_from_candidates(
+            tiles.view(3, 128, 40, 2)[:, 1],
+            tile_ranges.view(2, 3, 128)[:, :, 1],
+            top_keys=torch.zeros(3, 2, 8, dtype=torch.int32)[:, 1],
+        )
     with pytest.raises(ValueError, match="candidates must be int32"):
         sdsa.top_k_from_candidates(
             candidates.float(), ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)

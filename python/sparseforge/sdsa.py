@@ -300,8 +300,14 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
     most K = top_keys.shape[1] of them, their keys in slot order, then -1; otherwise the
     exact top-K by stored value in float-bit order (a positive NaN above +inf): the keys
     strictly above the K-th value first, then tied keys up to K (which ones, and the order
-    within each part, unspecified). K < 65536; ranges int32 (2, rows) within [0, slots] (not
-    checked on the GPU). One launch. Returns top_keys."""
+    within each part, unspecified). K < 65536; ranges int32 (2, rows) of any strides, within
+    [0, slots] (not checked on the GPU). One launch. Returns top_keys.
+
+    Rows of any stride in all three tensors let a caller pick the live rows of
+    indexer_threshold_select's 128-row tiles: with one decode row a request at the top of
+    its tile, `candidates.view(-1, 128, slots, 2)[:, 0]`, `ranges.view(2, -1, 128)[:, :, 0]`
+    (the j-th of several rows: index j, one call each); the other rows see no key, and
+    their -1 rows of K keys would be most of the bytes written."""
     device = _device_of(candidates, "candidates")
     if (
         candidates.dtype != torch.int32
@@ -314,7 +320,13 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
             f"{describe(candidates)}"
         )
     rows = candidates.shape[0]
-    _tensor("ranges", ranges, torch.int32, (2, rows), device)
+    if (
+        not isinstance(ranges, torch.Tensor)
+        or ranges.dtype != torch.int32
+        or ranges.shape != (2, rows)
+        or ranges.device != device
+    ):
+        raise ValueError(f"ranges must be int32 (2, {rows}) on {device}, got {describe(ranges)}")
     _tensor("top_keys", top_keys, torch.int32, (rows, None), device)
     if top_keys.shape[1] >= 65536:
         raise ValueError(f"top_keys has {top_keys.shape[1]} columns; K must be < 65536")
