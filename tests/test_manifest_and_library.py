@@ -377,3 +377,18 @@ def test_bound_launch_packs_the_abi_words(monkeypatch):
     assert calls[-2][1] == calls[-1][1]
     with pytest.raises(ValueError, match="16-byte aligned"):
         bound.call_same_layout((q, shifted, q, q, lse), swap01=False)
+
+    # A call whose tensors have the last call's shapes and strides writes only the addresses;
+    # another layout (or swap01) packs everything again.
+    bound((q, q, q, q, lse), swap01=True)
+    assert calls[-1][1] == words
+    bound((k, q, k, q, lse2), swap01=True)
+    assert calls[-1][1][:5] == [k.data_ptr(), *words[1:5]]
+    assert calls[-1][1][20:] == [lse2.data_ptr(), *words[21:]]
+    half = q[:, :48]  # (4, 48, 128) HND: 48 tokens, its head stride still 96 x 128
+    bound((half, q, q, q, lse), swap01=True)
+    assert calls[-1][1][:5] == [half.data_ptr(), 48, 4, 128, 96 * 128]
+    bound((q, q, q, q, lse), swap01=True)
+    assert calls[-1][1] == words
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        bound((shifted, q, q, q, lse), swap01=True)  # the same layout: its address checked

@@ -238,6 +238,8 @@ class BoundLaunch:
         self.static_args = static_args  # keeps the plan tensors alive while bound
         self.static_tensors = tuple(a for a in static_args if hasattr(a, "data_ptr"))
         self.layout_packed = None  # swap01 of the layout call_same_layout() packed, if any
+        # (swap01, each leading tensor's (shape, strides)) that the words hold, if any.
+        self.packed_layout = None
 
     def split(self, tensors) -> tuple[list, list]:
         """The leading tensors as (inputs, outputs) by the ABI's output flags."""
@@ -255,21 +257,29 @@ class BoundLaunch:
 
     def __call__(self, tensors, swap01: bool = False) -> None:
         """Launch on the current stream with `tensors` as the leading arguments; swap01 passes
-        each as its (1, 0)-transposed view."""
-        words = []
-        for (shape_modes, stride_modes, name, align), tensor in zip(
-            self.dynamic_modes[swap01], tensors, strict=True
-        ):
-            pointer = tensor.data_ptr()
-            if pointer % align:
-                raise ValueError(f"{name} must be {align}-byte aligned, got address {pointer:#x}")
-            shape, stride = tensor.shape, tensor.stride()
-            words.append(pointer)
-            for i in shape_modes:
-                words.append(shape[i])
-            for i in stride_modes:
-                words.append(stride[i])
-        self.pack_dynamic(self.words, 0, *words)
+        each as its (1, 0)-transposed view. When the tensors have the shapes and strides of
+        the last call, only their addresses are written (decode calls, for one, repeat
+        their layouts)."""
+        layout = (swap01, tuple((tensor.shape, tensor.stride()) for tensor in tensors))
+        if layout == self.packed_layout:
+            self._write_addresses(tensors, swap01)
+        else:
+            words = []
+            for (shape_modes, stride_modes, name, align), (shape, stride), tensor in zip(
+                self.dynamic_modes[swap01], layout[1], tensors, strict=True
+            ):
+                pointer = tensor.data_ptr()
+                if pointer % align:
+                    raise ValueError(
+                        f"{name} must be {align}-byte aligned, got address {pointer:#x}"
+                    )
+                words.append(pointer)
+                for i in shape_modes:
+                    words.append(shape[i])
+                for i in stride_modes:
+                    words.append(stride[i])
+            self.pack_dynamic(self.words, 0, *words)
+            self.packed_layout = layout
         self.layout_packed = None
         self._launch(tensors[0].get_device())
 
@@ -281,6 +291,11 @@ class BoundLaunch:
             self(tensors, swap01)
             self.layout_packed = swap01
             return
+        self._write_addresses(tensors, swap01)
+        self._launch(tensors[0].get_device())
+
+    def _write_addresses(self, tensors, swap01: bool) -> None:
+        """The leading tensors' addresses into the words (their other words as packed)."""
         words = self.words
         for position, (_, _, name, align), tensor in zip(
             self.address_words, self.dynamic_modes[swap01], tensors, strict=True
@@ -289,7 +304,6 @@ class BoundLaunch:
             if pointer % align:
                 raise ValueError(f"{name} must be {align}-byte aligned, got address {pointer:#x}")
             words[position] = pointer
-        self._launch(tensors[0].get_device())
 
     def _launch(self, device_index: int) -> None:
         # The entry a Python int (a C int), the words a ctypes array (its address), the
