@@ -238,8 +238,9 @@ class BoundLaunch:
         self.static_args = static_args  # keeps the plan tensors alive while bound
         self.static_tensors = tuple(a for a in static_args if hasattr(a, "data_ptr"))
         self.layout_packed = None  # swap01 of the layout call_same_layout() packed, if any
-        # (swap01, each leading tensor's (shape, strides)) that the words hold, if any.
-        self.packed_layout = None
+        # (swap01, each leading tensor's (shape, strides)) the words were last packed with by
+        # __call__, which then writes only addresses for tensors of that layout.
+        self.words_layout = None
 
     def split(self, tensors) -> tuple[list, list]:
         """The leading tensors as (inputs, outputs) by the ABI's output flags."""
@@ -261,7 +262,7 @@ class BoundLaunch:
         the last call, only their addresses are written (decode calls, for one, repeat
         their layouts)."""
         layout = (swap01, tuple((tensor.shape, tensor.stride()) for tensor in tensors))
-        if layout == self.packed_layout:
+        if layout == self.words_layout:
             self._write_addresses(tensors, swap01)
         else:
             words = []
@@ -279,7 +280,7 @@ class BoundLaunch:
                 for i in stride_modes:
                     words.append(stride[i])
             self.pack_dynamic(self.words, 0, *words)
-            self.packed_layout = layout
+            self.words_layout = layout
         self.layout_packed = None
         self._launch(tensors[0].get_device())
 

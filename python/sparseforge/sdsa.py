@@ -320,13 +320,7 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
             f"{describe(candidates)}"
         )
     rows = candidates.shape[0]
-    if (
-        not isinstance(ranges, torch.Tensor)
-        or ranges.dtype != torch.int32
-        or ranges.shape != (2, rows)
-        or ranges.device != device
-    ):
-        raise ValueError(f"ranges must be int32 (2, {rows}) on {device}, got {describe(ranges)}")
+    _tensor("ranges", ranges, torch.int32, (2, rows), device, unit_stride=False)
     _tensor("top_keys", top_keys, torch.int32, (rows, None), device)
     if top_keys.shape[1] >= 65536:
         raise ValueError(f"top_keys has {top_keys.shape[1]} columns; K must be < 65536")
@@ -397,15 +391,15 @@ def _scales_pair(nvfp4: bool, first, keys, first_rows: int, cache, device):
     return first, keys
 
 
-def _tensor(name: str, t, dtype, shape: tuple, device) -> torch.Tensor:
+def _tensor(name: str, t, dtype, shape: tuple, device, unit_stride: bool = True) -> torch.Tensor:
     """t checked: `dtype`, `shape` (None = any extent), unit stride on the last dim (a
-    vector: contiguous), on `device`."""
+    vector: contiguous) unless not `unit_stride` (any strides), on `device`."""
     if (
         not isinstance(t, torch.Tensor)
         or t.dtype != dtype
         or t.dim() != len(shape)
         or any(s is not None and n != s for n, s in zip(t.shape, shape, strict=True))
-        or t.stride(-1) != 1
+        or (unit_stride and t.stride(-1) != 1)
         or t.device != device
     ):
         kind = str(dtype).removeprefix("torch.")
@@ -414,7 +408,7 @@ def _tensor(name: str, t, dtype, shape: tuple, device) -> torch.Tensor:
             want = f"a contiguous {kind} vector{length}"
         else:
             dims = ", ".join("N" if s is None else str(s) for s in shape)
-            want = f"{kind} ({dims}) with unit stride on the last dim"
+            want = f"{kind} ({dims})" + (" with unit stride on the last dim" if unit_stride else "")
         raise ValueError(f"{name} must be {want} on {device}, got {describe(t)}")
     return t
 
