@@ -145,11 +145,13 @@ class SdsaRepair(SdsaScores):
         # every pass (in loops of their own: radix_select's split).
         kept = self.cached_keys * peers
         first = tidx + rank * CHUNK_KEYS
+        # Filled whenever the row sees a key: the reselect below reads the cache even when
+        # nothing is wanted (top_k = 0).
+        self.fill_cache(
+            atom, args, query, request, first, cutlass.min(count, kept), end, g, q, tidx,
+            sScores,
+        )  # fmt: skip
         if wanted > 0:
-            self.fill_cache(
-                atom, args, query, request, first, cutlass.min(count, kept), end, g, q, tidx,
-                sScores,
-            )  # fmt: skip
             key, _ = radix_select(
                 lambda i, step, cached: [
                     (ok, float_bits(score))
