@@ -295,6 +295,29 @@ def test_threshold_select_repair(nvfp4, lengths):
 
 
 @pytest.mark.parametrize("nvfp4", [False, True])
+def test_repair_with_top_k_0_counts_as_the_reference(nvfp4):
+    """top_k = 0: a row whose candidates pass the slots is repaired to threshold +inf
+    (nothing wanted) and selected again; its counters (0 candidates, the ties at +inf
+    or NaN) equal the reference's, as do every row's ranges (all empty)."""
+    args = sdsa_select_inputs([3000, 300], nvfp4, top_k=0, slots=8, device="cuda")
+    rows = args["query"].shape[0]
+    want = {**args, "counters": args["counters"].clone(), "candidates": args["candidates"].clone()}
+    want["thresholds"] = args["thresholds"].clone()
+    repair = [
+        dict(
+            arrivals=torch.zeros(2, dtype=torch.int32, device="cuda"),
+            ranges=torch.full((2, rows), -5, dtype=torch.int32, device="cuda"),
+        )
+        for _ in range(2)
+    ]
+    sdsa.indexer_threshold_select(**args, **repair[0])
+    reference.indexer_threshold_select(**want, **repair[1])
+    assert (args["thresholds"] == float("inf")).any()  # some rows repaired
+    assert torch.equal(args["counters"].cpu(), want["counters"].cpu())
+    assert torch.equal(repair[0]["ranges"].cpu(), repair[1]["ranges"].cpu())
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
 def test_pipeline_gives_the_exact_top_k(nvfp4):
     """The documented pipeline on the GPU: keys and queries quantized (NVFP4) -> a key
     sample gathered and scored -> its top positions -> thresholds -> threshold select with

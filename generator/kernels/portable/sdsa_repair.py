@@ -15,10 +15,11 @@ selects the row again. Then fewer than wanted scores lie above the threshold (<=
 its ranges: (top_k - min(ties, top_k), top_k + min(cands, cap)).
 
 The scores are computed 512 keys at a time on tensor cores, exactly as sdsa_scores and
-sdsa_select compute them, and no score matrix is written: the first radix pass keeps the
-scores of each CTA's first CACHED_KEYS keys in its shared memory, and the three other
-passes and the reselect read those back and recompute only the keys beyond (a row of up
-to 131,072 keys on SM90 is read once; on SM120, 20 Ki keys of it).
+sdsa_select compute them, and no score matrix is written: before the radix passes each CTA
+scores its first CACHED_KEYS keys into its shared memory (fill_cache: FILL_BATCH chunks'
+loads issued before their scoring, since a lone row's CTAs have few loads in flight), and
+the four passes and the reselect read those back and recompute only the keys beyond (a row
+of up to 131,072 keys on SM90 is read once; on SM120, 20 Ki keys of it).
 """
 
 import cutlass
@@ -43,6 +44,9 @@ PEERS = {"sm_90a": 8, "sm_100f": 8, "sm_120f": 1}
 # Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
 # eight CTAs hold a 131,072-key row; SM120's one CTA holds what its 99 KB allow.
 CACHED_KEYS = {"sm_90a": 16 * 1024, "sm_100f": 16 * 1024, "sm_120f": 20 * 1024}
+# Chunks of WARP_KEYS keys a warp fetches before scoring them into the cache, by key format:
+# NVFP4 keys take 18 registers a chunk as fetched, BF16 keys 64 (one at a time).
+FILL_BATCH = {"nvfp4": 4, "bf16": 1}
 
 
 class SdsaRepair(SdsaScores):
@@ -53,6 +57,7 @@ class SdsaRepair(SdsaScores):
         assert cached_keys % CHUNK_KEYS == 0
         self.cluster = peers
         self.cached_keys = cached_keys
+        self.fill_batch = FILL_BATCH["nvfp4" if nvfp4 else "bf16"]
 
     def grid(self, args):
         """A cluster per ROWS_PER_CLUSTER rows."""
@@ -139,13 +144,19 @@ class SdsaRepair(SdsaScores):
         # Chunks from `kept` on are beyond the CTAs' caches: their scores are computed in
         # every pass (in loops of their own: radix_select's split).
         kept = self.cached_keys * peers
+        first = tidx + rank * CHUNK_KEYS
+        # Filled whenever the row sees a key: the reselect below reads the cache even when
+        # nothing is wanted (top_k = 0).
+        self.fill_cache(
+            atom, args, query, request, first, cutlass.min(count, kept), end, g, q, tidx,
+            sScores,
+        )  # fmt: skip
         if wanted > 0:
             key, _ = radix_select(
                 lambda i, step, cached: [
                     (ok, float_bits(score))
                     for ok, _, score in self.chunk_scores(
-                        atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
-                        cache_filled=step > 0, cached=cached,
+                        atom, args, query, request, i - tidx, end, g, q, tidx, sScores, cached
                     )
                 ],
                 count, wanted, sHist, sState, tidx, CHUNK_KEYS, peers, rank, split=kept,
@@ -156,15 +167,13 @@ class SdsaRepair(SdsaScores):
             args.mCounters[row, 0] = 0
             args.mCounters[row, 1] = 0
         self.cluster_sync()
-        first = tidx + rank * CHUNK_KEYS
         for cached, start, stop in (
             (True, first, cutlass.min(count, kept)),
             (False, first + kept, count),
         ):
             for i in cutlass.range(start, stop, CHUNK_KEYS * peers, unroll=1):
                 triples = self.chunk_scores(
-                    atom, args, query, request, i - tidx, end, g, q, tidx, sScores,
-                    cache_filled=True, cached=cached,
+                    atom, args, query, request, i - tidx, end, g, q, tidx, sScores, cached
                 )  # fmt: skip
                 for v in cutlass.range_constexpr(len(triples)):
                     ok, key, score = triples[v]
@@ -184,29 +193,55 @@ class SdsaRepair(SdsaScores):
             cute.arch.sync_threads()
 
     @cute.jit
+    def fill_cache(self, atom, args, query, request, start, stop, end, g, q, tidx, sScores):
+        """The scores of this thread's cached chunks (i = start, start + CHUNK_KEYS x peers,
+        ... < stop; the keys of chunk i - tidx) into sScores, where chunk_scores reads them
+        back (lanes q == 0, each its own entries): fill_batch chunks' loads issued, then
+        their scoring. Every thread makes as many steps (stop is a multiple of the stride),
+        and the keys of chunks past the row's end are its last key (fetch_warp_keys)."""
+        stride = CHUNK_KEYS * self.cluster
+        warp_key = (tidx // 32) * WARP_KEYS
+        for i in cutlass.range(start, stop, stride * self.fill_batch, unroll=1):
+            fetched = [
+                self.fetch_warp_keys(args, request, i + b * stride - tidx + warp_key, end, g, q)
+                for b in range(self.fill_batch)
+            ]
+            for b in cutlass.range_constexpr(self.fill_batch):
+                # Chunks past `stop` (the batch's tail) are scored, not kept: a branch around
+                # them let the compiler move their loads after the chunks before.
+                chunk_key = i + b * stride - tidx
+                keeps = (q == 0) & (i + b * stride < stop)
+                keys = self.decode_warp_keys(fetched[b])
+                slot = self.cache_base(chunk_key) + warp_key + g
+                for t in cutlass.range_constexpr(WARP_KEYS // 16):
+                    acc = self.tile_scores(atom, keys, t, query)
+                    if keeps:
+                        for h in cutlass.range_constexpr(2):
+                            sScores[slot + 8 * (2 * t + h)] = acc[2 * h, 0, 0] * self.score_factor
+
+    def cache_base(self, chunk_key):
+        """sScores' entry of the chunk's first key (key chunk_key + k at cache_base + k): the
+        chunk's place among this CTA's (every peers-th chunk of the row)."""
+        return chunk_key // (CHUNK_KEYS * self.cluster) * CHUNK_KEYS
+
+    @cute.jit
     def chunk_scores(
         self, atom, args, query, request, chunk_key, end, g, q, tidx, sScores,
-        cache_filled: cutlass.Constexpr, cached: cutlass.Constexpr,
+        cached: cutlass.Constexpr,
     ):  # fmt: skip
         """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key: its
-        warp's 32 keys through the MMA, valid for lanes q == 0 and keys < end. A `cached`
-        chunk (below cached_keys x peers) is read from sScores once cache_filled, else
-        computed and kept; the others are computed."""
+        warp's 32 keys, valid for lanes q == 0 and keys < end. A `cached` chunk (below
+        cached_keys x peers) is read from sScores (fill_cache wrote it), the others are
+        computed through the MMA."""
         first_key = chunk_key + (tidx // 32) * WARP_KEYS
-        # The chunk's place among this CTA's (every peers-th chunk of the row) and its
-        # keys' entries in sScores, the same for the whole CTA.
-        slot = chunk_key // (CHUNK_KEYS * self.cluster) * CHUNK_KEYS - chunk_key
         scores = cute.make_rmem_tensor((4,), cutlass.Float32)  # key g + 8j: scores[j]
-        if cutlass.const_expr(cached and cache_filled):
+        if cutlass.const_expr(cached):
             # Each thread reads back the entries it wrote: no barrier needed.
+            slot = self.cache_base(chunk_key) + first_key - chunk_key + g
             for j in cutlass.range_constexpr(4):
-                scores[j] = sScores[slot + first_key + 8 * j + g]
+                scores[j] = sScores[slot + 8 * j]
         else:
             self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
-            if cutlass.const_expr(cached):
-                if q == 0:
-                    for j in cutlass.range_constexpr(4):
-                        sScores[slot + first_key + 8 * j + g] = scores[j]
         triples = []
         for j in cutlass.range_constexpr(4):
             key = first_key + 8 * j + g
