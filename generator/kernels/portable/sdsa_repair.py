@@ -1,25 +1,26 @@
 """sdsa_repair: indexer_threshold_select's repair mode, a second launch after the select.
 
-A cluster of CTAs per 512 rows (8 CTAs on SM90 / SM100; 1 on SM120, whose clusters are of
-1), 16 warps each: a thread a row finds the rows that need repair (most fit: a cluster a
-row would launch thousands of CTAs that exit at once), then the cluster repairs them one
-after the other. A lone repaired row is the launch's tail, and its speed is the loads its
-CTAs keep in flight, so its keys are split over the cluster (CTA r takes chunks r, r + 8,
-...). A row fits when its candidates fit their slots (cands <= cap = slots - top_k) and its
-candidates plus stored ties reach wanted = min(row_end, top_k). A row that does not is
-repaired: the cluster radix-selects the exact wanted-th largest of the row's scores in
-float-bit order (generator/kernels/common/radix_select.py; the histograms summed through
-distributed shared memory), makes it the row's threshold, zeroes the row's counters and
-selects the row again. Then fewer than wanted scores lie above the threshold (<= top_k - 1
-<= cap) and the rest of the wanted ones tie with it, so the row fits. Every row then gets
-its ranges: (top_k - min(ties, top_k), top_k + min(cands, cap)).
+A cluster of CTAs per 512 rows (16 CTAs on SM90, 8 on SM100; 1 on SM120, whose clusters
+are of 1), 16 warps each: a thread a row finds the rows that need repair (most fit: a
+cluster a row would launch thousands of CTAs that exit at once), then the cluster repairs
+them one after the other. A lone repaired row is the launch's tail, and its time is the
+instructions its CTAs issue (one CTA an SM; the profiler found its SMs issuing at ~0.34
+an issue slot, the other SMs idle), so its keys are split over the cluster (CTA r takes
+chunks r, r + peers, ...). A row fits when its candidates fit their slots (cands <= cap =
+slots - top_k) and its candidates plus stored ties reach wanted = min(row_end, top_k). A
+row that does not is repaired: the cluster radix-selects the exact wanted-th largest of
+the row's scores in float-bit order (generator/kernels/common/radix_select.py; the
+histograms summed through distributed shared memory), makes it the row's threshold, zeroes
+the row's counters and selects the row again. Then fewer than wanted scores lie above the
+threshold (<= top_k - 1 <= cap) and the rest of the wanted ones tie with it, so the row
+fits. Every row then gets its ranges: (top_k - min(ties, top_k), top_k + min(cands, cap)).
 
 The scores are computed 512 keys at a time on tensor cores, exactly as sdsa_scores and
 sdsa_select compute them, and no score matrix is written: before the radix passes each CTA
 scores its first CACHED_KEYS keys into its shared memory (fill_cache: FILL_BATCH chunks'
-loads issued before their scoring, since a lone row's CTAs have few loads in flight), and
-the four passes and the reselect read those back and recompute only the keys beyond (a row
-of up to 131,072 keys on SM90 is read once; on SM120, 20 Ki keys of it).
+loads issued before their scoring), and the four passes and the reselect read those back
+and recompute only the keys beyond (a row of up to 131,072 keys on SM90 / SM100 is read
+once; on SM120, 20 Ki keys of it).
 """
 
 import cutlass
@@ -39,11 +40,12 @@ from generator.kernels.portable.sdsa_select import TILE_ROWS, classify
 WARPS = 16
 CHUNK_KEYS = WARPS * WARP_KEYS  # scored per step, a thread per key
 ROWS_PER_CLUSTER = WARPS * 32  # a thread each finds whether it needs repair (and lists it)
-# CTAs per row (a cluster), by arch; SM120 runs clusters of 1.
-PEERS = {"sm_90a": 8, "sm_100f": 8, "sm_120f": 1}
-# Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): 64 KB of the cluster's
-# eight CTAs hold a 131,072-key row; SM120's one CTA holds what its 99 KB allow.
-CACHED_KEYS = {"sm_90a": 16 * 1024, "sm_100f": 16 * 1024, "sm_120f": 20 * 1024}
+# CTAs per row (a cluster), by arch: SM90 takes clusters of 16 (non-portable; the DSL
+# allows them on every kernel), SM120 runs clusters of 1.
+PEERS = {"sm_90a": 16, "sm_100f": 8, "sm_120f": 1}
+# Scores kept on chip per CTA, by arch (a multiple of CHUNK_KEYS): the cluster's 16 x 32 KB
+# (SM90) or 8 x 64 KB (SM100) hold a 131,072-key row; SM120's one CTA what its 99 KB allow.
+CACHED_KEYS = {"sm_90a": 8 * 1024, "sm_100f": 16 * 1024, "sm_120f": 20 * 1024}
 # Chunks of WARP_KEYS keys a warp fetches before scoring them into the cache, by key format:
 # NVFP4 keys take 18 registers a chunk as fetched, BF16 keys 64 (one at a time).
 FILL_BATCH = {"nvfp4": 4, "bf16": 1}
