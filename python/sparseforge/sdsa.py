@@ -227,9 +227,9 @@ def indexer_threshold_select(
     thresholds[r]), its counters restart and it is selected again, so every row fits; then
     ranges[:, r] = (top_k - min(ties, top_k), top_k + min(cands, cap)), the slots
     top_k_from_candidates reads. The repair is a second launch with a cluster of CTAs per
-    512 rows (8 on SM90 / SM100, 1 on SM120) that repairs its rows one after the other (the
-    select's scores recomputed on chip, no score matrix), so `arrivals` is checked but
-    neither read nor written: it stays zeroed.
+    512 rows (16 on SM90, 8 on SM100, 1 on SM120) that repairs its rows one after the
+    other (the select's scores recomputed on chip, no score matrix), so `arrivals` is
+    checked but neither read nor written: it stays zeroed.
 
     query / key formats as indexer_scores (rows = 128 x tiles); thresholds fp32 (rows,),
     row_ends int32 (rows,), tile_requests int32 (tiles,). Needs max_context <= 64 x W."""
