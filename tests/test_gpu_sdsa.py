@@ -295,6 +295,52 @@ def test_threshold_select_repair(nvfp4, lengths):
 
 
 @pytest.mark.parametrize("nvfp4", [False, True])
+def test_select_repair_and_top_k_replay_in_a_cuda_graph(nvfp4):
+    """Threshold select in repair mode and the top-K of its ranges, captured in one CUDA
+    graph and replayed over poisoned outputs, give what they give eagerly: the same
+    thresholds, counters and ranges, and the same top keys as score multisets (a class's
+    slot order is free, so the keys within a tie may differ), each the exact top-K."""
+    args = sdsa_select_inputs([5000, 64, 4097], nvfp4, top_k=16, slots=64, device="cuda")
+    rows = args["thresholds"].shape[0]
+    arrivals = torch.zeros(3, dtype=torch.int32, device="cuda")
+    ranges = torch.empty(2, rows, dtype=torch.int32, device="cuda")
+    top_keys = torch.empty(rows, 16, dtype=torch.int32, device="cuda")
+    given = args["thresholds"].clone()
+
+    def pipeline():
+        sdsa.indexer_threshold_select(**args, arrivals=arrivals, ranges=ranges)
+        sdsa.top_k_from_candidates(args["candidates"], ranges, top_keys=top_keys)
+
+    def poison():
+        args["thresholds"].copy_(given)
+        args["counters"].zero_()
+        args["candidates"].fill_(-7)
+        ranges.fill_(-5)
+        top_keys.fill_(-9)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        pipeline()  # eager (and the kernels loaded)
+    torch.cuda.synchronize()
+    eager = [t.clone() for t in (args["thresholds"], args["counters"], ranges, top_keys)]
+    candidates = args["candidates"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        pipeline()
+    poison()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(args["thresholds"].isnan(), eager[0].isnan())
+    assert torch.equal(args["thresholds"].nan_to_num(), eager[0].nan_to_num())
+    assert torch.equal(args["counters"], eager[1])
+    assert torch.equal(ranges, eager[2])
+    # (Rows 0-2 have thresholds +inf, -inf, NaN: which of their many ties are stored is
+    # free, so only the exact top-K below says they are right.)
+    assert same_top_k(top_keys[3:], eager[3][3:], candidates[3:], eager[2][:, 3:])
+    assert_exact_top_k(args, ranges, kernel_scores(args))
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
 def test_repair_with_top_k_0_counts_as_the_reference(nvfp4):
     """top_k = 0: a row whose candidates pass the slots is repaired to threshold +inf
     (nothing wanted) and selected again; its counters (0 candidates, the ties at +inf
