@@ -262,25 +262,19 @@ class BoundLaunch:
         the last call, only their addresses are written (decode calls, for one, repeat
         their layouts)."""
         layout = (swap01, tuple((tensor.shape, tensor.stride()) for tensor in tensors))
-        if layout == self.words_layout:
-            self._write_addresses(tensors, swap01)
-        else:
+        if layout != self.words_layout:
             words = []
-            for (shape_modes, stride_modes, name, align), (shape, stride), tensor in zip(
-                self.dynamic_modes[swap01], layout[1], tensors, strict=True
+            for (shape_modes, stride_modes, _, _), (shape, stride) in zip(
+                self.dynamic_modes[swap01], layout[1], strict=True
             ):
-                pointer = tensor.data_ptr()
-                if pointer % align:
-                    raise ValueError(
-                        f"{name} must be {align}-byte aligned, got address {pointer:#x}"
-                    )
-                words.append(pointer)
+                words.append(0)  # the address: _write_addresses checks and writes it
                 for i in shape_modes:
                     words.append(shape[i])
                 for i in stride_modes:
                     words.append(stride[i])
             self.pack_dynamic(self.words, 0, *words)
             self.words_layout = layout
+        self._write_addresses(tensors, swap01)
         self.layout_packed = None
         self._launch(tensors[0].get_device())
 
