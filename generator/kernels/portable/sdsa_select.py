@@ -8,9 +8,12 @@ rows (those that see some key of the CTA; a decode tile often has a few of 128) 
 once in shared memory (a thread per row; their order is free); the warps walk them 8 at a
 time as the MMA's columns (the keys loaded again for each 8), each row's 32 channels a lane
 straight from global memory into the B values. Every score (row, key) with key <
-min(row_end, max_context) is classified against the row's threshold (classify: candidates
-and ties counted by atomics, stored while there is room), with the bits sdsa_scores
-computes for it.
+min(row_end, max_context) is classified against the row's threshold, with the bits
+sdsa_scores computes for it. A group's candidates are staged in shared memory (counted by
+shared atomics) and, once the CTA has scored all its keys for the group, each row takes its
+slots with one global atomic and the CTA writes them out: with a global atomic a lane and
+chunk, waited for before the chunk's stores, the select's time over the scores' grew with the
+candidates. Ties (rare) are counted and stored as they are found (classify).
 """
 
 import cutlass
@@ -44,6 +47,16 @@ class SdsaSelect(SdsaScores):
         # (table entries past it need not be pages).
         smem = cutlass.memory.SmemAllocator()
         sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 2), 16)
+        # A group's candidates as (key, stored bits) per row, their counts, then each row's
+        # first slot once it has taken them.
+        sStaged = smem.allocate_tensor(
+            cutlass.Int32,
+            cute.make_layout((MMA_ROWS, KEYS_PER_CTA, 2), stride=(2 * KEYS_PER_CTA, 2, 1)),
+            16,
+        )
+        sCounts = smem.allocate_tensor(
+            cutlass.Int32, cute.make_layout((2, MMA_ROWS), stride=(MMA_ROWS, 1)), 16
+        )
         if tidx == 0:
             sLive[TILE_ROWS] = 0
             sLive[TILE_ROWS + 1] = 0
@@ -56,12 +69,15 @@ class SdsaSelect(SdsaScores):
         live = sLive[TILE_ROWS]
         keys_end = sLive[TILE_ROWS + 1]
         warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
-        if warp_key < keys_end:  # the same for the whole warp
-            request = args.mTileRequests[tile]
-            # A group of 8 live rows at a time, the warp's keys loaded again for each (a
-            # decode tile has one group). Keys kept over the groups and queries reloaded per
-            # chunk held 166 registers (3 CTAs an SM); this loop's body holds ~107.
-            for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
+        request = args.mTileRequests[tile]
+        # A group of 8 live rows at a time, the warp's keys loaded again for each (a decode
+        # tile has one group). Keys kept over the groups and queries reloaded per chunk held
+        # 166 registers (3 CTAs an SM); this loop's body holds ~107.
+        for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
+            if tidx < MMA_ROWS:
+                sCounts[0, tidx] = 0
+            cute.arch.sync_threads()
+            if warp_key < keys_end:  # the same for the whole warp: its MMAs run converged
                 group = self.row_group(args, sLive, first_row, live, m, g, q)
                 # The key loads' inputs made opaque per group: else what is computed from
                 # them, the same for every group, is hoisted out of the loop and held
@@ -72,9 +88,30 @@ class SdsaSelect(SdsaScores):
                 self.for_each_chunk(
                     args, request_m, warp_key_m, end_m, g_m, q_m,
                     lambda keys, first_key, group=group: self.classify_group(
-                        atom, args, keys, first_key, group, g
+                        atom, args, keys, first_key, group, g, q, sStaged, sCounts
                     ),
                 )  # fmt: skip
+            cute.arch.sync_threads()
+            self.flush_group(args, sLive, sStaged, sCounts, first_row, live, m, tidx)
+            cute.arch.sync_threads()  # sStaged and sCounts are the next group's
+
+    @cute.jit
+    def flush_group(self, args, sLive, sStaged, sCounts, first_row, live, m, tidx):
+        """Group m's staged candidates into their rows' slots: a thread a row takes the
+        row's places with one global atomic (the count includes those past the room, as
+        classify's do), then the CTA copies them while there is room."""
+        cap = args.mCandidates.shape[1] - args.top_k
+        if tidx < MMA_ROWS:
+            j = m * MMA_ROWS + tidx
+            if (j < live) & (sCounts[0, tidx] > 0):
+                sCounts[1, tidx] = count_pairs(args, first_row + sLive[j], 0, sCounts[0, tidx])
+        cute.arch.sync_threads()
+        for r in cutlass.range(cutlass.min(MMA_ROWS, live - m * MMA_ROWS), unroll=1):
+            row = first_row + sLive[m * MMA_ROWS + r]
+            first = sCounts[1, r]
+            for i in cutlass.range(tidx, cutlass.min(sCounts[0, r], cap - first), self.warps * 32):
+                args.mCandidates[row, args.top_k + first + i, 0] = sStaged[r, i, 0]
+                args.mCandidates[row, args.top_k + first + i, 1] = sStaged[r, i, 1]
 
     @cute.jit
     def row_group(self, args, sLive, first_row, live, m, g, q):
@@ -96,13 +133,12 @@ class SdsaSelect(SdsaScores):
         return query, row_of, threshold, end
 
     @cute.jit
-    def classify_group(self, atom, args, keys, first_key, group, g):
+    def classify_group(self, atom, args, keys, first_key, group, g, q, sStaged, sCounts):
         """Every score of the warp's 32 keys from first_key against a row_group, classified
-        (keys below each row's end). A lane counts its candidates of a row over its four
-        score slots first and takes their places with one atomic: one memory round trip a
-        chunk where a slot's atomic, waited for before its store, made one a slot."""
+        (keys below each row's end): candidates staged in sStaged (a lane counts its
+        candidates of a row over its four score slots first and takes their places with one
+        shared atomic), ties counted and stored in global memory."""
         query, row_of, threshold, end = group
-        cap = args.mCandidates.shape[1] - args.top_k
         # scores[r, s]: row r's score of key slot_key(first_key, s, g).
         scores = cute.make_rmem_tensor((2, 4), cutlass.Float32)
         for t in cutlass.range_constexpr(WARP_KEYS // 16):
@@ -122,15 +158,16 @@ class SdsaSelect(SdsaScores):
                         else:
                             add_tie(args, row_of[r], key, score, threshold[r])
                 if found > 0:
-                    n = count_pairs(args, row_of[r], 0, found)
+                    n = cute.arch.atomic_add(
+                        sCounts.iterator + cute.crd2idx((0, 2 * q + r), sCounts.layout), found
+                    )
                     for s in cutlass.range_constexpr(4):
                         key = slot_key(first_key, s, g)
                         if (key < end[r]) & (scores[r, s] > threshold[r]):
-                            if n < cap:
-                                store_pair(
-                                    args, row_of[r], args.top_k + n, key, scores[r, s],
-                                    threshold[r],
-                                )  # fmt: skip
+                            sStaged[2 * q + r, n, 0] = key
+                            sStaged[2 * q + r, n, 1] = float_bits(
+                                stored_value(scores[r, s], threshold[r])
+                            )
                             n = n + 1
 
 
@@ -181,13 +218,19 @@ def count_pairs(args, row, column, n):
 
 @cute.jit
 def store_pair(args, row, slot, key, score, threshold):
-    """Candidate slot `slot` of `row` := (key, the stored value's bits): score - threshold
-    where score <= 2 threshold, else score."""
+    """Candidate slot `slot` of `row` := (key, the stored value's bits)."""
+    args.mCandidates[row, slot, 0] = key
+    args.mCandidates[row, slot, 1] = float_bits(stored_value(score, threshold))
+
+
+@cute.jit
+def stored_value(score, threshold):
+    """What a candidate slot keeps of a score: score - threshold where score <= 2 threshold,
+    else score."""
     stored = score
     if score <= 2.0 * threshold:
         stored = score - threshold
-    args.mCandidates[row, slot, 0] = key
-    args.mCandidates[row, slot, 1] = float_bits(stored)
+    return stored
 
 
 def make_kernel(variant):
