@@ -36,14 +36,23 @@ def histogram_words(peers: int) -> int:
 
 @cute.jit
 def count_digits(
-    values_of, start, end, stride, step: cutlass.Constexpr, prefix, sHist, own: cutlass.Constexpr
-):
+    values_of, start, end, stride, step: cutlass.Constexpr, prefix, sHist, own: cutlass.Constexpr,
+    batch: cutlass.Constexpr = 1,
+):  # fmt: skip
     """One radix pass's counting (radix_select): each valid value of values_of(i) for i =
     start, start + stride, ... < end whose higher bits match `prefix` adds one to its
-    digit's bin of the histogram at sHist[own]."""
+    digit's bin of the histogram at sHist[own]. values_of is called for `batch` indices
+    before any of their values is counted (indices at or past end included: their values
+    count as invalid), so that their loads are in flight together: the shared atomics
+    between them kept one load at a time in flight."""
     shift = 24 - 8 * step
-    for i in cutlass.range(start, end, stride, unroll=1):
-        pairs = values_of(i)
+    for i in cutlass.range(start, end, stride * batch, unroll=1):
+        pairs = []
+        for b in cutlass.range_constexpr(batch):
+            for valid, bits in values_of(i + b * stride):
+                if cutlass.const_expr(b > 0):
+                    valid = valid & (i + b * stride < end)
+                pairs.append((valid, bits))
         for v in cutlass.range_constexpr(len(pairs)):
             valid, bits = pairs[v]
             key = order_key(bits)
@@ -59,6 +68,7 @@ def count_digits(
 def radix_select(
     values_at, count, wanted, sHist, sState, tidx, threads: cutlass.Constexpr,
     peers: cutlass.Constexpr = 1, rank=0, split: cutlass.Constexpr = None,
+    batch: cutlass.Constexpr = 1,
 ):  # fmt: skip
     """(the order key of the wanted-th largest of a set of floats (1 <= wanted <= its
     size), how many of the values equal to it are among the wanted largest). The set:
@@ -79,7 +89,11 @@ def radix_select(
     With `split` (a multiple of threads x peers), values_at takes a third argument, a
     Constexpr: True for i < split, False beyond, in two loops. A caller whose values come
     from two places (kept on chip, computed) gets each loop compiled for one of them: with
-    both in one loop body ptxas predicated the rarer path and issued it for every i."""
+    both in one loop body ptxas predicated the rarer path and issued it for every i.
+
+    With `batch` > 1 (no split), values_at is called for batch indices i, i + threads x
+    peers, ... before any is counted, those at or past count included: it must then return
+    something loadable for them (their values are not counted)."""
     prefix = cutlass.Uint32(0)
     scan_at = BINS if peers == 1 else 5 * BINS  # sHist's words after the histograms
     if cutlass.const_expr(peers > 1):
@@ -96,7 +110,7 @@ def radix_select(
         if cutlass.const_expr(split is None):
             count_digits(
                 lambda i, step=step: values_at(i, step), first, count, threads * peers,
-                step, prefix, sHist, own,
+                step, prefix, sHist, own, batch,
             )  # fmt: skip
         else:
             count_digits(

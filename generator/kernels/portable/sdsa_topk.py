@@ -23,6 +23,9 @@ THREADS = 256
 # stride, so that rows at a fixed period (a tile's first rows) spread over the CTAs rather
 # than all landing on a few (with 1024, CTA 0 took every 1024th row: all tiles' first rows).
 CTAS = 1021
+# Candidate pairs a thread loads before counting (or placing) any of them: one at a time,
+# each radix pass waited on a round trip to L2 for every pair of the thread's share.
+BATCH = 4
 
 
 class SdsaTopK:
@@ -86,30 +89,34 @@ class SdsaTopK:
                 out[i] = key
         else:
             values = args.mCandidates[row, None, 1]
+            last = first + count - 1
             prefix, wanted = radix_select(
-                lambda i, step: [(cutlass.Boolean(True), values[first + i])],
-                count,
-                k,
-                sHist,
-                sState,
-                tidx,
-                THREADS,
-            )
+                lambda i, step: [(cutlass.Boolean(True), values[cutlass.min(first + i, last)])],
+                count, k, sHist, sState, tidx, THREADS, batch=BATCH,
+            )  # fmt: skip
             # prefix is the K-th value; `wanted` of its ties fill the last columns.
             if tidx == 0:
                 sState[2] = 0  # keys above written
                 sState[3] = 0  # ties written
             cute.arch.sync_threads()
             above_total = k - wanted
-            for i in cutlass.range(tidx, count, THREADS, unroll=1):
-                u = order_key(args.mCandidates[row, first + i, 1])
-                if u > prefix:
-                    at = cute.arch.atomic_add(sState.iterator + 2, cutlass.Int32(1))
-                    args.mTopKeys[row, at] = args.mCandidates[row, first + i, 0]
-                elif u == prefix:
-                    at = cute.arch.atomic_add(sState.iterator + 3, cutlass.Int32(1))
-                    if at < wanted:
-                        args.mTopKeys[row, above_total + at] = args.mCandidates[row, first + i, 0]
+            for i in cutlass.range(tidx, count, THREADS * BATCH, unroll=1):
+                # BATCH pairs loaded before any is placed (as radix_select counts them).
+                pairs = cute.make_rmem_tensor((BATCH, 2), cutlass.Int32)
+                for b in cutlass.range_constexpr(BATCH):
+                    slot = cutlass.min(first + i + b * THREADS, last)
+                    pairs[b, 0] = args.mCandidates[row, slot, 0]
+                    pairs[b, 1] = args.mCandidates[row, slot, 1]
+                for b in cutlass.range_constexpr(BATCH):
+                    if i + b * THREADS < count:
+                        u = order_key(pairs[b, 1])
+                        if u > prefix:
+                            at = cute.arch.atomic_add(sState.iterator + 2, cutlass.Int32(1))
+                            args.mTopKeys[row, at] = pairs[b, 0]
+                        elif u == prefix:
+                            at = cute.arch.atomic_add(sState.iterator + 3, cutlass.Int32(1))
+                            if at < wanted:
+                                args.mTopKeys[row, above_total + at] = pairs[b, 0]
             # The counters and histogram are the next row's.
             cute.arch.sync_threads()
 
