@@ -184,6 +184,18 @@ def test_top_k_of_the_live_rows_of_tiles_as_strided_views():
         rows = torch.arange(tiles, device="cuda") * 128 + j
         assert same_top_k(live[:, j], by_tile[:, j], candidates[rows], ranges[:, rows]), j
     assert (live[:, 1] == -9).all()
+    # Rows 1-3 of every tile as a (tiles, 3) grid in one call, into a strided top_keys.
+    grid = torch.full((tiles, 3, 2 * k), -9, dtype=torch.int32, device="cuda")
+    sdsa.top_k_from_candidates(
+        candidates.view(tiles, 128, slots, 2)[:, 1:4],
+        ranges.view(2, tiles, 128)[:, :, 1:4],
+        top_keys=grid[:, :, :k],
+    )
+    rows = torch.arange(tiles, device="cuda")[:, None] * 128 + torch.arange(1, 4, device="cuda")
+    rows = rows.flatten()
+    got = grid[:, :, :k].reshape(-1, k)
+    assert same_top_k(got, whole[rows], candidates[rows], ranges[:, rows])
+    assert (grid[:, :, k:] == -9).all()
 
 
 def test_top_k_walks_many_rows_per_cta():

@@ -161,9 +161,33 @@ def test_top_k_arguments():
             tile_ranges.view(2, 3, 128)[:, :, 1],
             top_keys=torch.zeros(3, 2, 8, dtype=torch.int32)[:, 1],
         )
+    # The first two rows of every tile as a (tiles, rows) grid: past the checks; ranges and
+    # top_keys must have the same grid.
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        sdsa.top_k_from_candidates(
+            tiles.view(3, 128, 40, 2)[:, :2],
+            tile_ranges.view(2, 3, 128)[:, :, :2],
+            top_keys=torch.zeros(3, 2, 8, dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="ranges must be int32 \\(2, 3, 2\\)"):
+        sdsa.top_k_from_candidates(
+            tiles.view(3, 128, 40, 2)[:, :2],
+            tile_ranges.view(2, 3, 128)[:, :, :3],
+            top_keys=torch.zeros(3, 2, 8, dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="top_keys must be int32 \\(3, 2, N\\)"):
+        sdsa.top_k_from_candidates(
+            tiles.view(3, 128, 40, 2)[:, :2],
+            tile_ranges.view(2, 3, 128)[:, :, :2],
+            top_keys=torch.zeros(6, 8, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="candidates must be int32"):
         sdsa.top_k_from_candidates(
             candidates.float(), ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="candidates must be int32"):
+        sdsa.top_k_from_candidates(
+            candidates[None, None], ranges, top_keys=torch.zeros(3, 8, dtype=torch.int32)
         )
 
 

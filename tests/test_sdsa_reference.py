@@ -192,6 +192,12 @@ def test_pipeline_gives_the_exact_top_k():
         got = full[top_keys[r].long()].sort().values
         want = full.topk(top_k).values.sort().values
         assert torch.equal(got, want), r
+    # The same rows as a (tiles, rows) grid: the same keys.
+    grid = torch.full((2, 128, top_k), -9, dtype=torch.int32)
+    reference.top_k_from_candidates(
+        candidates.view(2, 128, slots, 2), ranges.view(2, 2, 128), top_keys=grid
+    )
+    assert torch.equal(grid.view(rows, top_k), top_keys)
 
 
 def test_top_k_from_candidates_with_few_pairs_and_errors():

@@ -168,14 +168,15 @@ def repair_abi(head_dim=KEY_DIM):
 
 
 def topk_abi(head_dim=None):
-    """mCandidates (rows, slots, 2) i32: (key, stored value bits) pairs
-    mRanges     (2, rows)  i32, any strides: each row's [first, end) slots (a caller takes
-                the live rows of 128-row tiles as strided views of all three)
-    mTopKeys    (rows, K)  i32 out"""
+    """The rows as a (T, R) grid of any strides (a caller takes the live rows of 128-row
+    tiles as strided views of all three; a plain list of rows is T x 1):
+    mCandidates (T, R, slots, 2) i32: (key, stored value bits) pairs
+    mRanges     (2, T, R) i32: each row's [first, end) slots
+    mTopKeys    (T, R, K) i32 out"""
     return (
-        TensorArg("mCandidates", "i32", shape=(None, None, 2), stride=(None, 2, 1)),
-        TensorArg("mRanges", "i32", shape=(2, None), stride=(None, None)),
-        TensorArg("mTopKeys", "i32", shape=(None, None), stride=(None, 1), output=True),
+        TensorArg("mCandidates", "i32", shape=(None, None, None, 2), stride=(None, None, 2, 1)),
+        TensorArg("mRanges", "i32", shape=(2, None, None), stride=(None, None, None)),
+        TensorArg("mTopKeys", "i32", shape=(None, None, None), stride=(None, None, 1), output=True),
     )
 
 

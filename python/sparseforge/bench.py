@@ -1151,7 +1151,7 @@ def sdsa_scores_us(keys, q, fmt: str, flush, iters: int) -> float:
 
 def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
     """({what: microseconds} of threshold select with repair + top_k_from_candidates (over
-    the live rows: strided views, one call per row of a request), of the select alone in
+    the live rows: a (requests, rows) grid of strided views, one call), of the select alone in
     repair mode, of it when every row fits (thresholds from a first
     repair: the repair launch's fixed cost), of the select without repair mode (its first
     launch only); rows repaired) for q's rows (rows / requests a request, each request one
@@ -1222,12 +1222,12 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
 
     def select_top_k():
         select()
-        for j in range(per_request):  # the live rows only: row j of every tile, one call
-            sdsa.top_k_from_candidates(
-                args["candidates"].view(requests, tile, slots, 2)[:, j],
-                args["ranges"].view(2, requests, tile)[:, :, j],
-                top_keys=top_keys[:, j],
-            )
+        # The live rows only: the first per_request rows of every tile, one call.
+        sdsa.top_k_from_candidates(
+            args["candidates"].view(requests, tile, slots, 2)[:, :per_request],
+            args["ranges"].view(2, requests, tile)[:, :, :per_request],
+            top_keys=top_keys,
+        )
 
     def timed(fn):
         return cuda_time_ms(fn, warmup=2, iters=iters, before=flush.zero_) * 1e3

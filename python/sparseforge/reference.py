@@ -930,10 +930,15 @@ def indexer_threshold_select(
 def top_k_from_candidates(candidates, ranges, *, top_keys):
     """In place: row r's pairs in slots [ranges[0, r], ranges[1, r]); at most K of them:
     their keys in slot order, then -1; more: the exact top-K by stored value (float_order),
-    those strictly above the K-th value first, then ties up to K (here the earliest slots)."""
-    k = top_keys.shape[1]
+    those strictly above the K-th value first, then ties up to K (here the earliest slots).
+    Rows may be a (tiles, rows) grid: candidates (T, R, slots, 2), ranges (2, T, R)."""
+    k = top_keys.shape[-1]
     if k >= 65536:
         raise ValueError(f"top_keys has {k} columns; K must be < 65536")
+    if candidates.dim() == 4:
+        for t in range(candidates.shape[0]):
+            top_k_from_candidates(candidates[t], ranges[:, t], top_keys=top_keys[t])
+        return
     top_keys.fill_(-1)
     for r in range(candidates.shape[0]):
         pairs = candidates[r, int(ranges[0, r]) : int(ranges[1, r])]

@@ -297,7 +297,7 @@ def _counters(counters, rows: int, device) -> None:
 def top_k_from_candidates(candidates, ranges, *, top_keys):
     """Row r's (key, stored value) pairs in slots [ranges[0, r], ranges[1, r]) of
     candidates (int32 (rows, slots, 2), as indexer_threshold_select stores them): with at
-    most K = top_keys.shape[1] of them, their keys in slot order, then -1; otherwise the
+    most K = top_keys.shape[-1] of them, their keys in slot order, then -1; otherwise the
     exact top-K by stored value in float-bit order (a positive NaN above +inf): the keys
     strictly above the K-th value first, then tied keys up to K (which ones, and the order
     within each part, unspecified). K < 65536; ranges int32 (2, rows) of any strides, within
@@ -305,31 +305,42 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
 
     Rows of any stride in all three tensors let a caller pick the live rows of
     indexer_threshold_select's 128-row tiles: with one decode row a request at the top of
-    its tile, `candidates.view(-1, 128, slots, 2)[:, 0]`, `ranges.view(2, -1, 128)[:, :, 0]`
-    (the j-th of several rows: index j, one call each); the other rows see no key, and
-    their -1 rows of K keys would be most of the bytes written."""
+    its tile, `candidates.view(-1, 128, slots, 2)[:, 0]`, `ranges.view(2, -1, 128)[:, :, 0]`;
+    the other rows see no key, and their -1 rows of K keys would be most of the bytes
+    written. With several rows a request, the rows may also be a (tiles, rows) grid, each
+    dim of any stride: candidates (T, R, slots, 2), ranges (2, T, R), top_keys (T, R, K),
+    e.g. `candidates.view(-1, 128, slots, 2)[:, :4]` for the first four rows of every tile,
+    still one launch."""
     device = _device_of(candidates, "candidates")
     if (
         candidates.dtype != torch.int32
-        or candidates.dim() != 3
-        or candidates.shape[2] != 2
-        or candidates.stride()[1:] != (2, 1)
+        or candidates.dim() not in (3, 4)
+        or candidates.shape[-1] != 2
+        or candidates.stride()[-2:] != (2, 1)
     ):
         raise ValueError(
-            f"candidates must be int32 (rows, slots, 2) with contiguous rows, got "
-            f"{describe(candidates)}"
+            f"candidates must be int32 (rows, slots, 2) or (tiles, rows, slots, 2) with "
+            f"contiguous rows, got {describe(candidates)}"
         )
-    rows = candidates.shape[0]
-    _tensor("ranges", ranges, torch.int32, (2, rows), device, unit_stride=False)
-    _tensor("top_keys", top_keys, torch.int32, (rows, None), device)
-    if top_keys.shape[1] >= 65536:
-        raise ValueError(f"top_keys has {top_keys.shape[1]} columns; K must be < 65536")
+    grid = tuple(candidates.shape[:-2])
+    _tensor("ranges", ranges, torch.int32, (2, *grid), device, unit_stride=False)
+    _tensor("top_keys", top_keys, torch.int32, (*grid, None), device)
+    if top_keys.shape[-1] >= 65536:
+        raise ValueError(f"top_keys has {top_keys.shape[-1]} columns; K must be < 65536")
     check_writable("top_keys", top_keys, (("candidates", candidates), ("ranges", ranges)))
     _need_cuda(device, "top_k_from_candidates")
-    if rows and top_keys.shape[1]:
+    if len(grid) == 1:  # rows as a grid of one row a tile
+        candidates, ranges, top_keys_grid = (
+            candidates[:, None],
+            ranges[:, :, None],
+            top_keys[:, None],
+        )
+    else:
+        top_keys_grid = top_keys
+    if candidates.shape[0] * candidates.shape[1] and top_keys.shape[-1]:
         launch = sdsa_family.launch(device.index, "sdsa_topk", None)
         with torch.cuda.device(device):
-            ops.launch(launch, (candidates, ranges, top_keys))
+            ops.launch(launch, (candidates, ranges, top_keys_grid))
     return top_keys
 
 

@@ -1,5 +1,6 @@
 """sdsa_topk: each row's exact top-K keys from the candidates and ties the threshold select
-stored in its range of slots (top_k_from_candidates).
+stored in its range of slots (top_k_from_candidates). The rows are a (T, R) grid (tiles and
+rows of each, any strides), row r of the launch being (r // R, r % R).
 
 A CTA per row (up to CTAS of them, each then walking several rows). With at most K pairs in
 [ranges[0, r], ranges[1, r]) the row's keys are copied in slot order and the rest of its K
@@ -31,7 +32,7 @@ BATCH = 4
 class SdsaTopK:
     @cute.jit
     def launch(self, args, stream):
-        rows = args.mTopKeys.shape[0]
+        rows = args.mTopKeys.shape[0] * args.mTopKeys.shape[1]
         self.kernel(args).launch(
             grid=[cutlass.min(rows, CTAS), 1, 1], block=[THREADS, 1, 1], stream=stream
         )
@@ -41,7 +42,7 @@ class SdsaTopK:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
-        rows = args.mTopKeys.shape[0]
+        rows = args.mTopKeys.shape[0] * args.mTopKeys.shape[1]
         smem = cutlass.memory.SmemAllocator()
         sHist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(histogram_words(1)), 16)
         sState = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
@@ -53,23 +54,26 @@ class SdsaTopK:
         own = cute.ceil_div(rows - bidx, grid)
         for batch in cutlass.range(0, own, THREADS, unroll=1):
             if batch + tidx < own:
-                row = bidx + (batch + tidx) * grid
-                sRanges[0, tidx] = args.mRanges[0, row]
-                sRanges[1, tidx] = args.mRanges[1, row]
+                row = grid_row(args, bidx + (batch + tidx) * grid)
+                sRanges[0, tidx] = args.mRanges[(0, *row)]
+                sRanges[1, tidx] = args.mRanges[(1, *row)]
             cute.arch.sync_threads()
             for i in cutlass.range(cutlass.min(own - batch, THREADS), unroll=1):
                 first = sRanges[0, i]
                 self.top_k_of_row(
-                    args, bidx + (batch + i) * grid, first, sRanges[1, i] - first, tidx, sHist,
-                    sState,
+                    args, grid_row(args, bidx + (batch + i) * grid), first,
+                    sRanges[1, i] - first, tidx, sHist, sState,
                 )  # fmt: skip
             cute.arch.sync_threads()  # sRanges is the next batch's
 
     @cute.jit
     def top_k_of_row(self, args, row, first, count, tidx, sHist, sState):
-        """Row `row`'s top-K from its `count` pairs from slot `first` (every thread)."""
-        k = args.mTopKeys.shape[1]
-        start = args.mTopKeys[row, None].iterator.toint()
+        """Row `row`'s (grid coordinates) top-K from its `count` pairs from slot `first`
+        (every thread)."""
+        k = args.mTopKeys.shape[2]
+        candidates = args.mCandidates[row[0], row[1], None, None]
+        top_keys = args.mTopKeys[row[0], row[1], None]
+        start = top_keys.iterator.toint()
         if count == 0 and k % 4 == 0 and start % 16 == 0:
             # Most rows of a decode batch are empty: their -1s four to a store (the
             # scalar loop below costs ~17 instructions an id, this ~10 a vector).
@@ -79,16 +83,16 @@ class SdsaTopK:
             # The row's addresses once (per element they cost ~20 instructions of 64-bit
             # arithmetic: the fill of empty rows was bound by issue).
             keys = cute.make_tensor(
-                args.mCandidates[row, first, None].iterator, cute.make_layout(count, stride=2)
+                candidates[first, None].iterator, cute.make_layout(count, stride=2)
             )
-            out = cute.make_tensor(args.mTopKeys[row, None].iterator, cute.make_layout(k))
+            out = cute.make_tensor(top_keys.iterator, cute.make_layout(k))
             for i in cutlass.range(tidx, k, THREADS, unroll=4):
                 key = cutlass.Int32(-1)
                 if i < count:
                     key = keys[i]
                 out[i] = key
         else:
-            values = args.mCandidates[row, None, 1]
+            values = candidates[None, 1]
             last = first + count - 1
             prefix, wanted = radix_select(
                 lambda i, step: [(cutlass.Boolean(True), values[cutlass.min(first + i, last)])],
@@ -105,20 +109,28 @@ class SdsaTopK:
                 pairs = cute.make_rmem_tensor((BATCH, 2), cutlass.Int32)
                 for b in cutlass.range_constexpr(BATCH):
                     slot = cutlass.min(first + i + b * THREADS, last)
-                    pairs[b, 0] = args.mCandidates[row, slot, 0]
-                    pairs[b, 1] = args.mCandidates[row, slot, 1]
+                    pairs[b, 0] = candidates[slot, 0]
+                    pairs[b, 1] = candidates[slot, 1]
                 for b in cutlass.range_constexpr(BATCH):
                     if i + b * THREADS < count:
                         u = order_key(pairs[b, 1])
                         if u > prefix:
                             at = cute.arch.atomic_add(sState.iterator + 2, cutlass.Int32(1))
-                            args.mTopKeys[row, at] = pairs[b, 0]
+                            top_keys[at] = pairs[b, 0]
                         elif u == prefix:
                             at = cute.arch.atomic_add(sState.iterator + 3, cutlass.Int32(1))
                             if at < wanted:
-                                args.mTopKeys[row, above_total + at] = pairs[b, 0]
+                                top_keys[above_total + at] = pairs[b, 0]
             # The counters and histogram are the next row's.
             cute.arch.sync_threads()
+
+
+@cute.jit
+def grid_row(args, r):
+    """Row r of the launch as its (tile, row) coordinates in the (T, R) grid."""
+    per_tile = args.mTopKeys.shape[1]
+    tile = r // per_tile
+    return tile, r - tile * per_tile
 
 
 def make_kernel(variant):
