@@ -23,6 +23,8 @@ sparseforge.reference.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparseforge import ops
@@ -329,18 +331,13 @@ def top_k_from_candidates(candidates, ranges, *, top_keys):
         raise ValueError(f"top_keys has {top_keys.shape[-1]} columns; K must be < 65536")
     check_writable("top_keys", top_keys, (("candidates", candidates), ("ranges", ranges)))
     _need_cuda(device, "top_k_from_candidates")
-    if len(grid) == 1:  # rows as a grid of one row a tile
-        candidates, ranges, top_keys_grid = (
-            candidates[:, None],
-            ranges[:, :, None],
-            top_keys[:, None],
-        )
-    else:
-        top_keys_grid = top_keys
-    if candidates.shape[0] * candidates.shape[1] and top_keys.shape[-1]:
+    operands = (candidates, ranges, top_keys)
+    if len(grid) == 1:  # a plain list of rows: a grid of one row a tile
+        operands = (candidates[:, None], ranges[:, :, None], top_keys[:, None])
+    if math.prod(grid) and top_keys.shape[-1]:
         launch = sdsa_family.launch(device.index, "sdsa_topk", None)
         with torch.cuda.device(device):
-            ops.launch(launch, (candidates, ranges, top_keys_grid))
+            ops.launch(launch, operands)
     return top_keys
 
 
