@@ -2,7 +2,12 @@
 
     python ci/ab_builds.py --builds old=.gpu/base,new=.gpu/site --workloads W1,W3,F1 \
         --rounds 3 --out $OUT/ab.md
-    python ci/ab_builds.py --builds old=.gpu/base,new=.gpu/site --workloads SDSA --rounds 2
+    python ci/ab_builds.py --builds old=.gpu/base,new=.gpu/site --workloads SDSA --rounds 2 \
+        [--sdsa-keys nvfp4]
+    python ci/ab_builds.py --builds main=python@.gpu/libs/main,new=.gpu/newpy@.gpu/libs/new ...
+
+(a build as DIR@LIB: the package in DIR with the development library LIB of a few
+variants, `python -m generator.dev`).
 
 Two builds cannot share a process (both are `sparseforge`), so each (round, build) is one
 process that imports the build from its directory and times the workloads with
@@ -36,18 +41,24 @@ for name in sys.argv[1].split(","):
 SDSA_CHILD = """
 import json, re, sys
 from sparseforge.bench import sdsa_times
-for line in sdsa_times(iters=int(sys.argv[2])):
+for line in sdsa_times(iters=int(sys.argv[2]), keys=tuple(sys.argv[3].split(","))):
     what, us, share = re.match(r"(.*?): ([0-9.]+) us .*?([0-9]+)% of HBM", line).groups()
     what = re.sub(r" [(][0-9]+ rows repaired[)]", "", what)
     print("ROW " + json.dumps({"workload": what, "us": float(us), "hbm": int(share)}))
 """
 
 
-def run_build(path: str, workloads: str, iters: int) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+def run_build(build: str, workloads: str, iters: int, sdsa_keys: str) -> list[dict]:
+    """One process of a build, DIR[@LIB]: the `sparseforge` package in DIR, with the kernel
+    library of directory LIB if given (SPARSEFORGE_LIBRARY_DIR), else the package's own."""
+    package, _, library = build.partition("@")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(package))
+    env.pop("SPARSEFORGE_LIBRARY_DIR", None)
+    if library:
+        env["SPARSEFORGE_LIBRARY_DIR"] = os.path.abspath(library)
     child = SDSA_CHILD if workloads == "SDSA" else CHILD
     out = subprocess.run(
-        [sys.executable, "-c", child, workloads, str(iters)],
+        [sys.executable, "-c", child, workloads, str(iters), sdsa_keys],
         env=env,
         capture_output=True,
         text=True,
@@ -59,17 +70,24 @@ def run_build(path: str, workloads: str, iters: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--builds", required=True, help="name=dir,name=dir")
+    parser.add_argument(
+        "--builds",
+        required=True,
+        help="name=DIR[@LIB],...: DIR holds the sparseforge package (a build's site directory, "
+        "or a checkout's python/), LIB a kernel library directory (python -m generator.dev "
+        "... --out LIB) to use instead of the package's own",
+    )
     parser.add_argument("--workloads", default="W1,W3,F1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sdsa-keys", default="bf16,nvfp4", help="key formats for SDSA")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     builds = [tuple(item.split("=", 1)) for item in args.builds.split(",")]
     results = []  # (round, build, row)
     for r in range(args.rounds):
         for name, path in builds if r % 2 == 0 else builds[::-1]:
-            for row in run_build(path, args.workloads, args.iters):
+            for row in run_build(path, args.workloads, args.iters, args.sdsa_keys):
                 results.append((r, name, row))
                 print(f"round {r} {name} {describe(row)}", flush=True)
     table = ab_table(results, [name for name, _ in builds], args.rounds)
@@ -97,7 +115,7 @@ def ab_table(results: list, names: list[str], rounds: int) -> str:
     def cell(rows: list[dict]) -> str:
         median = statistics.median
         if timed:
-            return f"{median(x['us'] for x in rows):.0f} us ({median(x['hbm'] for x in rows):.0f}%)"
+            return f"{median(x['us'] for x in rows):.1f} us ({median(x['hbm'] for x in rows):.0f}%)"
         return (
             f"{median(x['tflops'] for x in rows):.0f} "
             f"({median(x['tflops'] / x['dense_tflops'] for x in rows):.3f})"

@@ -1,6 +1,7 @@
 """The benchmark's helpers that need no GPU: its charts (from rows made up here), MP1's
-selections and the K/V bytes its kernels stream (from selections made up here) and the order
-of a timed run's stream operations (CUDA calls replaced by a log)."""
+selections and the K/V bytes its kernels stream (from selections made up here), the order
+of a timed run's stream operations (CUDA calls replaced by a log) and the SDSA timings'
+argument check."""
 
 import pytest
 import torch
@@ -94,3 +95,10 @@ def test_timed_runs_start_after_the_flush_and_a_gpu_spin(monkeypatch):
     spin = ("spin", bench.HOST_LEAD_CYCLES)
     assert ms == 1.0
     assert log == ["call"] + ["flush", spin, "start", "call", "end"] * 2
+
+
+@pytest.mark.parametrize("keys", [(), ("fp8",), ("nvfp4", "bf8")])
+def test_sdsa_times_names_unknown_key_formats(keys):
+    """--sdsa-keys: anything but bf16 / nvfp4 (or none) is refused before any GPU work."""
+    with pytest.raises(ValueError, match="keys = "):
+        bench.sdsa_times(keys=keys)

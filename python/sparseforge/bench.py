@@ -899,13 +899,20 @@ def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=
     return lines
 
 
-def sdsa_times(iters: int = 20) -> list[str]:
+SDSA_KEY_FORMATS = ("bf16", "nvfp4")
+
+
+def sdsa_times(iters: int = 20, keys: tuple = SDSA_KEY_FORMATS) -> list[str]:
     """SD1 and SD2 (BENCHMARKS.md) over 128 requests x 65,536 keys each (64-key pages in
-    shuffled order), BF16 and NVFP4 keys, cold L2 (256 MB overwritten before each call,
-    outside its timing); bandwidth on the key bytes (+ scales) read once per request.
-    SD1: indexer_scores of 1 and 4 rows a request. SD2: threshold select (repair mode) and
-    top_k_from_candidates of the live rows, top_k 2048, thresholds from a scored 4096-key
-    sample."""
+    shuffled order), for each key format in `keys` (BF16, NVFP4), cold L2 (256 MB
+    overwritten before each call, outside its timing); bandwidth on the key bytes (+ scales)
+    read once per request. SD1: indexer_scores of 1 and 4 rows a request. SD2: threshold
+    select (repair mode) and top_k_from_candidates of the live rows, top_k 2048, thresholds
+    from a scored 4096-key sample; also the select alone, with every row fitting and without
+    repair mode."""
+    unknown = [k for k in keys if k not in SDSA_KEY_FORMATS]
+    if unknown or not keys:
+        raise ValueError(f"keys = {keys!r}: give key formats among {SDSA_KEY_FORMATS}")
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     requests, context = 128, 65536
@@ -915,7 +922,7 @@ def sdsa_times(iters: int = 20) -> list[str]:
     )
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     lines = []
-    for fmt in ("bf16", "nvfp4"):
+    for fmt in keys:
         values = torch.randn(requests * pages, 64, 128, device=device, generator=gen)
         if fmt == "nvfp4":
             # The reference quantizer in slices of pages: whole, its temporaries outgrow HBM.
@@ -1394,6 +1401,11 @@ def main(argv=None) -> int:
         help="also time the SDSA indexer (SD1 scores, SD2 threshold select + top-K)",
     )
     parser.add_argument(
+        "--sdsa-keys",
+        default=",".join(SDSA_KEY_FORMATS),
+        help="key formats for --sdsa: bf16, nvfp4 (comma list)",
+    )
+    parser.add_argument(
         "--icp",
         action="store_true",
         help="also time the ICP indexer's chains (decode and prefill, ranks simulated on one GPU)",
@@ -1463,7 +1475,7 @@ def main(argv=None) -> int:
         modes = tuple(args.msa_modes.split(","))
         report += "\n" + "\n".join(msa_attention_times(modes=modes))
     if args.sdsa:
-        report += "\n" + "\n".join(sdsa_times())
+        report += "\n" + "\n".join(sdsa_times(keys=tuple(args.sdsa_keys.split(","))))
     if args.icp:
         report += "\n" + "\n".join(icp_times())
     if args.options:
