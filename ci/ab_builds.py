@@ -57,15 +57,17 @@ def run_build(build: str, workloads: str, iters: int, sdsa_keys: str) -> list[di
     if library:
         env["SPARSEFORGE_LIBRARY_DIR"] = os.path.abspath(library)
     child = SDSA_CHILD if workloads == "SDSA" else CHILD
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", child, workloads, str(iters), sdsa_keys],
         env=env,
         capture_output=True,
         text=True,
-        check=True,
         cwd="/",
-    ).stdout
-    return [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
+    )
+    if done.returncode:  # the child's error (a bad --sdsa-keys, a missing build) named
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"build {build} failed (exit {done.returncode}):\n{tail}")
+    return [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
 
 
 def main(argv=None) -> int:
