@@ -116,16 +116,17 @@ class SdsaSelect(SdsaScores):
     @cute.jit
     def row_group(self, args, sLive, first_row, live, m, g, q):
         """Live rows 8m .. 8m + 7 as the MMA's columns: (the B values of column g, live row
-        8m + g, or the last live row where there is none: its scores are never used; this
-        lane's rows, live rows 8m + 2q + r, -1: none; their thresholds; their ends)."""
-        column = first_row + sLive[cutlass.min(m * MMA_ROWS + g, live - 1)]
+        8m + column_row(g), or the last live row where there is none: its scores are never
+        used; this lane's rows, live rows 8m + lane_row(q, r), -1: none; their thresholds;
+        their ends)."""
+        column = first_row + sLive[cutlass.min(m * MMA_ROWS + column_row(g), live - 1)]
         query = self.query_operand(args, column, q)
         row_of = cute.make_rmem_tensor((2,), cutlass.Int32)
         threshold = cute.make_rmem_tensor((2,), cutlass.Float32)
         end = cute.make_rmem_tensor((2,), cutlass.Int32)
         for r in cutlass.range_constexpr(2):
             row_of[r] = -1
-            j = m * MMA_ROWS + 2 * q + r
+            j = m * MMA_ROWS + lane_row(q, r)
             if j < live:
                 row_of[r] = first_row + sLive[j]
                 threshold[r] = args.mThresholds[row_of[r]]
@@ -159,16 +160,28 @@ class SdsaSelect(SdsaScores):
                             add_tie(args, row_of[r], key, score, threshold[r])
                 if found > 0:
                     n = cute.arch.atomic_add(
-                        sCounts.iterator + cute.crd2idx((0, 2 * q + r), sCounts.layout), found
+                        sCounts.iterator + cute.crd2idx((0, lane_row(q, r)), sCounts.layout), found
                     )
                     for s in cutlass.range_constexpr(4):
                         key = slot_key(first_key, s, g)
                         if (key < end[r]) & (scores[r, s] > threshold[r]):
-                            sStaged[2 * q + r, n, 0] = key
-                            sStaged[2 * q + r, n, 1] = float_bits(
+                            sStaged[lane_row(q, r), n, 0] = key
+                            sStaged[lane_row(q, r), n, 1] = float_bits(
                                 stored_value(scores[r, s], threshold[r])
                             )
                             n = n + 1
+
+
+def lane_row(q, r: int):
+    """The group's row (of 8) in the accumulator column 2q + r, which lane q holds: rows
+    0..3 in the even columns, so that with up to 4 live rows (decode) every lane's second
+    column is empty and the warp skips classifying it."""
+    return 4 * r + q
+
+
+def column_row(c):
+    """The group's row in MMA column c (the inverse of lane_row)."""
+    return 4 * (c % 2) + c // 2
 
 
 def slot_key(first_key, s: int, g):
