@@ -249,7 +249,7 @@ def stored_value(score, threshold):
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
-    # NVFP4: 94 registers, no spills, at 4 CTAs an SM (33 KB of shared memory each); issuing
+    # NVFP4: 92 registers, no spills, at 4 CTAs an SM (33 KB of shared memory each); issuing
     # all four chunks' loads first, as sdsa_scores does, took 120 and was slower here. BF16
     # keys hold two chunks' 16-bit operands (170 registers, 3 CTAs an SM).
     return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=4 if nvfp4 else 1)
