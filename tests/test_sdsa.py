@@ -242,3 +242,16 @@ def test_threshold_select_arguments():
         )
     with pytest.raises(ValueError, match="max_context = 1000 exceeds"):
         sdsa.indexer_threshold_select(**(args | {"max_context": 1000}))
+
+
+def test_the_selects_rows_and_mma_columns_are_one_permutation():
+    """sdsa_select's group rows in the MMA's columns: column 2q + r (lane q's accumulator
+    column r) holds row lane_row(q, r), and column_row is its inverse over all 8 columns;
+    rows 0..3 are the lanes' first columns, so up to 4 rows leave every second one empty."""
+    pytest.importorskip("cutlass")
+    from generator.kernels.portable.sdsa_select import MMA_ROWS, column_row, lane_row
+
+    rows = [lane_row(q, r) for q in range(4) for r in range(2)]
+    assert sorted(rows) == list(range(MMA_ROWS))
+    assert all(column_row(2 * q + r) == lane_row(q, r) for q in range(4) for r in range(2))
+    assert {lane_row(q, 0) for q in range(4)} == {0, 1, 2, 3}
