@@ -159,14 +159,15 @@ class SdsaSelect(SdsaScores):
                         else:
                             add_tie(args, row_of[r], key, score, threshold[r])
                 if found > 0:
+                    staged = lane_row(q, r)  # the row's place in sStaged and sCounts
                     n = cute.arch.atomic_add(
-                        sCounts.iterator + cute.crd2idx((0, lane_row(q, r)), sCounts.layout), found
+                        sCounts.iterator + cute.crd2idx((0, staged), sCounts.layout), found
                     )
                     for s in cutlass.range_constexpr(4):
                         key = slot_key(first_key, s, g)
                         if (key < end[r]) & (scores[r, s] > threshold[r]):
-                            sStaged[lane_row(q, r), n, 0] = key
-                            sStaged[lane_row(q, r), n, 1] = float_bits(
+                            sStaged[staged, n, 0] = key
+                            sStaged[staged, n, 1] = float_bits(
                                 stored_value(scores[r, s], threshold[r])
                             )
                             n = n + 1
