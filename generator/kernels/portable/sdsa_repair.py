@@ -18,9 +18,10 @@ fits. Every row then gets its ranges: (top_k - min(ties, top_k), top_k + min(can
 The scores are computed 512 keys at a time on tensor cores, exactly as sdsa_scores and
 sdsa_select compute them, and no score matrix is written: before the radix passes each CTA
 scores its first CACHED_KEYS keys into its shared memory (fill_cache: FILL_BATCH chunks'
-loads issued before their scoring), and the four passes and the reselect read those back
-and recompute only the keys beyond (a row of up to 131,072 keys on SM90 / SM100 is read
-once; on SM120, 20 Ki keys of it).
+loads issued before their scoring), and the four passes and the reselect read those back,
+a key a thread (the MMA leaves a row's scores in a quarter of the lanes), and recompute
+only the keys beyond (a row of up to 131,072 keys on SM90 / SM100 is read once; on SM120,
+20 Ki keys of it).
 """
 
 import cutlass
@@ -197,10 +198,10 @@ class SdsaRepair(SdsaScores):
     @cute.jit
     def fill_cache(self, atom, args, query, request, start, stop, end, g, q, tidx, sScores):
         """The scores of this thread's cached chunks (i = start, start + CHUNK_KEYS x peers,
-        ... < stop; the keys of chunk i - tidx) into sScores, where chunk_scores reads them
-        back (lanes q == 0, each its own entries): fill_batch chunks' loads issued, then
-        their scoring. Every thread makes as many steps (stop is a multiple of the stride),
-        and the keys of chunks past the row's end are its last key (fetch_warp_keys)."""
+        ... < stop; the keys of chunk i - tidx) into sScores in key order, where chunk_scores
+        reads them back a key a thread: fill_batch chunks' loads issued, then their scoring.
+        Every thread makes as many steps (stop is a multiple of the stride), and the keys of
+        chunks past the row's end are its last key (fetch_warp_keys)."""
         stride = CHUNK_KEYS * self.cluster
         warp_key = (tidx // 32) * WARP_KEYS
         for i in cutlass.range(start, stop, stride * self.fill_batch, unroll=1):
@@ -231,19 +232,18 @@ class SdsaRepair(SdsaScores):
         self, atom, args, query, request, chunk_key, end, g, q, tidx, sScores,
         cached: cutlass.Constexpr,
     ):  # fmt: skip
-        """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key: its
-        warp's 32 keys, valid for lanes q == 0 and keys < end. A `cached` chunk (below
-        cached_keys x peers) is read from sScores (fill_cache wrote it), the others are
-        computed through the MMA."""
+        """This thread's (valid, key, score) triples of the CHUNK_KEYS keys from chunk_key
+        (valid: keys < end). A `cached` chunk (below cached_keys x peers) is read from
+        sScores, which fill_cache wrote in key order, one key a thread (key chunk_key +
+        tidx; a barrier since fill_cache): every thread of the CTA takes a share, where the
+        scores as the MMA leaves them sit in a quarter of the lanes. The others are computed
+        through the MMA: the warp's 32 keys, held by lanes q == 0."""
+        if cutlass.const_expr(cached):
+            key = chunk_key + tidx
+            return [(key < end, key, sScores[self.cache_base(chunk_key) + tidx])]
         first_key = chunk_key + (tidx // 32) * WARP_KEYS
         scores = cute.make_rmem_tensor((4,), cutlass.Float32)  # key g + 8j: scores[j]
-        if cutlass.const_expr(cached):
-            # Each thread reads back the entries it wrote: no barrier needed.
-            slot = self.cache_base(chunk_key) + first_key - chunk_key + g
-            for j in cutlass.range_constexpr(4):
-                scores[j] = sScores[slot + 8 * j]
-        else:
-            self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
+        self.mma_scores(atom, args, query, request, first_key, end, g, q, scores)
         triples = []
         for j in cutlass.range_constexpr(4):
             key = first_key + 8 * j + g
