@@ -93,6 +93,31 @@ def test_scores_match_fp32_dot_products(nvfp4, rows_per_group):
     assert excess.max() <= 0, float(excess.max())
 
 
+@pytest.mark.parametrize("offset, page_stride", [(0, 512), (2, 512), (8, 520), (16, 528)])
+def test_nvfp4_scores_read_scale_pages_at_every_allowed_alignment(offset, page_stride):
+    """The scores stage 16-byte aligned scale pages by bulk copies and the others (even
+    addresses, page strides that are multiples of 8) two bytes at a time: the same scores."""
+    lengths = [1000, 0, 64, 4097]
+    cache, key_scales, table = sdsa_paged_keys(lengths, True, device="cuda")
+    query, query_scales = sdsa_queries(2 * len(lengths), True, device="cuda")
+    pages = key_scales.shape[0]
+    storage = torch.zeros(offset + pages * page_stride, **_u8)
+    strided = storage[offset:].as_strided((pages, 64, 8), (page_stride, 8, 1))
+    strided.copy_(key_scales)
+    requests = torch.tensor([3, 1, 2, 0], dtype=torch.int32, device="cuda")
+    context = torch.tensor(
+        [lengths[3], 0, lengths[2], lengths[0]], dtype=torch.int32, device="cuda"
+    )
+    got, want = (torch.full((len(query), 4200), float("nan"), device="cuda") for _ in range(2))
+    for scales, scores in ((strided, got), (key_scales, want)):
+        sdsa.indexer_scores(
+            query, cache, table, context, requests=requests, scores=scores,
+            query_scales=query_scales, key_scales=scales,
+        )  # fmt: skip
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
 def test_scales_at_an_odd_address_are_refused_before_launch():
     """The scores read a key's (and a query row's) two scales as one 2-byte load."""
     cache, key_scales, table = sdsa_paged_keys([100], True, device="cuda")

@@ -74,3 +74,19 @@ def store_int32x4_broadcast(address, value, *, loc=None, ip=None):
     operands = [cutlass.Int64(address), cutlass.Int32(value)]
     asm = "st.global.v4.b32 [$0], {$1, $1, $1, $1};"
     inline_ptx(None, operands, asm, "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_copy_g2s(dst_shared, src_global, size, barrier_shared, *, loc=None, ip=None):
+    """`size` bytes (a multiple of 16; both addresses 16-byte aligned) from a global byte
+    address to a shared one by the TMA unit, completing that many transaction bytes on the
+    mbarrier at `barrier_shared` (the DSL's copy atoms want a tensor map or a CuTe copy;
+    a page is one flat run of bytes)."""
+    operands = [
+        cutlass.Int32(dst_shared),
+        cutlass.Int64(src_global),
+        cutlass.Int32(size),
+        cutlass.Int32(barrier_shared),
+    ]
+    asm = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+    inline_ptx(None, operands, asm, "r,l,r,r", side_effects=True, loc=loc, ip=ip)

@@ -15,8 +15,11 @@ is key data and a 16-key tile takes one MMA a k-step (as query rows, a tile of 8
 one, its A mostly zero rows).
 
 A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32, decoding
-its query once. BF16 keys: the next chunk's loads issued before this one's decode and stores;
-NVFP4 keys (a quarter of the registers a chunk): all four chunks' loads first.
+its query once. BF16 keys: the next chunk's loads issued before this one's decode and stores.
+NVFP4 keys: the CTA's 8 pages (32 KB of codes, 4 KB of scales) are staged in shared memory
+first (stage_pages: bulk copies by the TMA unit on one mbarrier), and each warp reads its
+chunks from there (staged_warp_keys); without registers held for loads in flight (72 against
+120) the kernel runs 6 CTAs an SM, and the loads of a CTA are issued by 8 lanes.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
 32-bit word at a time into e4m3 bytes via e2m1_word_as_e4m3, converted to fp16 in pairs,
@@ -35,6 +38,7 @@ from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.nvfp4 import E2M1_E4M3_FACTOR, e2m1_word_as_e4m3
 from generator.kernels.common.ptx import (
+    bulk_copy_g2s,
     e4m3_pair_as_f16x2,
     f16x2_broadcast,
     load_u16,
@@ -46,12 +50,13 @@ WARP_KEYS = 32  # scored by a warp at a time: keys g + 8j (j < 4) a lane
 assert PAGE_KEYS % WARP_KEYS == 0  # a warp's keys share a page (fetch_warp_keys)
 CHUNKS = 4  # of WARP_KEYS keys a warp, in sdsa_scores
 KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
-# sdsa_scores with NVFP4 keys issues the loads of all its CHUNKS chunks first (NVFP4_PREFETCH)
-# at 4 CTAs an SM (119 registers, no spills): more bytes in flight an SM than one chunk ahead
-# at 7 CTAs (69 registers, spills), which the kernel, waiting on its loads, needs. BF16 keys
-# (170 registers, one chunk ahead) would spill hundreds of bytes under any cap that adds a CTA.
-NVFP4_CTAS_PER_SM = 4
-NVFP4_PREFETCH = CHUNKS - 1
+# sdsa_scores with NVFP4 keys stages its pages in shared memory (36 KB a CTA: 6 CTAs an SM);
+# the cap keeps its registers (72) from growing past what 5 CTAs allow. BF16 keys (170
+# registers, one chunk ahead) would spill hundreds of bytes under any cap that adds a CTA.
+NVFP4_CTAS_PER_SM = 5
+CTA_PAGES = KEYS_PER_CTA // PAGE_KEYS
+CODE_BYTES = PAGE_KEYS * KEY_DIM // 2  # a page's NVFP4 codes
+SCALE_BYTES = PAGE_KEYS * KEY_DIM // 16  # and its e4m3 scales
 K_STEPS = KEY_DIM // 16
 CHANNELS = KEY_DIM // 4  # per thread: 32q .. 32q + 31
 
@@ -60,9 +65,9 @@ class SdsaScores:
     warps = WARPS  # per CTA
     cluster = 1  # CTAs per cluster
 
-    def __init__(self, dtype, nvfp4: bool, ctas_per_sm: int = 1, prefetch: int = 1):
+    def __init__(self, dtype, nvfp4: bool, ctas_per_sm: int = 1, staged: bool = False):
         self.nvfp4 = nvfp4
-        self.prefetch = prefetch  # chunks whose loads are in flight while one is scored
+        self.staged = staged  # NVFP4: the CTA's pages read from shared memory (kernel_staged)
         self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
         # The MMA of NVFP4 operands (each scaled by 2^-6) gives q . k / 2^12.
@@ -76,7 +81,10 @@ class SdsaScores:
             config.update(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
         if cutlass.const_expr(self.cluster > 1):
             config["cluster"] = [self.cluster, 1, 1]
-        self.kernel(args, atom).launch(**config)
+        if cutlass.const_expr(self.staged):
+            self.kernel_staged(args, atom).launch(**config)
+        else:
+            self.kernel(args, atom).launch(**config)
 
     def grid(self, args):
         """A CTA per 512 keys of each group (the select and the repair grid otherwise)."""
@@ -108,6 +116,119 @@ class SdsaScores:
                 ),
             )  # fmt: skip
 
+    @cute.kernel
+    def kernel_staged(self, args, atom):
+        """kernel() for NVFP4 keys with the CTA's pages staged in shared memory: warp 0
+        stages them, then each warp scores its chunks from there."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, group, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        g = lane // 4
+        q = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        sCodes = smem.allocate_tensor(
+            cutlass.Uint8,
+            cute.make_layout((CTA_PAGES, PAGE_KEYS, KEY_DIM // 2), stride=(CODE_BYTES, 64, 1)),
+            128,
+        )
+        sScales = smem.allocate_tensor(
+            cutlass.Uint8,
+            cute.make_layout((CTA_PAGES, PAGE_KEYS, 8), stride=(SCALE_BYTES, 8, 1)),
+            16,
+        )
+        sBarrier = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), 8)
+        # Bulk copies need 16-byte aligned scale pages; the contract allows 8-byte page
+        # strides and even addresses, whose scales warp 0's lanes copy themselves (32 more
+        # arrivals).
+        scales_by_bulk = cutlass.Int32(scale_pages_aligned(args.mKeyScales))
+        if tidx == 0:
+            cute.arch.mbarrier_init(sBarrier.iterator, 1 + 32 * (1 - scales_by_bulk))
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        context = args.mContext[group]
+        cta_first_key = bidx * KEYS_PER_CTA
+        if cta_first_key < context:
+            request = args.mRequests[group]
+            if tidx < 32:
+                self.stage_pages(
+                    args, request, cta_first_key, context, sCodes, sScales, sBarrier, lane,
+                    scales_by_bulk,
+                )  # fmt: skip
+            warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
+            if warp_key < context:
+                rows = args.mScores.shape[0] // args.mRequests.shape[0]
+                first_row = group * rows
+                query = self.query_operand(args, first_row + cutlass.min(g, rows - 1), q)
+                outputs = [
+                    args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None]
+                    for r in range(2)
+                ]
+                cute.arch.mbarrier_wait(sBarrier.iterator, 0)
+                for c in cutlass.range_constexpr(CHUNKS):
+                    first_key = warp_key + c * WARPS * WARP_KEYS
+                    if first_key < context:
+                        fetched = self.staged_warp_keys(
+                            sCodes, sScales, first_key - cta_first_key, g, q
+                        )
+                        self.store_scores(
+                            atom, self.decode_warp_keys(fetched), first_key, query, outputs,
+                            rows, context, g, q,
+                        )  # fmt: skip
+
+    @cute.jit
+    def stage_pages(
+        self, args, request, cta_first_key, end, sCodes, sScales, sBarrier, lane, scales_by_bulk
+    ):
+        """Warp 0: the CTA's pages below `end` (codes and scales) into sCodes / sScales,
+        complete when sBarrier's phase 0 is. Lane p copies page p by bulk copies (its scales
+        too when scales_by_bulk, else the lanes copy the scales two bytes at a time and
+        arrive once each). Slots past the last page are left as they are: their keys are
+        past `end` and their scores never stored (each key is its own MMA row)."""
+        pages = cutlass.min(CTA_PAGES, cute.ceil_div(end - cta_first_key, PAGE_KEYS))
+        page = args.mBlockTable[request, cta_first_key // PAGE_KEYS + cutlass.min(lane, pages - 1)]
+        barrier = sBarrier.iterator.toint()
+        if lane == 0:
+            transferred = pages * (CODE_BYTES + SCALE_BYTES * scales_by_bulk)
+            cute.arch.mbarrier_arrive_and_expect_tx(sBarrier.iterator, transferred)
+        if lane < pages:
+            bulk_copy_g2s(
+                sCodes[lane, None, None].iterator.toint(),
+                args.mKeyCache[page, None, None].iterator.toint(), CODE_BYTES, barrier,
+            )  # fmt: skip
+            if scales_by_bulk == 1:
+                bulk_copy_g2s(
+                    sScales[lane, None, None].iterator.toint(),
+                    args.mKeyScales[page, None, None].iterator.toint(), SCALE_BYTES, barrier,
+                )  # fmt: skip
+        if scales_by_bulk == 0:
+            halves = cute.recast_tensor(sScales, cutlass.Uint16)  # (pages, 64, 4)
+            for slot in cutlass.range(pages, unroll=1):
+                source = cute.arch.shuffle_sync(page, slot)
+                for i in cutlass.range_constexpr(SCALE_BYTES // 2 // 32):
+                    half = i * 32 + lane  # of the page's 256 two-byte pieces
+                    address = cute.domain_offset(
+                        (half // 4, 2 * (half % 4)), args.mKeyScales[source, None, None]
+                    ).iterator.toint()
+                    halves[slot, half // 4, half % 4] = load_u16(address)
+            cute.arch.mbarrier_arrive(sBarrier.iterator)
+
+    @cute.jit
+    def staged_warp_keys(self, sCodes, sScales, first_key, g, q):
+        """fetch_warp_keys' registers from the staged pages: keys first_key + g + 8j (j < 4)
+        of the CTA's (first_key counted from the CTA's first key)."""
+        raw = cute.make_rmem_tensor(
+            cute.make_layout((4, CHANNELS // 2), stride=(CHANNELS // 2, 1)), cutlass.Uint8
+        )
+        scale_pairs = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), cutlass.Uint8)
+        for j in cutlass.range_constexpr(4):
+            key = first_key + 8 * j + g
+            slot, row = key // PAGE_KEYS, key % PAGE_KEYS
+            raw[j, None].store(
+                cute.local_tile(sCodes[slot, row, None], (CHANNELS // 2,), (q,)).load()
+            )
+            scale_pairs[j, None].store(cute.local_tile(sScales[slot, row, None], (2,), (q,)).load())
+        return raw, scale_pairs
+
     @cute.jit
     def store_scores(self, atom, keys, first_key, query, outputs, rows, context, g, q):
         """The scores of the warp's 32 keys from first_key against the group's rows, those
@@ -124,11 +245,11 @@ class SdsaScores:
     def for_each_chunk(self, args, request, warp_key, end, g, q, body):
         """body(keys, first_key) for the warp's CHUNKS chunks of 32 keys from warp_key
         (WARPS x 32 apart) that start below `end`, keys as load_keys gives them; the loads
-        of the next `self.prefetch` chunks are issued before a chunk's decode and body
-        (whose stores the compiler may not move loads across)."""
+        of the next chunk are issued before a chunk's decode and body (whose stores the
+        compiler may not move loads across)."""
         fetched = []
         for c in cutlass.range_constexpr(CHUNKS):
-            for f in cutlass.range_constexpr(len(fetched), min(c + 1 + self.prefetch, CHUNKS)):
+            for f in cutlass.range_constexpr(len(fetched), min(c + 2, CHUNKS)):
                 fetched.append(
                     self.fetch_warp_keys(args, request, warp_key + f * WARPS * WARP_KEYS, end, g, q)
                 )
@@ -250,11 +371,15 @@ class SdsaScores:
                 out[4 * w + i] = mul_f16x2(pair, step)
 
 
+@cute.jit
+def scale_pages_aligned(scales):
+    """Whether every page of `scales` starts at a multiple of 16 bytes (bulk-copyable)."""
+    return (scales.iterator.toint() % 16 == 0) & (scales.layout.stride[0] % 16 == 0)
+
+
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
     if nvfp4:
-        return SdsaScores(
-            element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM, prefetch=NVFP4_PREFETCH
-        )
+        return SdsaScores(element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM, staged=True)
     return SdsaScores(element_type(dtype), nvfp4)
