@@ -18,7 +18,7 @@ A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32
 its query once. BF16 keys: the next chunk's loads issued before this one's decode and stores.
 NVFP4 keys: the CTA's 8 pages (32 KB of codes, 4 KB of scales) are staged in shared memory
 first (stage_pages: bulk copies by the TMA unit on one mbarrier), and each warp reads its
-chunks from there (staged_warp_keys); without registers held for loads in flight (72 against
+chunks from there (staged_warp_keys); without registers held for loads in flight (68 against
 120) the kernel runs 6 CTAs an SM, and the loads of a CTA are issued by 8 lanes.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
@@ -51,7 +51,7 @@ assert PAGE_KEYS % WARP_KEYS == 0  # a warp's keys share a page (fetch_warp_keys
 CHUNKS = 4  # of WARP_KEYS keys a warp, in sdsa_scores
 KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
 # sdsa_scores with NVFP4 keys stages its pages in shared memory (36 KB a CTA: 6 CTAs an SM);
-# the cap keeps its registers (72) from growing past what 5 CTAs allow. BF16 keys (170
+# the cap keeps its registers (68) from growing past what 5 CTAs allow. BF16 keys (170
 # registers, one chunk ahead) would spill hundreds of bytes under any cap that adds a CTA.
 NVFP4_CTAS_PER_SM = 5
 CTA_PAGES = KEYS_PER_CTA // PAGE_KEYS
