@@ -141,17 +141,27 @@ class SdsaScores:
         # strides and even addresses, whose scales warp 0's lanes copy themselves (32 more
         # arrivals).
         scales_by_bulk = cutlass.Int32(scale_pages_aligned(args.mKeyScales))
+        # The context, the request and lane p's table entry (page p of the CTA's) are loaded
+        # together, before the context is known: behind it they made a chain of four round
+        # trips before the first bulk copy. Every entry read lies in the table (the key
+        # clamped below the scores' columns, the request into the table's rows: a group
+        # that sees no key may name any); only those of pages below the context are used.
+        context = args.mContext[group]
+        request = args.mRequests[group]
+        cta_first_key = bidx * KEYS_PER_CTA
+        page = cutlass.Int32(0)
+        if tidx < 32:
+            row = cutlass.max(cutlass.min(request, args.mBlockTable.shape[0] - 1), 0)
+            column = cutlass.min(cta_first_key + lane * PAGE_KEYS, args.mScores.shape[1] - 1)
+            page = args.mBlockTable[row, column // PAGE_KEYS]
         if tidx == 0:
             cute.arch.mbarrier_init(sBarrier.iterator, 1 + 32 * (1 - scales_by_bulk))
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        context = args.mContext[group]
-        cta_first_key = bidx * KEYS_PER_CTA
         if cta_first_key < context:
-            request = args.mRequests[group]
             if tidx < 32:
                 self.stage_pages(
-                    args, request, cta_first_key, context, sCodes, sScales, sBarrier, lane,
+                    args, page, cta_first_key, context, sCodes, sScales, sBarrier, lane,
                     scales_by_bulk,
                 )  # fmt: skip
             warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
@@ -177,15 +187,15 @@ class SdsaScores:
 
     @cute.jit
     def stage_pages(
-        self, args, request, cta_first_key, end, sCodes, sScales, sBarrier, lane, scales_by_bulk
+        self, args, page, cta_first_key, end, sCodes, sScales, sBarrier, lane, scales_by_bulk
     ):
         """Warp 0: the CTA's pages below `end` (codes and scales) into sCodes / sScales,
-        complete when sBarrier's phase 0 is. Lane p copies page p by bulk copies (its scales
+        complete when sBarrier's phase 0 is; `page`: lane p's, the CTA's page p (where it is
+        below `end`). Lane p copies page p by bulk copies (its scales
         too when scales_by_bulk, else the lanes copy the scales two bytes at a time and
         arrive once each). Slots past the last page are left as they are: their keys are
         past `end` and their scores never stored (each key is its own MMA row)."""
         pages = cutlass.min(CTA_PAGES, cute.ceil_div(end - cta_first_key, PAGE_KEYS))
-        page = args.mBlockTable[request, cta_first_key // PAGE_KEYS + cutlass.min(lane, pages - 1)]
         barrier = sBarrier.iterator.toint()
         if lane == 0:
             transferred = pages * (CODE_BYTES + SCALE_BYTES * scales_by_bulk)
