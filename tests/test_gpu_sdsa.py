@@ -65,7 +65,8 @@ def test_scores_match_fp32_dot_products(nvfp4, rows_per_group):
     cache, key_scales, table = sdsa_paged_keys(lengths, nvfp4, device="cuda")
     groups = len(lengths)
     query, query_scales = sdsa_queries(groups * rows_per_group, nvfp4, device="cuda")
-    requests = torch.tensor([3, 1, 2, 0], dtype=torch.int32, device="cuda")
+    # The empty group's request is ignored: any number, here past the table's rows.
+    requests = torch.tensor([3, 1 << 30, 2, 0], dtype=torch.int32, device="cuda")
     context = torch.tensor(
         [lengths[3], 0, lengths[2], lengths[0]], dtype=torch.int32, device="cuda"
     )

@@ -8,9 +8,10 @@ the warp's 32 (tile j / 2, MMA row g + 8 (j % 2)) and query row g (column g); th
 dimension, the 128 channels, is permuted the same way for both operands (a dot product
 does not care): in k-step s the lane's k slots 2q, 2q + 1, 2q + 8, 2q + 9 are channels
 32q + 4s + 0..3. So each lane's operands are channels 32q .. 32q + 31 of its keys and of
-its query row, loaded straight from global memory into registers (BF16: 64 contiguous
-bytes a key; NVFP4: 16 bytes and two scales), no shared memory; lane (g, q) gets the
-scores of rows 2q, 2q + 1 for keys g and g + 8 of each tile. With keys as rows, all of A
+its query row, loaded into registers (BF16: 64 contiguous bytes a key; NVFP4: 16 bytes
+and two scales), from global memory or, for sdsa_scores' NVFP4 keys, from the pages staged
+in shared memory (below); lane (g, q) gets the scores of rows 2q, 2q + 1 for keys g and
+g + 8 of each tile. With keys as rows, all of A
 is key data and a 16-key tile takes one MMA a k-step (as query rows, a tile of 8 keys took
 one, its A mostly zero rows).
 
