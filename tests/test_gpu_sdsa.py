@@ -119,6 +119,23 @@ def test_nvfp4_scores_read_scale_pages_at_every_allowed_alignment(offset, page_s
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_scores_of_groups_that_see_no_key_with_an_empty_table(nvfp4):
+    """Every group's context is 0, so no request names a table row: a table of no rows is
+    never read, and the scores stay as they were."""
+    cache, key_scales, _ = sdsa_paged_keys([64], nvfp4, device="cuda")
+    query, query_scales = sdsa_queries(4, nvfp4, device="cuda")
+    table = torch.empty(0, 16, dtype=torch.int32, device="cuda")
+    scores = torch.full((4, 1000), 7.0, device="cuda")
+    sdsa.indexer_scores(
+        query, cache, table, torch.zeros(2, dtype=torch.int32, device="cuda"),
+        requests=torch.tensor([5, -3], dtype=torch.int32, device="cuda"), scores=scores,
+        query_scales=query_scales, key_scales=key_scales,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert (scores == 7.0).all()
+
+
 def test_scales_at_an_odd_address_are_refused_before_launch():
     """The scores read a key's (and a query row's) two scales as one 2-byte load."""
     cache, key_scales, table = sdsa_paged_keys([100], True, device="cuda")

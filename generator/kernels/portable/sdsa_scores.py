@@ -146,12 +146,13 @@ class SdsaScores:
         # together, before the context is known: behind it they made a chain of four round
         # trips before the first bulk copy. Every entry read lies in the table (the key
         # clamped below the scores' columns, the request into the table's rows: a group
-        # that sees no key may name any); only those of pages below the context are used.
+        # that sees no key may name any, and a table may have no rows when no group sees a
+        # key); only those of pages below the context are used.
         context = args.mContext[group]
         request = args.mRequests[group]
         cta_first_key = bidx * KEYS_PER_CTA
         page = cutlass.Int32(0)
-        if tidx < 32:
+        if (tidx < 32) & (args.mBlockTable.shape[0] > 0):
             row = cutlass.max(cutlass.min(request, args.mBlockTable.shape[0] - 1), 0)
             column = cutlass.min(cta_first_key + lane * PAGE_KEYS, args.mScores.shape[1] - 1)
             page = args.mBlockTable[row, column // PAGE_KEYS]
