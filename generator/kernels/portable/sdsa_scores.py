@@ -193,10 +193,10 @@ class SdsaScores:
     ):
         """Warp 0: the CTA's pages below `end` (codes and scales) into sCodes / sScales,
         complete when sBarrier's phase 0 is; `page`: lane p's, the CTA's page p (where it is
-        below `end`). Lane p copies page p by bulk copies (its scales
-        too when scales_by_bulk, else the lanes copy the scales two bytes at a time and
-        arrive once each). Slots past the last page are left as they are: their keys are
-        past `end` and their scores never stored (each key is its own MMA row)."""
+        below `end`). Lane p copies page p by bulk copies (its scales too when
+        scales_by_bulk, else the lanes copy the scales two bytes at a time and arrive once
+        each). Slots past the last page are left as they are: their keys are past `end` and
+        their scores never stored (each key is its own MMA row)."""
         pages = cutlass.min(CTA_PAGES, cute.ceil_div(end - cta_first_key, PAGE_KEYS))
         barrier = sBarrier.iterator.toint()
         if lane == 0:
