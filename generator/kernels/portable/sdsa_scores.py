@@ -101,15 +101,8 @@ class SdsaScores:
         context = args.mContext[group]
         cta_key = bidx * KEYS_PER_CTA + (tidx // 32) * WARP_KEYS
         if cta_key < context:  # the same for the whole warp: its MMAs run converged
-            rows = args.mScores.shape[0] // args.mRequests.shape[0]
-            first_row = group * rows
             request = args.mRequests[group]
-            # Column g: query row g (clamped: columns past `rows` are computed, not stored).
-            query = self.query_operand(args, first_row + cutlass.min(g, rows - 1), q)
-            # This thread's accumulator columns: rows 2q and 2q + 1 (those below `rows`).
-            outputs = [
-                args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None] for r in range(2)
-            ]
+            rows, query, outputs = self.group_rows(args, group, g, q)
             self.for_each_chunk(
                 args, request, cta_key, context, g, q,
                 lambda keys, first_key: self.store_scores(
@@ -168,13 +161,7 @@ class SdsaScores:
                 )  # fmt: skip
             warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
             if warp_key < context:
-                rows = args.mScores.shape[0] // args.mRequests.shape[0]
-                first_row = group * rows
-                query = self.query_operand(args, first_row + cutlass.min(g, rows - 1), q)
-                outputs = [
-                    args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None]
-                    for r in range(2)
-                ]
+                rows, query, outputs = self.group_rows(args, group, g, q)
                 cute.arch.mbarrier_wait(sBarrier.iterator, 0)
                 for c in cutlass.range_constexpr(CHUNKS):
                     first_key = warp_key + c * WARPS * WARP_KEYS
@@ -186,6 +173,19 @@ class SdsaScores:
                             atom, self.decode_warp_keys(fetched), first_key, query, outputs,
                             rows, context, g, q,
                         )  # fmt: skip
+
+    @cute.jit
+    def group_rows(self, args, group, g, q):
+        """(rows a group, the B values of column g, this thread's output rows): column g is
+        query row g (clamped: columns past `rows` are computed, not stored); the thread's
+        accumulator columns are rows 2q and 2q + 1 (those below `rows`)."""
+        rows = args.mScores.shape[0] // args.mRequests.shape[0]
+        first_row = group * rows
+        query = self.query_operand(args, first_row + cutlass.min(g, rows - 1), q)
+        outputs = [
+            args.mScores[first_row + cutlass.min(2 * q + r, rows - 1), None] for r in range(2)
+        ]
+        return rows, query, outputs
 
     @cute.jit
     def stage_pages(
