@@ -5,7 +5,8 @@ over paged BF16 and NVFP4 keys (groups of 1-5 and 8 rows, an empty request, unto
 entries); the key sample; the thresholds from a sample (NaN and -1 positions); the top-K
 from candidates (ties, infinities, NaNs; K 1, 32, 200; rows enough for each CTA to walk
 more than 256); the threshold select (counters,
-slots, stored values; +inf, -inf and NaN thresholds) and its repair mode (every row fits,
+slots, stored values; +inf, -inf and NaN thresholds; more candidates than a CTA stages;
+unaligned NVFP4 scale pages) and its repair mode (every row fits,
 its exact top-K); the whole pipeline from the quantizer to token-sparse slot lists."""
 
 import pytest
@@ -278,6 +279,34 @@ def test_top_k_walks_many_rows_per_cta():
 def test_threshold_select(nvfp4):
     got = sdsa_select_inputs([5000, 64, 4097], nvfp4, device="cuda")
     want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    sdsa.indexer_threshold_select(**got)
+    reference.indexer_threshold_select(**want)
+    assert same_selection(got, want)
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_threshold_select_stores_more_candidates_than_a_cta_stages(nvfp4):
+    """Room for every key: a CTA stages 64 candidates a row and stores the rest at once
+    (the -inf row and rows with low thresholds find up to 512 in a CTA's keys); every
+    candidate is stored once, with the reference's value."""
+    got = sdsa_select_inputs([5000, 64, 4097], nvfp4, slots=16 + 5000, device="cuda")
+    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    sdsa.indexer_threshold_select(**got)
+    reference.indexer_threshold_select(**want)
+    assert int(want["counters"][:, 0].max()) > 64
+    assert same_selection(got, want)
+
+
+@pytest.mark.parametrize("offset, page_stride", [(2, 512), (8, 520)])
+def test_nvfp4_select_reads_scale_pages_at_unaligned_addresses(offset, page_stride):
+    """The select stages NVFP4 pages as the scores do: scale pages that bulk copies cannot
+    take (even addresses, page strides that are multiples of 8) give the same selection."""
+    got = sdsa_select_inputs([5000, 64, 4097], True, device="cuda")
+    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    scales = got["key_scales"]
+    storage = torch.zeros(offset + scales.shape[0] * page_stride, **_u8)
+    got["key_scales"] = storage[offset:].as_strided(scales.shape, (page_stride, 8, 1))
+    got["key_scales"].copy_(scales)
     sdsa.indexer_threshold_select(**got)
     reference.indexer_threshold_select(**want)
     assert same_selection(got, want)

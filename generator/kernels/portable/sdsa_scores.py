@@ -119,39 +119,17 @@ class SdsaScores:
         lane = tidx % 32
         g = lane // 4
         q = lane % 4
-        smem = cutlass.memory.SmemAllocator()
-        sCodes = smem.allocate_tensor(
-            cutlass.Uint8,
-            cute.make_layout((CTA_PAGES, PAGE_KEYS, KEY_DIM // 2), stride=(CODE_BYTES, 64, 1)),
-            128,
-        )
-        sScales = smem.allocate_tensor(
-            cutlass.Uint8,
-            cute.make_layout((CTA_PAGES, PAGE_KEYS, 8), stride=(SCALE_BYTES, 8, 1)),
-            16,
-        )
-        sBarrier = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), 8)
-        # Bulk copies need 16-byte aligned scale pages; the contract allows 8-byte page
-        # strides and even addresses, whose scales warp 0's lanes copy themselves (32 more
-        # arrivals).
+        sCodes, sScales, sBarrier = allocate_pages(cutlass.memory.SmemAllocator())
         scales_by_bulk = cutlass.Int32(scale_pages_aligned(args.mKeyScales))
         # The context, the request and lane p's table entry (page p of the CTA's) are loaded
         # together, before the context is known: behind it they made a chain of four round
-        # trips before the first bulk copy. Every entry read lies in the table (the key
-        # clamped below the scores' columns, the request into the table's rows: a group
-        # that sees no key may name any, and a table may have no rows when no group sees a
-        # key); only those of pages below the context are used.
+        # trips before the first bulk copy.
         context = args.mContext[group]
         request = args.mRequests[group]
         cta_first_key = bidx * KEYS_PER_CTA
-        page = cutlass.Int32(0)
-        if (tidx < 32) & (args.mBlockTable.shape[0] > 0):
-            row = cutlass.max(cutlass.min(request, args.mBlockTable.shape[0] - 1), 0)
-            column = cutlass.min(cta_first_key + lane * PAGE_KEYS, args.mScores.shape[1] - 1)
-            page = args.mBlockTable[row, column // PAGE_KEYS]
+        page = cta_page(args, request, cta_first_key, args.mScores.shape[1] - 1, tidx)
         if tidx == 0:
-            cute.arch.mbarrier_init(sBarrier.iterator, 1 + 32 * (1 - scales_by_bulk))
-            cute.arch.mbarrier_init_fence()
+            init_page_barrier(sBarrier, scales_by_bulk)
         cute.arch.sync_threads()
         if cta_first_key < context:
             if tidx < 32:
@@ -381,6 +359,47 @@ class SdsaScores:
             for i in cutlass.range_constexpr(4):
                 pair = e4m3_pair_as_f16x2(words[i // 2], i % 2 == 1)
                 out[4 * w + i] = mul_f16x2(pair, step)
+
+
+def allocate_pages(smem):
+    """Shared memory for a CTA's staged pages: (sCodes (CTA_PAGES, 64, 64), sScales
+    (CTA_PAGES, 64, 8), sBarrier: the mbarrier their copies complete)."""
+    sCodes = smem.allocate_tensor(
+        cutlass.Uint8,
+        cute.make_layout((CTA_PAGES, PAGE_KEYS, KEY_DIM // 2), stride=(CODE_BYTES, 64, 1)),
+        128,
+    )
+    sScales = smem.allocate_tensor(
+        cutlass.Uint8,
+        cute.make_layout((CTA_PAGES, PAGE_KEYS, 8), stride=(SCALE_BYTES, 8, 1)),
+        16,
+    )
+    sBarrier = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), 8)
+    return sCodes, sScales, sBarrier
+
+
+@cute.jit
+def init_page_barrier(sBarrier, scales_by_bulk):
+    """sBarrier for stage_pages (one thread): one arrival with the bulk copies' bytes, and
+    one a lane of warp 0 when the scale pages are not 16-byte aligned (bulk copies need it;
+    the contract allows 8-byte page strides and even addresses: the lanes copy them)."""
+    cute.arch.mbarrier_init(sBarrier.iterator, 1 + 32 * (1 - scales_by_bulk))
+    cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def cta_page(args, request, cta_first_key, last_key, tidx):
+    """Lane p of warp 0: the table entry of the CTA's page p in table row `request`, loaded
+    before anyone knows which pages are used (0 elsewhere). Every entry read lies in the
+    table: the key clamped to last_key (the last the kernel may see), the request into the
+    table's rows (a row that sees no key may name any, and a table may have no rows when no
+    row sees a key); only the entries of pages below the end of the keys are used."""
+    page = cutlass.Int32(0)
+    if (tidx < 32) & (args.mBlockTable.shape[0] > 0):
+        row = cutlass.max(cutlass.min(request, args.mBlockTable.shape[0] - 1), 0)
+        key = cutlass.min(cta_first_key + tidx * PAGE_KEYS, last_key)
+        page = args.mBlockTable[row, key // PAGE_KEYS]
+    return page
 
 
 @cute.jit

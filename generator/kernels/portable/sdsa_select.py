@@ -3,15 +3,18 @@
 
 A CTA (4 warps) owns 512 keys of one 128-row tile, each warp 4 chunks of 32 as two 16-key
 MMA tiles, loaded into registers as sdsa_scores loads them (those below the end of what
-any row sees: table entries past a request's keys need not be pages). The tile's live
+any row sees: table entries past a request's keys need not be pages); NVFP4 keys from the
+CTA's pages staged in shared memory as sdsa_scores stages them (once, read again for each
+group of rows), their table entries loaded beside the row ends. The tile's live
 rows (those that see some key of the CTA; a decode tile often has a few of 128) are listed
 once in shared memory (a thread per row; their order is free); the warps walk them 8 at a
 time as the MMA's columns (the keys loaded again for each 8), each row's 32 channels a lane
 straight from global memory into the B values. Every score (row, key) with key <
 min(row_end, max_context) is classified against the row's threshold, with the bits
-sdsa_scores computes for it. A group's candidates are staged in shared memory (counted by
-shared atomics) and, once the CTA has scored all its keys for the group, each row takes its
-slots with one global atomic and the CTA writes them out: with a global atomic a lane and
+sdsa_scores computes for it. A group's candidates (up to STAGED_SLOTS a row) are staged in
+shared memory (counted by shared atomics) and, once the CTA has scored all its keys for the
+group, each row takes its slots with one global atomic and the CTA writes them out: with a
+global atomic a lane and
 chunk, waited for before the chunk's stores, the select's time over the scores' grew with the
 candidates. Ties (rare) are counted and stored as they are found (classify).
 """
@@ -19,13 +22,29 @@ candidates. Ties (rare) are counted and stored as they are found (classify).
 import cutlass
 import cutlass.cute as cute
 
+from generator.families.sdsa import PAGE_KEYS
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.radix_select import float_bits
-from generator.kernels.portable.sdsa_scores import KEYS_PER_CTA, WARP_KEYS, WARPS, SdsaScores
+from generator.kernels.portable.sdsa_scores import (
+    CHUNKS,
+    KEYS_PER_CTA,
+    WARP_KEYS,
+    WARPS,
+    SdsaScores,
+    allocate_pages,
+    cta_page,
+    init_page_barrier,
+    scale_pages_aligned,
+)
 
 TILE_ROWS = 128
 MMA_ROWS = 8  # query rows a step: the MMA's columns
+# Candidates a row and group staged in shared memory (of up to 512 a CTA): 4 KB for the
+# group, so that the NVFP4 select with its staged pages runs 5 CTAs an SM. SD2's rows find
+# ~20 a CTA (2,560 in 65,536 keys); a row's candidates past these cost a global atomic a
+# lane and chunk, as every candidate did before staging.
+STAGED_SLOTS = 64
 assert TILE_ROWS == WARPS * 32  # a thread per row lists the live rows
 
 
@@ -36,6 +55,16 @@ class SdsaSelect(SdsaScores):
 
     @cute.kernel
     def kernel(self, args, atom):
+        self.select(args, atom, staged=False)
+
+    @cute.kernel
+    def kernel_staged(self, args, atom):
+        """kernel() for NVFP4 keys with the CTA's pages staged in shared memory, as
+        sdsa_scores stages them."""
+        self.select(args, atom, staged=True)
+
+    @cute.jit
+    def select(self, args, atom, staged: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, tile, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -47,16 +76,26 @@ class SdsaSelect(SdsaScores):
         # (table entries past it need not be pages).
         smem = cutlass.memory.SmemAllocator()
         sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 2), 16)
-        # A group's candidates as (key, stored bits) per row, their counts, then each row's
-        # first slot once it has taken them.
+        # A group's first STAGED_SLOTS candidates a row as (key, stored bits), their counts
+        # (all of them: the rest are stored at once), then each row's first slot once it has
+        # taken the staged ones.
         sStaged = smem.allocate_tensor(
             cutlass.Int32,
-            cute.make_layout((MMA_ROWS, KEYS_PER_CTA, 2), stride=(2 * KEYS_PER_CTA, 2, 1)),
+            cute.make_layout((MMA_ROWS, STAGED_SLOTS, 2), stride=(2 * STAGED_SLOTS, 2, 1)),
             16,
         )
         sCounts = smem.allocate_tensor(
             cutlass.Int32, cute.make_layout((2, MMA_ROWS), stride=(MMA_ROWS, 1)), 16
         )
+        request = args.mTileRequests[tile]
+        if cutlass.const_expr(staged):
+            sCodes, sScales, sBarrier = allocate_pages(smem)
+            scales_by_bulk = cutlass.Int32(scale_pages_aligned(args.mKeyScales))
+            # Loaded beside the row ends, before the end of the keys is known.
+            last_key = args.mBlockTable.shape[1] * PAGE_KEYS - 1
+            page = cta_page(args, request, cta_first_key, last_key, tidx)
+            if tidx == 0:
+                init_page_barrier(sBarrier, scales_by_bulk)
         if tidx == 0:
             sLive[TILE_ROWS] = 0
             sLive[TILE_ROWS + 1] = 0
@@ -68,8 +107,13 @@ class SdsaSelect(SdsaScores):
         cute.arch.sync_threads()
         live = sLive[TILE_ROWS]
         keys_end = sLive[TILE_ROWS + 1]
+        if cutlass.const_expr(staged):
+            if (tidx < 32) & (cta_first_key < keys_end):
+                self.stage_pages(
+                    args, page, cta_first_key, keys_end, sCodes, sScales, sBarrier, lane,
+                    scales_by_bulk,
+                )  # fmt: skip
         warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
-        request = args.mTileRequests[tile]
         # A group of 8 live rows at a time, the warp's keys loaded again for each (a decode
         # tile has one group). Keys kept over the groups and queries reloaded per chunk held
         # 166 registers (3 CTAs an SM); this loop's body holds ~107.
@@ -79,18 +123,31 @@ class SdsaSelect(SdsaScores):
             cute.arch.sync_threads()
             if warp_key < keys_end:  # the same for the whole warp: its MMAs run converged
                 group = self.row_group(args, sLive, first_row, live, m, g, q)
-                # The key loads' inputs made opaque per group: else what is computed from
-                # them, the same for every group, is hoisted out of the loop and held
-                # across it (168 registers against 128).
-                request_m, warp_key_m, end_m, g_m, q_m = (
-                    opaque_int32(v) for v in (request, warp_key, keys_end, g, q)
-                )
-                self.for_each_chunk(
-                    args, request_m, warp_key_m, end_m, g_m, q_m,
-                    lambda keys, first_key, group=group: self.classify_group(
-                        atom, args, keys, first_key, group, g, q, sStaged, sCounts
-                    ),
-                )  # fmt: skip
+                if cutlass.const_expr(staged):
+                    cute.arch.mbarrier_wait(sBarrier.iterator, 0)
+                    for c in cutlass.range_constexpr(CHUNKS):
+                        first_key = warp_key + c * WARPS * WARP_KEYS
+                        if first_key < keys_end:
+                            fetched = self.staged_warp_keys(
+                                sCodes, sScales, first_key - cta_first_key, g, q
+                            )
+                            self.classify_group(
+                                atom, args, self.decode_warp_keys(fetched), first_key, group,
+                                g, q, sStaged, sCounts,
+                            )  # fmt: skip
+                else:
+                    # The key loads' inputs made opaque per group: else what is computed
+                    # from them, the same for every group, is hoisted out of the loop and
+                    # held across it (168 registers against 128).
+                    request_m, warp_key_m, end_m, g_m, q_m = (
+                        opaque_int32(v) for v in (request, warp_key, keys_end, g, q)
+                    )
+                    self.for_each_chunk(
+                        args, request_m, warp_key_m, end_m, g_m, q_m,
+                        lambda keys, first_key, group=group: self.classify_group(
+                            atom, args, keys, first_key, group, g, q, sStaged, sCounts
+                        ),
+                    )  # fmt: skip
             cute.arch.sync_threads()
             self.flush_group(args, sLive, sStaged, sCounts, first_row, live, m, tidx)
             cute.arch.sync_threads()  # sStaged and sCounts are the next group's
@@ -99,17 +156,20 @@ class SdsaSelect(SdsaScores):
     def flush_group(self, args, sLive, sStaged, sCounts, first_row, live, m, tidx):
         """Group m's staged candidates into their rows' slots: a thread a row takes the
         row's places with one global atomic (the count includes those past the room, as
-        classify's do), then the CTA copies them while there is room."""
+        classify's do), then the CTA copies them while there is room (those past
+        STAGED_SLOTS were stored by classify_group)."""
         cap = args.mCandidates.shape[1] - args.top_k
         if tidx < MMA_ROWS:
             j = m * MMA_ROWS + tidx
-            if (j < live) & (sCounts[0, tidx] > 0):
-                sCounts[1, tidx] = count_pairs(args, first_row + sLive[j], 0, sCounts[0, tidx])
+            staged = cutlass.min(sCounts[0, tidx], STAGED_SLOTS)
+            if (j < live) & (staged > 0):
+                sCounts[1, tidx] = count_pairs(args, first_row + sLive[j], 0, staged)
         cute.arch.sync_threads()
         for r in cutlass.range(cutlass.min(MMA_ROWS, live - m * MMA_ROWS), unroll=1):
             row = first_row + sLive[m * MMA_ROWS + r]
             first = sCounts[1, r]
-            for i in cutlass.range(tidx, cutlass.min(sCounts[0, r], cap - first), self.warps * 32):
+            staged = cutlass.min(sCounts[0, r], STAGED_SLOTS)
+            for i in cutlass.range(tidx, cutlass.min(staged, cap - first), self.warps * 32):
                 args.mCandidates[row, args.top_k + first + i, 0] = sStaged[r, i, 0]
                 args.mCandidates[row, args.top_k + first + i, 1] = sStaged[r, i, 1]
 
@@ -138,8 +198,10 @@ class SdsaSelect(SdsaScores):
         """Every score of the warp's 32 keys from first_key against a row_group, classified
         (keys below each row's end): candidates staged in sStaged (a lane counts its
         candidates of a row over its four score slots first and takes their places with one
-        shared atomic), ties counted and stored in global memory."""
+        shared atomic; those past STAGED_SLOTS stored in global memory at once), ties
+        counted and stored in global memory."""
         query, row_of, threshold, end = group
+        cap = args.mCandidates.shape[1] - args.top_k
         # scores[r, s]: row r's score of key slot_key(first_key, s, g).
         scores = cute.make_rmem_tensor((2, 4), cutlass.Float32)
         for t in cutlass.range_constexpr(WARP_KEYS // 16):
@@ -163,13 +225,26 @@ class SdsaSelect(SdsaScores):
                     n = cute.arch.atomic_add(
                         sCounts.iterator + cute.crd2idx((0, staged), sCounts.layout), found
                     )
+                    # The group's candidates n .. n + found - 1 of the row: those from
+                    # STAGED_SLOTS on are stored now, at slots taken with one global atomic
+                    # (staged candidate n + i beyond them at slot top_k + past + n + i).
+                    beyond = cutlass.max(n, STAGED_SLOTS)
+                    past = cutlass.Int32(0)
+                    if n + found > beyond:
+                        past = count_pairs(args, row_of[r], 0, n + found - beyond) - beyond
                     for s in cutlass.range_constexpr(4):
                         key = slot_key(first_key, s, g)
                         if (key < end[r]) & (scores[r, s] > threshold[r]):
-                            sStaged[staged, n, 0] = key
-                            sStaged[staged, n, 1] = float_bits(
-                                stored_value(scores[r, s], threshold[r])
-                            )
+                            if n < STAGED_SLOTS:
+                                sStaged[staged, n, 0] = key
+                                sStaged[staged, n, 1] = float_bits(
+                                    stored_value(scores[r, s], threshold[r])
+                                )
+                            elif past + n < cap:
+                                store_pair(
+                                    args, row_of[r], args.top_k + past + n, key, scores[r, s],
+                                    threshold[r],
+                                )  # fmt: skip
                             n = n + 1
 
 
@@ -250,7 +325,9 @@ def stored_value(score, threshold):
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
-    # NVFP4: 92 registers, no spills, at 4 CTAs an SM (33 KB of shared memory each); issuing
-    # all four chunks' loads first, as sdsa_scores does, took 120 and was slower here. BF16
-    # keys hold two chunks' 16-bit operands (170 registers, 3 CTAs an SM).
-    return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=4 if nvfp4 else 1)
+    # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them) and the
+    # registers capped for 5 CTAs an SM (41.6 KB of shared memory each). BF16 keys hold two
+    # chunks' 16-bit operands (170 registers, 3 CTAs an SM).
+    if nvfp4:
+        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=5, staged=True)
+    return SdsaSelect(element_type(dtype), nvfp4)
