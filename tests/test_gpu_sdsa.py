@@ -297,6 +297,22 @@ def test_threshold_select_stores_more_candidates_than_a_cta_stages(nvfp4):
     assert same_selection(got, want)
 
 
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_select_of_a_tile_that_sees_no_key_may_name_any_request(nvfp4):
+    """The select loads a CTA's table entries before it knows which rows see its keys: a
+    tile whose rows see no key may name a request past the table's rows, and selects
+    nothing."""
+    got = sdsa_select_inputs([5000, 64], nvfp4, device="cuda")
+    got["row_ends"][128:] = 0
+    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    want["tile_requests"] = torch.zeros(2, dtype=torch.int32, device="cuda")
+    got["tile_requests"] = torch.tensor([0, 1 << 30], dtype=torch.int32, device="cuda")
+    sdsa.indexer_threshold_select(**got)
+    reference.indexer_threshold_select(**want)
+    assert (got["counters"][128:] == 0).all()
+    assert same_selection(got, want)
+
+
 @pytest.mark.parametrize("offset, page_stride", [(2, 512), (8, 520)])
 def test_nvfp4_select_reads_scale_pages_at_unaligned_addresses(offset, page_stride):
     """The select stages NVFP4 pages as the scores do: scale pages that bulk copies cannot
