@@ -140,17 +140,12 @@ class SdsaScores:
             warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
             if warp_key < context:
                 rows, query, outputs = self.group_rows(args, group, g, q)
-                cute.arch.mbarrier_wait(sBarrier.iterator, 0)
-                for c in cutlass.range_constexpr(CHUNKS):
-                    first_key = warp_key + c * WARPS * WARP_KEYS
-                    if first_key < context:
-                        fetched = self.staged_warp_keys(
-                            sCodes, sScales, first_key - cta_first_key, g, q
-                        )
-                        self.store_scores(
-                            atom, self.decode_warp_keys(fetched), first_key, query, outputs,
-                            rows, context, g, q,
-                        )  # fmt: skip
+                self.for_each_staged_chunk(
+                    sCodes, sScales, sBarrier, cta_first_key, warp_key, context, g, q,
+                    lambda keys, first_key: self.store_scores(
+                        atom, keys, first_key, query, outputs, rows, context, g, q
+                    ),
+                )  # fmt: skip
 
     @cute.jit
     def group_rows(self, args, group, g, q):
@@ -201,6 +196,19 @@ class SdsaScores:
                     ).iterator.toint()
                     halves[slot, half // 4, half % 4] = load_u16(address)
             cute.arch.mbarrier_arrive(sBarrier.iterator)
+
+    @cute.jit
+    def for_each_staged_chunk(
+        self, sCodes, sScales, sBarrier, cta_first_key, warp_key, end, g, q, body
+    ):
+        """for_each_chunk on the pages stage_pages copies: body(keys, first_key) for the
+        warp's chunks that start below `end`, once the pages have arrived."""
+        cute.arch.mbarrier_wait(sBarrier.iterator, 0)
+        for c in cutlass.range_constexpr(CHUNKS):
+            first_key = warp_key + c * WARPS * WARP_KEYS
+            if first_key < end:
+                fetched = self.staged_warp_keys(sCodes, sScales, first_key - cta_first_key, g, q)
+                body(self.decode_warp_keys(fetched), first_key)
 
     @cute.jit
     def staged_warp_keys(self, sCodes, sScales, first_key, g, q):

@@ -27,7 +27,6 @@ from generator.kernels.common.entry import element_type
 from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.radix_select import float_bits
 from generator.kernels.portable.sdsa_scores import (
-    CHUNKS,
     KEYS_PER_CTA,
     WARP_KEYS,
     WARPS,
@@ -124,17 +123,12 @@ class SdsaSelect(SdsaScores):
             if warp_key < keys_end:  # the same for the whole warp: its MMAs run converged
                 group = self.row_group(args, sLive, first_row, live, m, g, q)
                 if cutlass.const_expr(staged):
-                    cute.arch.mbarrier_wait(sBarrier.iterator, 0)
-                    for c in cutlass.range_constexpr(CHUNKS):
-                        first_key = warp_key + c * WARPS * WARP_KEYS
-                        if first_key < keys_end:
-                            fetched = self.staged_warp_keys(
-                                sCodes, sScales, first_key - cta_first_key, g, q
-                            )
-                            self.classify_group(
-                                atom, args, self.decode_warp_keys(fetched), first_key, group,
-                                g, q, sStaged, sCounts,
-                            )  # fmt: skip
+                    self.for_each_staged_chunk(
+                        sCodes, sScales, sBarrier, cta_first_key, warp_key, keys_end, g, q,
+                        lambda keys, first_key, group=group: self.classify_group(
+                            atom, args, keys, first_key, group, g, q, sStaged, sCounts
+                        ),
+                    )  # fmt: skip
                 else:
                     # The key loads' inputs made opaque per group: else what is computed
                     # from them, the same for every group, is hoisted out of the loop and
