@@ -14,9 +14,9 @@ min(row_end, max_context) is classified against the row's threshold, with the bi
 sdsa_scores computes for it. A group's candidates (up to STAGED_SLOTS a row) are staged in
 shared memory (counted by shared atomics) and, once the CTA has scored all its keys for the
 group, each row takes its slots with one global atomic and the CTA writes them out: with a
-global atomic a lane and
-chunk, waited for before the chunk's stores, the select's time over the scores' grew with the
-candidates. Ties (rare) are counted and stored as they are found (classify).
+global atomic a lane and chunk, waited for before the chunk's stores, the select's time over
+the scores' grew with the candidates. Ties (rare) are counted and stored as they are found
+(classify).
 """
 
 import cutlass
