@@ -275,10 +275,16 @@ def test_top_k_walks_many_rows_per_cta():
     assert same_top_k(got[many], want, candidates[many], ranges[:, many])
 
 
+def own_outputs(args: dict) -> dict:
+    """indexer_threshold_select's arguments with counters and candidates (its in-place
+    outputs) of their own, for a second select over the same inputs."""
+    return {**args, "counters": args["counters"].clone(), "candidates": args["candidates"].clone()}
+
+
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_threshold_select(nvfp4):
     got = sdsa_select_inputs([5000, 64, 4097], nvfp4, device="cuda")
-    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    want = own_outputs(got)
     sdsa.indexer_threshold_select(**got)
     reference.indexer_threshold_select(**want)
     assert same_selection(got, want)
@@ -290,7 +296,7 @@ def test_threshold_select_stores_more_candidates_than_a_cta_stages(nvfp4):
     (the -inf row and rows with low thresholds find up to 512 in a CTA's keys); every
     candidate is stored once, with the reference's value."""
     got = sdsa_select_inputs([5000, 64, 4097], nvfp4, slots=16 + 5000, device="cuda")
-    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    want = own_outputs(got)
     sdsa.indexer_threshold_select(**got)
     reference.indexer_threshold_select(**want)
     assert int(want["counters"][:, 0].max()) > 64
@@ -304,7 +310,7 @@ def test_select_of_a_tile_that_sees_no_key_may_name_any_request(nvfp4):
     nothing."""
     got = sdsa_select_inputs([5000, 64], nvfp4, device="cuda")
     got["row_ends"][128:] = 0
-    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    want = own_outputs(got)
     want["tile_requests"] = torch.zeros(2, dtype=torch.int32, device="cuda")
     got["tile_requests"] = torch.tensor([0, 1 << 30], dtype=torch.int32, device="cuda")
     sdsa.indexer_threshold_select(**got)
@@ -318,7 +324,7 @@ def test_nvfp4_select_reads_scale_pages_at_unaligned_addresses(offset, page_stri
     """The select stages NVFP4 pages as the scores do: scale pages that bulk copies cannot
     take (even addresses, page strides that are multiples of 8) give the same selection."""
     got = sdsa_select_inputs([5000, 64, 4097], True, device="cuda")
-    want = {**got, "counters": got["counters"].clone(), "candidates": got["candidates"].clone()}
+    want = own_outputs(got)
     scales = got["key_scales"]
     storage = torch.zeros(offset + scales.shape[0] * page_stride, **_u8)
     got["key_scales"] = storage[offset:].as_strided(scales.shape, (page_stride, 8, 1))
@@ -379,7 +385,7 @@ def test_threshold_select_repair(nvfp4, lengths):
     rows = 128 * len(lengths)
     args["thresholds"][3::5] = -float("inf")
     args["thresholds"][4::5] = float("inf")
-    plain = {**args, "counters": args["counters"].clone(), "candidates": args["candidates"].clone()}
+    plain = own_outputs(args)
     sdsa.indexer_threshold_select(**plain)
     given = args["thresholds"].clone()
     arrivals = torch.zeros(len(lengths), dtype=torch.int32, device="cuda")
@@ -447,7 +453,7 @@ def test_repair_with_top_k_0_counts_as_the_reference(nvfp4):
     or NaN) equal the reference's, as do every row's ranges (all empty)."""
     args = sdsa_select_inputs([3000, 300], nvfp4, top_k=0, slots=8, device="cuda")
     rows = args["query"].shape[0]
-    want = {**args, "counters": args["counters"].clone(), "candidates": args["candidates"].clone()}
+    want = own_outputs(args)
     want["thresholds"] = args["thresholds"].clone()
     repair = [
         dict(
