@@ -219,9 +219,9 @@ class SdsaSelect(SdsaScores):
                     n = cute.arch.atomic_add(
                         sCounts.iterator + cute.crd2idx((0, staged), sCounts.layout), found
                     )
-                    # The group's candidates n .. n + found - 1 of the row: those from
-                    # STAGED_SLOTS on are stored now, at slots taken with one global atomic
-                    # (staged candidate n + i beyond them at slot top_k + past + n + i).
+                    # This lane's candidates are the row's n .. n + found - 1 in the group:
+                    # those from STAGED_SLOTS on are stored now, in slots taken with one
+                    # global atomic (candidate p >= beyond in slot top_k + past + p).
                     beyond = cutlass.max(n, STAGED_SLOTS)
                     past = cutlass.Int32(0)
                     if n + found > beyond:
@@ -320,8 +320,8 @@ def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
     # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them) and the
-    # registers capped for 5 CTAs an SM (41.6 KB of shared memory each). BF16 keys hold two
-    # chunks' 16-bit operands (170 registers, 3 CTAs an SM).
+    # registers capped for 5 CTAs an SM (41.6 KB of shared memory each; 74 registers). BF16
+    # keys hold two chunks' 16-bit operands (174 registers: 2 CTAs an SM).
     if nvfp4:
         return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=5, staged=True)
     return SdsaSelect(element_type(dtype), nvfp4)
