@@ -160,20 +160,8 @@ def test_write_refuses_pages_that_overlap_its_inputs():
         quantize_write_kv_nvfp4(**args)
 
 
-def test_e2m1_codes_moved_into_e4m3_bits_read_as_their_value_over_64():
-    """The decode of the SDSA scores kernel (e2m1_word_as_e4m3): code bits s e1 e0 m placed
-    as the e4m3 byte s.00e1e0.m00 are the code's value / 2^6, for all 16 codes (signed
-    zero included), so the kernel's fp16 operands are exact."""
-    codes = torch.arange(16)
-    byte = ((codes & 0x7) << 2) | ((codes & 0x8) << 4)
-    as_e4m3 = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    want = ref.e2m1_decode(codes.to(torch.uint8)) / 64
-    assert torch.equal(as_e4m3, want)
-    assert torch.equal(as_e4m3.signbit(), want.signbit())
-
-
 def test_e2m1_word_pairs_bit_placement_reads_as_values_over_2_14():
-    """The E2M1 decoding of the MSA kernels (e2m1_high_bytes, e2m1_word_pairs,
+    """The E2M1 decoding of the MSA and SDSA kernels (e2m1_high_bytes, e2m1_word_pairs,
     e2m1_word_as_fp16), mirrored on integers: the high bytes built from a word's even and odd
     codes, permuted or masked into fp16 pairs, are the codes' values / 2^14 for every code in
     every position, signed zeros included."""

@@ -5,13 +5,13 @@
                                                   0 where that step is 0
 with a NaN in the group making its scale NaN and its codes 0, as the reference's amax does;
 and the decoding of those that read it (e2m1_high_bytes and the pairs built on them,
-e2m1_word_as_e4m3, decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
+fp16_scale_pair, decode_chunks) and the cuBLAS 128x4 tiled scale layout (scale_offset_128x4).
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from generator.kernels.common.ptx import mul_f16x2
+from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 
 GROUP = 16  # values per scale
 E4M3_MAX = 448.0
@@ -131,21 +131,15 @@ def e2m1_word_as_fp16(word):
     )
 
 
-# An E2M1 code (sign s, exponent e1 e0, mantissa m) placed in the e4m3 bits as s.00e1e0.m00
-# reads as its value / 2^6, subnormal (e = 0: m x 2^-7) or normal alike.
-E2M1_E4M3_FACTOR = 2.0**6
-
-
 @cute.jit
-def e2m1_word_as_e4m3(word):
-    """The eight E2M1 codes of a 32-bit word (code i in bits 4i .. 4i + 3) as eight e4m3
-    bytes, each its value / 2^6: (codes 0, 2, 4, 6; codes 1, 3, 5, 7) as two words, a byte
-    each. Two masks, two shifts and an or per four codes, no table; for a dot product whose
-    operands are both permuted alike, channel order is free."""
-    odd = word >> 4
-    even_bytes = ((word & 0x07070707) << 2) | ((word & 0x08080808) << 4)
-    odd_bytes = ((odd & 0x07070707) << 2) | ((odd & 0x08080808) << 4)
-    return even_bytes, odd_bytes
+def fp16_scale_pair(bytes2):
+    """Two e4m3 scales (bytes 0, 1 of a word) as the two fp16 multipliers (a word) of decoded
+    E2M1 values (e2m1_word_pairs' value / 2^14) giving value x scale / 2^FP16_DIVISOR_LOG2:
+    scale x 2^7 (448 x 2^7 < 65504; exact)."""
+    factor = cute.make_rmem_tensor((2,), cutlass.Float16)
+    factor.fill(E2M1_FP16_FACTOR / 2.0**FP16_DIVISOR_LOG2)
+    halves = e4m3_pair_as_f16x2(bytes2, False)
+    return mul_f16x2(halves, cute.recast_tensor(factor, cutlass.Int32)[0])
 
 
 @cute.jit

@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, KV_FORMAT, MAX_TOPK
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
-from generator.kernels.common.nvfp4 import E2M1_FP16_FACTOR, FP16_DIVISOR_LOG2, e2m1_word_pairs
+from generator.kernels.common.nvfp4 import FP16_DIVISOR_LOG2, e2m1_word_pairs, fp16_scale_pair
 from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
 from generator.kernels.common.softmax import (
     LN_2,
@@ -476,7 +476,7 @@ class MsaTokenAttention:
             scales = cutlass.Uint32(
                 load_shared(cutlass.Uint16, base + 2 * STEP_KEYS * self.row_bytes + row * 8 + 2 * c)
             )
-            steps = self.scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
+            steps = fp16_scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
             for w in cutlass.range_constexpr(K_STEPS // 2):
                 step = self.broadcast(steps, w >= 2)
                 pairs = e2m1_word_pairs(cutlass.Uint32(words[w]))
@@ -550,7 +550,7 @@ class MsaTokenAttention:
                     inside = cutlass.max(valid - 16 * h - 4 * c, 0)
                     if inside < 4:
                         scales = cutlass.Uint32(scales & ((cutlass.Uint32(1) << (8 * inside)) - 1))
-                step = self.scale_pair(scales >> (16 * pair))
+                step = fp16_scale_pair(scales >> (16 * pair))
                 for j in cutlass.range_constexpr(0, O_TILES, 4):
                     selector = 0x5410 if j % 8 == 0 else 0x7632
                     both = cutlass.Uint32(cute.arch.prmt(first[j // 8], second[j // 8], selector))
@@ -558,16 +558,6 @@ class MsaTokenAttention:
                     for k in cutlass.range_constexpr(4):
                         out[2 * (j + k) + pair] = mul_f16x2(pairs[k], step)
         return values
-
-    @cute.jit
-    def scale_pair(self, bytes2):
-        """Two e4m3 scales (bytes 0, 1 of a word) as the two fp16 multipliers of decoded E2M1
-        values (e2m1_word_pairs' value / 2^14) giving value x scale / 2^7: scale x 2^7
-        (448 x 2^7 < 65504)."""
-        factor = cute.make_rmem_tensor((2,), cutlass.Float16)
-        factor.fill(E2M1_FP16_FACTOR / NVFP4_FACTOR)
-        halves = e4m3_pair_as_f16x2(bytes2, False)
-        return mul_f16x2(halves, cute.recast_tensor(factor, cutlass.Int32)[0])
 
     @cute.jit
     def broadcast(self, pair, high: cutlass.Constexpr):

@@ -22,12 +22,12 @@ first (stage_pages: bulk copies by the TMA unit on one mbarrier), and each warp 
 chunks from there (staged_warp_keys); without registers held for loads in flight (68 against
 120) the kernel runs 6 CTAs an SM, and the loads of a CTA are issued by 8 lanes.
 
-NVFP4 keys and queries are decoded into fp16 as value x scale / 2^6 (E2M1 codes a
-32-bit word at a time into e4m3 bytes via e2m1_word_as_e4m3, converted to fp16 in pairs,
-times their e4m3 scale; within each 16-channel scale group the channels land in that
-helper's order, the same for both operands): exact, since every such product has at most
-6 significant bits and lies between 2^-16 and 42 in magnitude; the MMA's products are then
-exact and the sums fp32, and the scores are scaled back by 2^12. BF16 keys and queries go
+NVFP4 keys and queries are decoded into fp16 as value x scale / 2^7 (E2M1 codes a
+32-bit word at a time placed in fp16 bits by e2m1_word_pairs, times their e4m3 scale x 2^7;
+within each 16-channel scale group the channels land in that helper's order, the same for
+both operands): exact, since every such product has at most 6 significant bits and lies
+between 2^-17 and 21 in magnitude; the MMA's products are then exact and the sums fp32,
+and the scores are scaled back by 2^14. BF16 keys and queries go
 to a bf16 MMA as they are.
 """
 
@@ -37,10 +37,9 @@ from cutlass.cute.nvgpu import warp
 
 from generator.families.sdsa import KEY_DIM, PAGE_KEYS
 from generator.kernels.common.entry import element_type
-from generator.kernels.common.nvfp4 import E2M1_E4M3_FACTOR, e2m1_word_as_e4m3
+from generator.kernels.common.nvfp4 import FP16_DIVISOR_LOG2, e2m1_word_pairs, fp16_scale_pair
 from generator.kernels.common.ptx import (
     bulk_copy_g2s,
-    e4m3_pair_as_f16x2,
     f16x2_broadcast,
     load_u16,
     mul_f16x2,
@@ -71,8 +70,8 @@ class SdsaScores:
         self.staged = staged  # NVFP4: the CTA's pages read from shared memory (kernel_staged)
         self.ctas_per_sm = ctas_per_sm  # > 1: registers capped for that many CTAs an SM
         self.mma_dtype = cutlass.Float16 if nvfp4 else dtype
-        # The MMA of NVFP4 operands (each scaled by 2^-6) gives q . k / 2^12.
-        self.score_factor = E2M1_E4M3_FACTOR * E2M1_E4M3_FACTOR if nvfp4 else 1.0
+        # The MMA of NVFP4 operands (each scaled by 2^-7) gives q . k / 2^14.
+        self.score_factor = 2.0 ** (2 * FP16_DIVISOR_LOG2) if nvfp4 else 1.0
 
     @cute.jit
     def launch(self, args, stream):
@@ -355,18 +354,18 @@ class SdsaScores:
     @cute.jit
     def decode(self, codes, scale_pair, dst):
         """NVFP4 codes of 32 channels and their two e4m3 scales into dst as fp16
-        value x scale / 2^6, in the order e2m1_word_as_e4m3 gives (of the channels 8w ..
-        8w + 7, the even ones then the odd ones: queries and keys are decoded alike, so the
-        dot product is unchanged; each 16-channel scale group stays in its 16 slots)."""
-        code_words = cute.recast_tensor(codes, cutlass.Int32)
-        scales = e4m3_pair_as_f16x2(cute.recast_tensor(scale_pair, cutlass.Uint16)[0], False)
+        value x scale / 2^7, in the order e2m1_word_pairs gives (of the channels 8w ..
+        8w + 7, pairs (k, k + 4): queries and keys are decoded alike, so the dot product is
+        unchanged; each 16-channel scale group stays in its 16 slots): bit placement, masks
+        and byte permutes, one conversion (the scales) a key."""
+        code_words = cute.recast_tensor(codes, cutlass.Uint32)
+        scales = fp16_scale_pair(cute.recast_tensor(scale_pair, cutlass.Uint16)[0])
         out = cute.recast_tensor(dst, cutlass.Int32)  # (16,): fp16 pairs
         for w in cutlass.range_constexpr(CHANNELS // 8):
             step = f16x2_broadcast(scales, w >= CHANNELS // 16)  # group 2q or 2q + 1
-            words = e2m1_word_as_e4m3(code_words[w])
+            pairs = e2m1_word_pairs(code_words[w])
             for i in cutlass.range_constexpr(4):
-                pair = e4m3_pair_as_f16x2(words[i // 2], i % 2 == 1)
-                out[4 * w + i] = mul_f16x2(pair, step)
+                out[4 * w + i] = mul_f16x2(pairs[i], step)
 
 
 def allocate_pages(smem):
