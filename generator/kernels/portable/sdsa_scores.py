@@ -27,8 +27,7 @@ NVFP4 keys and queries are decoded into fp16 as value x scale / 2^7 (E2M1 codes 
 within each 16-channel scale group the channels land in that helper's order, the same for
 both operands): exact, since every such product has at most 6 significant bits and lies
 between 2^-17 and 21 in magnitude; the MMA's products are then exact and the sums fp32,
-and the scores are scaled back by 2^14. BF16 keys and queries go
-to a bf16 MMA as they are.
+and the scores are scaled back by 2^14. BF16 keys and queries go to a bf16 MMA as they are.
 """
 
 import cutlass
