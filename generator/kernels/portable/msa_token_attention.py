@@ -38,7 +38,7 @@ from generator.families.msa_sparse_attention import BLOCK_KEYS, HEAD_DIM, KV_FOR
 from generator.kernels.common.entry import element_type
 from generator.kernels.common.msa_sequence import sequence_keys
 from generator.kernels.common.nvfp4 import FP16_DIVISOR_LOG2, e2m1_word_pairs, fp16_scale_pair
-from generator.kernels.common.ptx import e4m3_pair_as_f16x2, mul_f16x2
+from generator.kernels.common.ptx import e4m3_pair_as_f16x2, f16x2_broadcast, mul_f16x2
 from generator.kernels.common.softmax import (
     LN_2,
     LOG2_E,
@@ -478,7 +478,7 @@ class MsaTokenAttention:
             )
             steps = fp16_scale_pair(scales)  # groups 2c, 2c + 1: channels 0-15, 16-31
             for w in cutlass.range_constexpr(K_STEPS // 2):
-                step = self.broadcast(steps, w >= 2)
+                step = f16x2_broadcast(steps, w >= 2)
                 pairs = e2m1_word_pairs(cutlass.Uint32(words[w]))
                 for k in cutlass.range_constexpr(4):  # k-step 2w + k // 2, register k % 2
                     out[4 * w + k] = mul_f16x2(pairs[k], step)
@@ -558,11 +558,6 @@ class MsaTokenAttention:
                     for k in cutlass.range_constexpr(4):
                         out[2 * (j + k) + pair] = mul_f16x2(pairs[k], step)
         return values
-
-    @cute.jit
-    def broadcast(self, pair, high: cutlass.Constexpr):
-        """The low (high) 16-bit half of a word in both halves."""
-        return cutlass.Int32(cute.arch.prmt(pair, 0, 0x3232 if high else 0x1010))
 
     @cute.jit
     def merge_and_store(
