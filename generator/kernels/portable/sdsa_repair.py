@@ -134,7 +134,6 @@ class SdsaRepair(SdsaScores):
         g = lane // 4
         q = lane % 4
         top_k = args.top_k
-        cap = args.mCandidates.shape[1] - top_k
         end = cutlass.min(args.mRowEnds[row], args.max_context)
         wanted = cutlass.min(end, top_k)
         request = args.mTileRequests[row // TILE_ROWS]
@@ -180,7 +179,7 @@ class SdsaRepair(SdsaScores):
                 )  # fmt: skip
                 for v in cutlass.range_constexpr(len(triples)):
                     ok, key, score = triples[v]
-                    classify(args, row, key, score, threshold, cap, ok)
+                    classify(args, row, key, score, threshold, ok)
         self.cluster_sync()
         if (tidx == 0) & (rank == 0):
             self.write_ranges(args, row)

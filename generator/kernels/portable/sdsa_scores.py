@@ -197,16 +197,27 @@ class SdsaScores:
 
     @cute.jit
     def for_each_staged_chunk(
-        self, sCodes, sScales, sBarrier, cta_first_key, warp_key, end, g, q, body
-    ):
+        self, sCodes, sScales, sBarrier, cta_first_key, warp_key, end, g, q, body,
+        unrolled: cutlass.Constexpr = True,
+    ):  # fmt: skip
         """for_each_chunk on the pages stage_pages copies: body(keys, first_key) for the
-        warp's chunks that start below `end`, once the pages have arrived."""
+        warp's chunks that start below `end`, once the pages have arrived; `unrolled`: the
+        chunks' code laid out one after the other (else a loop)."""
         cute.arch.mbarrier_wait(sBarrier.iterator, 0)
-        for c in cutlass.range_constexpr(CHUNKS):
-            first_key = warp_key + c * WARPS * WARP_KEYS
-            if first_key < end:
-                fetched = self.staged_warp_keys(sCodes, sScales, first_key - cta_first_key, g, q)
-                body(self.decode_warp_keys(fetched), first_key)
+        if cutlass.const_expr(unrolled):
+            for c in cutlass.range_constexpr(CHUNKS):
+                self.staged_chunk(sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body)
+        else:
+            for c in cutlass.range(CHUNKS, unroll=1):
+                self.staged_chunk(sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body)
+
+    @cute.jit
+    def staged_chunk(self, sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body):
+        """for_each_staged_chunk's chunk c."""
+        first_key = warp_key + c * WARPS * WARP_KEYS
+        if first_key < end:
+            fetched = self.staged_warp_keys(sCodes, sScales, first_key - cta_first_key, g, q)
+            body(self.decode_warp_keys(fetched), first_key)
 
     @cute.jit
     def staged_warp_keys(self, sCodes, sScales, first_key, g, q):

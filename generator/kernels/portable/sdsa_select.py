@@ -11,12 +11,12 @@ once in shared memory (a thread per row; their order is free); the warps walk th
 time as the MMA's columns (the keys loaded again for each 8), each row's 32 channels a lane
 straight from global memory into the B values. Every score (row, key) with key <
 min(row_end, max_context) is classified against the row's threshold, with the bits
-sdsa_scores computes for it. A group's candidates (up to STAGED_SLOTS a row) are staged in
-shared memory (counted by shared atomics) and, once the CTA has scored all its keys for the
-group, each row takes its slots with one global atomic and the CTA writes them out: with a
-global atomic a lane and chunk, waited for before the chunk's stores, the select's time over
-the scores' grew with the candidates. Ties (rare) are counted and stored as they are found
-(classify).
+sdsa_scores computes for it. A lane keeps its first LANE_SLOTS candidates of a row and group
+in registers; once the warp has scored its keys for the group, the lanes of a row take their
+slots with one global atomic (a warp-wide sum of their counts) and store them (a lane's
+candidates past LANE_SLOTS, rare, take theirs one atomic each as they are found). The warps
+share nothing after the live-row list: no barrier, and no shared memory but the pages. Ties
+(rare) are counted and stored as they are found (add_tie).
 """
 
 import cutlass
@@ -28,6 +28,7 @@ from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.radix_select import float_bits
 from generator.kernels.portable.sdsa_scores import (
     KEYS_PER_CTA,
+    NVFP4_CTAS_PER_SM,
     WARP_KEYS,
     WARPS,
     SdsaScores,
@@ -39,11 +40,9 @@ from generator.kernels.portable.sdsa_scores import (
 
 TILE_ROWS = 128
 MMA_ROWS = 8  # query rows a step: the MMA's columns
-# Candidates a row and group staged in shared memory (of up to 512 a CTA): 4 KB for the
-# group, so that the NVFP4 select with its staged pages runs 5 CTAs an SM. SD2's rows find
-# ~20 a CTA (2,560 in 65,536 keys); a row's candidates past these cost a global atomic a
-# lane and chunk, as every candidate did before staging.
-STAGED_SLOTS = 64
+# Candidates a lane keeps a row (of its two) and group in registers: it scores 16 keys of a
+# row a CTA, of which SD2's rows find ~0.6 (2,560 in 65,536 keys), more than 4 once in ~2,000.
+LANE_SLOTS = 4
 assert TILE_ROWS == WARPS * 32  # a thread per row lists the live rows
 
 
@@ -75,17 +74,6 @@ class SdsaSelect(SdsaScores):
         # (table entries past it need not be pages).
         smem = cutlass.memory.SmemAllocator()
         sLive = smem.allocate_tensor(cutlass.Int32, cute.make_layout(TILE_ROWS + 2), 16)
-        # A group's first STAGED_SLOTS candidates a row as (key, stored bits), their counts
-        # (all of them: the rest are stored at once), then each row's first slot once it has
-        # taken the staged ones.
-        sStaged = smem.allocate_tensor(
-            cutlass.Int32,
-            cute.make_layout((MMA_ROWS, STAGED_SLOTS, 2), stride=(2 * STAGED_SLOTS, 2, 1)),
-            16,
-        )
-        sCounts = smem.allocate_tensor(
-            cutlass.Int32, cute.make_layout((2, MMA_ROWS), stride=(MMA_ROWS, 1)), 16
-        )
         request = args.mTileRequests[tile]
         if cutlass.const_expr(staged):
             sCodes, sScales, sBarrier = allocate_pages(smem)
@@ -115,19 +103,25 @@ class SdsaSelect(SdsaScores):
         warp_key = cta_first_key + (tidx // 32) * WARP_KEYS
         # A group of 8 live rows at a time, the warp's keys loaded again for each (a decode
         # tile has one group). Keys kept over the groups and queries reloaded per chunk held
-        # 166 registers (3 CTAs an SM); this loop's body holds ~107.
+        # 166 registers (3 CTAs an SM).
         for m in cutlass.range(cute.ceil_div(live, MMA_ROWS), unroll=1):
-            if tidx < MMA_ROWS:
-                sCounts[0, tidx] = 0
-            cute.arch.sync_threads()
             if warp_key < keys_end:  # the same for the whole warp: its MMAs run converged
                 group = self.row_group(args, sLive, first_row, live, m, g, q)
+                # kept[r, i]: the lane's candidate i of its row r as (key, stored bits).
+                kept = cute.make_rmem_tensor((2, LANE_SLOTS, 2), cutlass.Int32)
+                counts = cute.make_rmem_tensor((2,), cutlass.Int32)
+                counts.fill(0)
+
+                def classify_chunk(keys, first_key, group=group, kept=kept, counts=counts):
+                    self.classify_group(atom, args, keys, first_key, group, g, q, kept, counts)
+
                 if cutlass.const_expr(staged):
+                    # The chunks as a loop: unrolled, with nothing between them but register
+                    # writes, their reads were scheduled ahead together and spilled (153
+                    # spill instructions under the cap of 80 registers, 71 under 96).
                     self.for_each_staged_chunk(
                         sCodes, sScales, sBarrier, cta_first_key, warp_key, keys_end, g, q,
-                        lambda keys, first_key, group=group: self.classify_group(
-                            atom, args, keys, first_key, group, g, q, sStaged, sCounts
-                        ),
+                        classify_chunk, unrolled=False,
                     )  # fmt: skip
                 else:
                     # The key loads' inputs made opaque per group: else what is computed
@@ -137,35 +131,36 @@ class SdsaSelect(SdsaScores):
                         opaque_int32(v) for v in (request, warp_key, keys_end, g, q)
                     )
                     self.for_each_chunk(
-                        args, request_m, warp_key_m, end_m, g_m, q_m,
-                        lambda keys, first_key, group=group: self.classify_group(
-                            atom, args, keys, first_key, group, g, q, sStaged, sCounts
-                        ),
-                    )  # fmt: skip
-            cute.arch.sync_threads()
-            self.flush_group(args, sLive, sStaged, sCounts, first_row, live, m, tidx)
-            cute.arch.sync_threads()  # sStaged and sCounts are the next group's
+                        args, request_m, warp_key_m, end_m, g_m, q_m, classify_chunk
+                    )
+                self.store_kept(args, group, kept, counts, lane)
 
     @cute.jit
-    def flush_group(self, args, sLive, sStaged, sCounts, first_row, live, m, tidx):
-        """Group m's staged candidates into their rows' slots: a thread a row takes the
-        row's places with one global atomic (the count includes those past the room, as
-        classify's do), then the CTA copies them while there is room (those past
-        STAGED_SLOTS were stored by classify_group)."""
+    def store_kept(self, args, group, kept, counts, lane):
+        """The lanes' kept candidates into their rows' slots: the 8 lanes of a row (lane % 4
+        alike) sum their counts across the warp, the row's last lane takes the slots for all
+        with one global atomic (the count includes those past the room, as add_candidate's
+        do), and each lane stores its own while there is room."""
+        _, row_of, _, _ = group
         cap = args.mCandidates.shape[1] - args.top_k
-        if tidx < MMA_ROWS:
-            j = m * MMA_ROWS + tidx
-            staged = cutlass.min(sCounts[0, tidx], STAGED_SLOTS)
-            if (j < live) & (staged > 0):
-                sCounts[1, tidx] = count_pairs(args, first_row + sLive[j], 0, staged)
-        cute.arch.sync_threads()
-        for r in cutlass.range(cutlass.min(MMA_ROWS, live - m * MMA_ROWS), unroll=1):
-            row = first_row + sLive[m * MMA_ROWS + r]
-            first = sCounts[1, r]
-            staged = cutlass.min(sCounts[0, r], STAGED_SLOTS)
-            for i in cutlass.range(tidx, cutlass.min(staged, cap - first), self.warps * 32):
-                args.mCandidates[row, args.top_k + first + i, 0] = sStaged[r, i, 0]
-                args.mCandidates[row, args.top_k + first + i, 1] = sStaged[r, i, 1]
+        row_last_lane = 28 + lane % 4
+        for r in cutlass.range_constexpr(2):
+            n = counts[r]
+            upto = n  # this lane's count and those of the row's lanes below it
+            for step in cutlass.range_constexpr(3):
+                below = cute.arch.shuffle_sync_up(upto, offset=4 << step)
+                if lane >= 4 << step:
+                    upto = upto + below
+            total = cute.arch.shuffle_sync(upto, row_last_lane)
+            first = cutlass.Int32(0)
+            if (lane >= 28) & (total > 0):
+                first = count_pairs(args, row_of[r], 0, total)
+            first = cute.arch.shuffle_sync(first, row_last_lane) + upto - n
+            for i in cutlass.range_constexpr(LANE_SLOTS):
+                if (i < n) & (first + i < cap):
+                    slot = args.top_k + first + i
+                    args.mCandidates[row_of[r], slot, 0] = kept[r, i, 0]
+                    args.mCandidates[row_of[r], slot, 1] = kept[r, i, 1]
 
     @cute.jit
     def row_group(self, args, sLive, first_row, live, m, g, q):
@@ -188,14 +183,11 @@ class SdsaSelect(SdsaScores):
         return query, row_of, threshold, end
 
     @cute.jit
-    def classify_group(self, atom, args, keys, first_key, group, g, q, sStaged, sCounts):
+    def classify_group(self, atom, args, keys, first_key, group, g, q, kept, counts):
         """Every score of the warp's 32 keys from first_key against a row_group, classified
-        (keys below each row's end): candidates staged in sStaged (a lane counts its
-        candidates of a row over its four score slots first and takes their places with one
-        shared atomic; those past STAGED_SLOTS stored in global memory at once), ties
-        counted and stored in global memory."""
+        (keys below each row's end): candidates kept (the lane's first LANE_SLOTS of a row;
+        later ones stored at once by add_candidate), ties counted and stored (add_tie)."""
         query, row_of, threshold, end = group
-        cap = args.mCandidates.shape[1] - args.top_k
         # scores[r, s]: row r's score of key slot_key(first_key, s, g).
         scores = cute.make_rmem_tensor((2, 4), cutlass.Float32)
         for t in cutlass.range_constexpr(WARP_KEYS // 16):
@@ -205,41 +197,14 @@ class SdsaSelect(SdsaScores):
                     scores[r, 2 * t + h] = acc[2 * h + r, 0, 0] * self.score_factor
         for r in cutlass.range_constexpr(2):
             if row_of[r] >= 0:
-                found = cutlass.Int32(0)
                 for s in cutlass.range_constexpr(4):
                     key = slot_key(first_key, s, g)
                     score = scores[r, s]
                     if (key < end[r]) & candidate_or_tie(score, threshold[r]):
                         if score > threshold[r]:
-                            found = found + 1
+                            keep(args, row_of[r], key, score, threshold[r], kept, counts, r)
                         else:
                             add_tie(args, row_of[r], key, score, threshold[r])
-                if found > 0:
-                    staged = lane_row(q, r)  # the row's place in sStaged and sCounts
-                    n = cute.arch.atomic_add(
-                        sCounts.iterator + cute.crd2idx((0, staged), sCounts.layout), found
-                    )
-                    # This lane's candidates are the row's n .. n + found - 1 in the group:
-                    # those from STAGED_SLOTS on are stored now, in slots taken with one
-                    # global atomic (candidate p >= beyond in slot top_k + past + p).
-                    beyond = cutlass.max(n, STAGED_SLOTS)
-                    past = cutlass.Int32(0)
-                    if n + found > beyond:
-                        past = count_pairs(args, row_of[r], 0, n + found - beyond) - beyond
-                    for s in cutlass.range_constexpr(4):
-                        key = slot_key(first_key, s, g)
-                        if (key < end[r]) & (scores[r, s] > threshold[r]):
-                            if n < STAGED_SLOTS:
-                                sStaged[staged, n, 0] = key
-                                sStaged[staged, n, 1] = float_bits(
-                                    stored_value(scores[r, s], threshold[r])
-                                )
-                            elif past + n < cap:
-                                store_pair(
-                                    args, row_of[r], args.top_k + past + n, key, scores[r, s],
-                                    threshold[r],
-                                )  # fmt: skip
-                            n = n + 1
 
 
 def lane_row(q, r: int):
@@ -261,17 +226,40 @@ def slot_key(first_key, s: int, g):
 
 
 @cute.jit
-def classify(args, row, key, score, threshold, cap, valid=True):
+def keep(args, row, key, score, threshold, kept, counts, r: int):
+    """Candidate (key, score) of the lane's row r (`row`) into its next kept slot, or, with
+    none left, into the row's slots at once (add_candidate)."""
+    n = counts[r]
+    if n < LANE_SLOTS:
+        bits = float_bits(stored_value(score, threshold))
+        for i in cutlass.range_constexpr(LANE_SLOTS):
+            if n == i:  # registers: no dynamic index
+                kept[r, i, 0] = key
+                kept[r, i, 1] = bits
+        counts[r] = n + 1
+    else:
+        add_candidate(args, row, key, score, threshold)
+
+
+@cute.jit
+def classify(args, row, key, score, threshold, valid=True):
     """Count (and store, while there is room) the pair (key, score) of `row` as a
     candidate or a tie of `threshold`, if `valid`. A valid score below the threshold or
     an invalid one (nearly all) costs one test and branch: the rest is behind it."""
     if valid & candidate_or_tie(score, threshold):
         if score > threshold:
-            n = count_pairs(args, row, 0, cutlass.Int32(1))
-            if n < cap:
-                store_pair(args, row, args.top_k + n, key, score, threshold)
+            add_candidate(args, row, key, score, threshold)
         else:
             add_tie(args, row, key, score, threshold)
+
+
+@cute.jit
+def add_candidate(args, row, key, score, threshold):
+    """Count the pair (key, score) of `row` as a candidate (above `threshold`) and store it
+    while there is room."""
+    n = count_pairs(args, row, 0, cutlass.Int32(1))
+    if n < args.mCandidates.shape[1] - args.top_k:
+        store_pair(args, row, args.top_k + n, key, score, threshold)
 
 
 @cute.jit
@@ -320,8 +308,9 @@ def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
     # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them) and the
-    # registers capped for 5 CTAs an SM (41.6 KB of shared memory each; 74 registers). BF16
-    # keys hold two chunks' 16-bit operands (174 registers: 2 CTAs an SM).
+    # registers capped as sdsa_scores caps them (37.4 KB of shared memory a CTA would allow
+    # 6 an SM, but the cap for 6 spills). BF16 keys hold two chunks' 16-bit operands (2
+    # CTAs an SM).
     if nvfp4:
-        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=5, staged=True)
+        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM, staged=True)
     return SdsaSelect(element_type(dtype), nvfp4)
