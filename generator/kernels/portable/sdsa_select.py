@@ -28,7 +28,6 @@ from generator.kernels.common.ptx import opaque_int32
 from generator.kernels.common.radix_select import float_bits
 from generator.kernels.portable.sdsa_scores import (
     KEYS_PER_CTA,
-    NVFP4_CTAS_PER_SM,
     WARP_KEYS,
     WARPS,
     SdsaScores,
@@ -41,8 +40,9 @@ from generator.kernels.portable.sdsa_scores import (
 TILE_ROWS = 128
 MMA_ROWS = 8  # query rows a step: the MMA's columns
 # Candidates a lane keeps a row (of its two) and group in registers: it scores 16 keys of a
-# row a CTA, of which SD2's rows find ~0.6 (2,560 in 65,536 keys), more than 4 once in ~2,000.
-LANE_SLOTS = 4
+# row a CTA, of which SD2's rows find ~0.6 (2,560 in 65,536 keys), more than 2 once in ~40
+# (the rest take an atomic each). 2 rather than 4 lets the NVFP4 select run 6 CTAs an SM.
+LANE_SLOTS = 2
 assert TILE_ROWS == WARPS * 32  # a thread per row lists the live rows
 
 
@@ -117,8 +117,9 @@ class SdsaSelect(SdsaScores):
 
                 if cutlass.const_expr(staged):
                     # The chunks as a loop: unrolled, with nothing between them but register
-                    # writes, their reads were scheduled ahead together and spilled (153
-                    # spill instructions under the cap of 80 registers, 71 under 96).
+                    # writes, their reads were scheduled ahead together and spilled (with 4
+                    # slots a lane: 153 spill instructions under the cap of 80 registers, 71
+                    # under 96).
                     self.for_each_staged_chunk(
                         sCodes, sScales, sBarrier, cta_first_key, warp_key, keys_end, g, q,
                         classify_chunk, unrolled=False,
@@ -307,10 +308,10 @@ def stored_value(score, threshold):
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
-    # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them) and the
-    # registers capped as sdsa_scores caps them (37.4 KB of shared memory a CTA would allow
-    # 6 an SM, but the cap for 6 spills). BF16 keys hold two chunks' 16-bit operands (2
-    # CTAs an SM).
+    # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them), 37.4 KB a
+    # CTA, and the registers capped for 6 CTAs an SM (80, one word spilled outside the chunk
+    # loop; SM120's 100 KB holds two such CTAs). BF16 keys hold two chunks' 16-bit operands
+    # (2 CTAs an SM).
     if nvfp4:
-        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM, staged=True)
+        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=6, staged=True)
     return SdsaSelect(element_type(dtype), nvfp4)
