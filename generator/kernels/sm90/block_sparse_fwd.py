@@ -128,13 +128,7 @@ class BlockSparseFwdSm90:
             tile_bytes,
         ) = self.operands(args.mQ, args.mK, v_view)
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout)
         self.kernel(
             qk_mma,
             pv_mma,
@@ -152,6 +146,19 @@ class BlockSparseFwdSm90:
             tile_bytes,
             SharedStorage,
         ).launch(**self.launch_config(args.mWork, SharedStorage, stream))
+
+    def shared_storage(self, sQ_layout, sK_layout):
+        """The CTA's shared memory: the Q and K/V pipelines' barriers, the Q tiles and the
+        K/V ring."""
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        return SharedStorage
 
     def launch_config(self, mWork, SharedStorage, stream) -> dict:
         """One CTA per `warpgroups` entries of mWork."""

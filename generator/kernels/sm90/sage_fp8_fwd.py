@@ -106,13 +106,7 @@ class SageFp8FwdSm90(BlockSparseFwdSm90):
             warpgroup.OperandSource.RMEM,
         )
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout)
         self.kernel(
             qk_mma,
             pv_mma,
