@@ -18,9 +18,10 @@ one, its A mostly zero rows).
 A CTA (4 warps) of sdsa_scores owns 512 keys of one group, a warp 4 chunks of 32, decoding
 its query once. BF16 keys: the next chunk's loads issued before this one's decode and stores.
 NVFP4 keys: the CTA's 8 pages (32 KB of codes, 4 KB of scales) are staged in shared memory
-first (stage_pages: bulk copies by the TMA unit on one mbarrier), and each warp reads its
-chunks from there (staged_warp_keys); without registers held for loads in flight (68 against
-120) the kernel runs 6 CTAs an SM, and the loads of a CTA are issued by 8 lanes.
+(stage_pages: bulk copies by the TMA unit, an mbarrier for each chunk's two pages), and each
+warp reads a chunk from there (staged_warp_keys) as soon as its pages have landed; without
+registers held for loads in flight (68 against 120) the kernel runs 6 CTAs an SM, and the
+loads of a CTA are issued by 8 lanes.
 
 NVFP4 keys and queries are decoded into fp16 as value x scale / 2^7 (E2M1 codes a
 32-bit word at a time placed in fp16 bits by e2m1_word_pairs, times their e4m3 scale x 2^7;
@@ -54,6 +55,8 @@ KEYS_PER_CTA = WARPS * WARP_KEYS * CHUNKS
 # registers, one chunk ahead) would spill hundreds of bytes under any cap that adds a CTA.
 NVFP4_CTAS_PER_SM = 5
 CTA_PAGES = KEYS_PER_CTA // PAGE_KEYS
+CHUNK_PAGES = CTA_PAGES // CHUNKS  # the pages of chunk c (of every warp): 2c, 2c + 1
+assert WARPS * WARP_KEYS == CHUNK_PAGES * PAGE_KEYS
 CODE_BYTES = PAGE_KEYS * KEY_DIM // 2  # a page's NVFP4 codes
 SCALE_BYTES = PAGE_KEYS * KEY_DIM // 16  # and its e4m3 scales
 K_STEPS = KEY_DIM // 16
@@ -163,17 +166,20 @@ class SdsaScores:
         self, args, page, cta_first_key, end, sCodes, sScales, sBarrier, lane, scales_by_bulk
     ):
         """Warp 0: the CTA's pages below `end` (codes and scales) into sCodes / sScales,
-        complete when sBarrier's phase 0 is; `page`: lane p's, the CTA's page p (where it is
-        below `end`). Lane p copies page p by bulk copies (its scales too when
-        scales_by_bulk, else the lanes copy the scales two bytes at a time and arrive once
-        each). Slots past the last page are left as they are: their keys are past `end` and
-        their scores never stored (each key is its own MMA row)."""
+        chunk c's (pages 2c, 2c + 1) complete when sBarrier[c]'s phase 0 is; `page`: lane
+        p's, the CTA's page p (where it is below `end`). Lane p copies page p by bulk copies
+        (its scales too when scales_by_bulk, else the lanes copy the scales two bytes at a
+        time and arrive once each on every barrier). Slots past the last page are left as
+        they are: their keys are past `end` and their scores never stored (each key is its
+        own MMA row)."""
         pages = cutlass.min(CTA_PAGES, cute.ceil_div(end - cta_first_key, PAGE_KEYS))
-        barrier = sBarrier.iterator.toint()
-        if lane == 0:
-            transferred = pages * (CODE_BYTES + SCALE_BYTES * scales_by_bulk)
-            cute.arch.mbarrier_arrive_and_expect_tx(sBarrier.iterator, transferred)
+        if lane < CHUNKS:
+            # Every barrier completes, those of chunks without pages at once.
+            chunk_pages = cutlass.max(cutlass.min(pages - lane * CHUNK_PAGES, CHUNK_PAGES), 0)
+            transferred = chunk_pages * (CODE_BYTES + SCALE_BYTES * scales_by_bulk)
+            cute.arch.mbarrier_arrive_and_expect_tx(sBarrier.iterator + lane, transferred)
         if lane < pages:
+            barrier = (sBarrier.iterator + lane // CHUNK_PAGES).toint()
             bulk_copy_g2s(
                 sCodes[lane, None, None].iterator.toint(),
                 args.mKeyCache[page, None, None].iterator.toint(), CODE_BYTES, barrier,
@@ -193,7 +199,8 @@ class SdsaScores:
                         (half // 4, 2 * (half % 4)), args.mKeyScales[source, None, None]
                     ).iterator.toint()
                     halves[slot, half // 4, half % 4] = load_u16(address)
-            cute.arch.mbarrier_arrive(sBarrier.iterator)
+            for c in cutlass.range_constexpr(CHUNKS):
+                cute.arch.mbarrier_arrive(sBarrier.iterator + c)
 
     @cute.jit
     def for_each_staged_chunk(
@@ -201,21 +208,25 @@ class SdsaScores:
         unrolled: cutlass.Constexpr = True,
     ):  # fmt: skip
         """for_each_chunk on the pages stage_pages copies: body(keys, first_key) for the
-        warp's chunks that start below `end`, once the pages have arrived; `unrolled`: the
-        chunks' code laid out one after the other (else a loop)."""
-        cute.arch.mbarrier_wait(sBarrier.iterator, 0)
+        warp's chunks that start below `end`, each once its pages have arrived; `unrolled`:
+        the chunks' code laid out one after the other (else a loop)."""
         if cutlass.const_expr(unrolled):
             for c in cutlass.range_constexpr(CHUNKS):
-                self.staged_chunk(sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body)
+                self.staged_chunk(
+                    sCodes, sScales, sBarrier, cta_first_key, warp_key, c, end, g, q, body
+                )
         else:
             for c in cutlass.range(CHUNKS, unroll=1):
-                self.staged_chunk(sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body)
+                self.staged_chunk(
+                    sCodes, sScales, sBarrier, cta_first_key, warp_key, c, end, g, q, body
+                )
 
     @cute.jit
-    def staged_chunk(self, sCodes, sScales, cta_first_key, warp_key, c, end, g, q, body):
-        """for_each_staged_chunk's chunk c."""
+    def staged_chunk(self, sCodes, sScales, sBarrier, cta_first_key, warp_key, c, end, g, q, body):
+        """for_each_staged_chunk's chunk c (its pages: 2c, 2c + 1)."""
         first_key = warp_key + c * WARPS * WARP_KEYS
         if first_key < end:
+            cute.arch.mbarrier_wait(sBarrier.iterator + c, 0)
             fetched = self.staged_warp_keys(sCodes, sScales, first_key - cta_first_key, g, q)
             body(self.decode_warp_keys(fetched), first_key)
 
@@ -380,7 +391,7 @@ class SdsaScores:
 
 def allocate_pages(smem):
     """Shared memory for a CTA's staged pages: (sCodes (CTA_PAGES, 64, 64), sScales
-    (CTA_PAGES, 64, 8), sBarrier: the mbarrier their copies complete)."""
+    (CTA_PAGES, 64, 8), sBarrier: an mbarrier a chunk, completed by its pages' copies)."""
     sCodes = smem.allocate_tensor(
         cutlass.Uint8,
         cute.make_layout((CTA_PAGES, PAGE_KEYS, KEY_DIM // 2), stride=(CODE_BYTES, 64, 1)),
@@ -391,16 +402,17 @@ def allocate_pages(smem):
         cute.make_layout((CTA_PAGES, PAGE_KEYS, 8), stride=(SCALE_BYTES, 8, 1)),
         16,
     )
-    sBarrier = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), 8)
+    sBarrier = smem.allocate_tensor(cutlass.Int64, cute.make_layout(CHUNKS), 8)
     return sCodes, sScales, sBarrier
 
 
 @cute.jit
 def init_page_barrier(sBarrier, scales_by_bulk):
-    """sBarrier for stage_pages (one thread): one arrival with the bulk copies' bytes, and
-    one a lane of warp 0 when the scale pages are not 16-byte aligned (bulk copies need it;
-    the contract allows 8-byte page strides and even addresses: the lanes copy them)."""
-    cute.arch.mbarrier_init(sBarrier.iterator, 1 + 32 * (1 - scales_by_bulk))
+    """sBarrier for stage_pages (one thread): each one arrival with the bulk copies' bytes,
+    and one a lane of warp 0 when the scale pages are not 16-byte aligned (bulk copies need
+    it; the contract allows 8-byte page strides and even addresses: the lanes copy them)."""
+    for c in cutlass.range_constexpr(CHUNKS):
+        cute.arch.mbarrier_init(sBarrier.iterator + c, 1 + 32 * (1 - scales_by_bulk))
     cute.arch.mbarrier_init_fence()
 
 
