@@ -307,17 +307,16 @@ def stored_value(score, threshold):
 
 # NVFP4: CTAs an SM the registers are capped for, by arch: as many as the staged pages' 37.4
 # KB a CTA let shared memory hold (SM120's 100 KB: two, whose registers need no cap).
-NVFP4_CTAS_PER_SM = {"sm_90a": 6, "sm_100f": 6, "sm_120f": 2}
+NVFP4_SELECT_CTAS_PER_SM = {"sm_90a": 6, "sm_100f": 6, "sm_120f": 2}
 
 
 def make_kernel(variant):
     dtype = variant.params["dtype"]
     nvfp4 = dtype == "u8"
     # NVFP4: the CTA's pages staged in shared memory (as sdsa_scores stages them), the
-    # registers capped for NVFP4_CTAS_PER_SM (80 on SM90 / SM100, no spills). BF16 keys hold
-    # two chunks' 16-bit operands (2 CTAs an SM).
+    # registers capped for NVFP4_SELECT_CTAS_PER_SM (80 on SM90 / SM100, no spills). BF16
+    # keys hold two chunks' 16-bit operands (2 CTAs an SM).
     if nvfp4:
-        return SdsaSelect(
-            element_type(dtype), nvfp4, ctas_per_sm=NVFP4_CTAS_PER_SM[variant.arch], staged=True
-        )
+        ctas = NVFP4_SELECT_CTAS_PER_SM[variant.arch]
+        return SdsaSelect(element_type(dtype), nvfp4, ctas_per_sm=ctas, staged=True)
     return SdsaSelect(element_type(dtype), nvfp4)
