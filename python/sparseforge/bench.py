@@ -1156,23 +1156,27 @@ def sdsa_scores_us(keys, q, fmt: str, flush, iters: int) -> float:
     return cuda_time_ms(call, warmup=2, iters=iters, before=flush.zero_) * 1e3
 
 
-def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
+def sdsa_select_top_k_us(
+    keys, q, fmt: str, flush, iters: int = 10, sample_rank: int = 160, cap: int = 3072
+):
     """({what: microseconds} of threshold select with repair + top_k_from_candidates (over
     the live rows: a (requests, rows) grid of strided views, one call), of the two replayed
-    as one CUDA graph, of the select alone in
-    repair mode, of it when every row fits (thresholds from a first
-    repair: the repair launch's fixed cost), of the select without repair mode (its first
-    launch only); rows repaired) for q's rows (rows / requests a request, each request one
-    128-row tile, its other rows seeing no key), top_k 2048, thresholds from the scores of
-    a 4096-key sample (4 keys of each page) at its 160th largest (about 2560 candidates
-    expected in 65,536 keys: most rows fit; cap 3072), cold L2, the thresholds and
-    counters reset before each run outside its timing."""
+    as one CUDA graph, of the select alone in repair mode, of it when every row fits
+    (thresholds from a first repair: the repair launch's fixed cost), of the select without
+    repair mode (its first launch only); rows repaired) for q's rows (rows / requests a
+    request, each request one 128-row tile, its other rows seeing no key), top_k 2048,
+    thresholds from the scores of a 4096-key sample (4 keys of each page) at its
+    `sample_rank`-th largest (160: about 2560 candidates expected in 65,536 keys, most rows
+    fit in a `cap` of 3072; a wider window, such as 192 with a cap of 4096, leaves fewer rows
+    to repair for more candidates a row), cold L2, the thresholds and counters reset before
+    each run outside its timing."""
     from sparseforge import sdsa
 
     cache, key_scales, table = keys
     requests, context = table.shape[0], table.shape[1] * 64
     per_request = q.shape[0] // requests
-    device, top_k, slots, tile = q.device, 2048, 2048 + 3072, 128
+    device, top_k, tile = q.device, 2048, 128
+    slots = top_k + cap
     sample = torch.empty(requests, 4096, cache.shape[2], dtype=cache.dtype, device=device)
     sample_scales = None if key_scales is None else torch.empty(requests, 4096, 8, **_U8)
     offsets = (torch.arange(4096, device=device) % 4 * 16).to(torch.uint8)
@@ -1194,7 +1198,8 @@ def sdsa_select_top_k_us(keys, q, fmt: str, flush, iters: int = 10):
     thresholds = torch.empty(q.shape[0], device=device)
     counters = torch.empty(q.shape[0], 2, dtype=torch.int32, device=device)
     sdsa.thresholds_from_sample(
-        sample_scores, sample_scores.topk(160, dim=1).indices.int(), thresholds=thresholds,
+        sample_scores, sample_scores.topk(sample_rank, dim=1).indices.int(),
+        thresholds=thresholds,
         counters=counters,
     )  # fmt: skip
     # Each request's rows at the top of its 128-row tile; the rest see no key.
