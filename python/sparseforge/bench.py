@@ -1199,8 +1199,7 @@ def sdsa_select_top_k_us(
     counters = torch.empty(q.shape[0], 2, dtype=torch.int32, device=device)
     sdsa.thresholds_from_sample(
         sample_scores, sample_scores.topk(sample_rank, dim=1).indices.int(),
-        thresholds=thresholds,
-        counters=counters,
+        thresholds=thresholds, counters=counters,
     )  # fmt: skip
     # Each request's rows at the top of its 128-row tile; the rest see no key.
     rows = requests * tile
