@@ -1,7 +1,9 @@
 """The benchmark's helpers that need no GPU: its charts (from rows made up here), MP1's
 selections and the K/V bytes its kernels stream (from selections made up here), the order
-of a timed run's stream operations (CUDA calls replaced by a log) and the SDSA timings'
-argument check."""
+of a timed run's stream operations (CUDA calls replaced by a log), the SDSA timings'
+argument check and SD2's window fit."""
+
+import functools
 
 import pytest
 import torch
@@ -102,3 +104,22 @@ def test_sdsa_times_names_unknown_key_formats(keys):
     """--sdsa-keys: anything but bf16 / nvfp4 (or none) is refused before any GPU work."""
     with pytest.raises(ValueError, match="keys = "):
         bench.sdsa_times(keys=keys)
+
+
+def test_sdsa_window_fit_follows_the_contracts_fit_rule():
+    """Scores 64 .. 1 (one row), the sample every 4th key (64, 60, ..., 4), top_k 8, cap 8:
+    the r-th sample score leaves 4 (r - 1) candidates and one tie, so only r = 3 fits (too
+    few with r = 2, more than the cap with r = 4); ties and NaNs fill a row; a row shorter
+    than top_k needs all its keys."""
+    descending = torch.arange(64, 0, -1, dtype=torch.float32)[None]
+    fit = functools.partial(bench.sdsa_window_fit, cap=8, top_k=8, sample_every=4)
+    assert fit(descending, 2) == (1, 4.0)
+    assert fit(descending, 3) == (0, 8.0)
+    assert fit(descending, 4) == (1, 12.0)
+    assert fit(torch.full((2, 64), 5.0), 7) == (0, 0.0)
+    assert fit(torch.full((1, 64), float("nan")), 1) == (0, 0.0)
+    short = torch.arange(6, 0, -1, dtype=torch.float32)[None]
+    assert bench.sdsa_window_fit(short, 6, 8, top_k=8, sample_every=1) == (0, 5.0)
+    assert bench.sdsa_window_fit(short, 3, 8, top_k=8, sample_every=1) == (1, 2.0)
+    with pytest.raises(ValueError, match="sample_rank = 17"):
+        fit(descending, 17)

@@ -902,9 +902,32 @@ def msa_decode_times(iters: int = 10, formats=("bf16", "e4m3", "nvfp4"), shapes=
 SDSA_KEY_FORMATS = ("bf16", "nvfp4")
 
 
-# SD2's wider window: more candidates a row, and on Gaussian scores no row left to repair
-# (a CPU simulation: 0 of 4,000 rows, against 28 at the defined 160th / 3072).
-SDSA_WIDE_WINDOW = dict(sample_rank=192, cap=4096)
+# SD2's wider window: on Gaussian scores no row left to repair for 10% more candidates a
+# row (sdsa_window_fit on 4,000 rows: 0 rows, 2,813 candidates, against 28 rows and 2,558
+# at the defined 160th / 3072; the 192nd with cap 4096 also leaves none, for 3,068).
+SDSA_WIDE_WINDOW = dict(sample_rank=176, cap=4096)
+
+
+def sdsa_window_fit(
+    scores, sample_rank: int, cap: int, top_k: int = 2048, sample_every: int = 16
+) -> tuple[int, float]:
+    """(rows that would not fit, mean candidates a row) of threshold select over `scores`
+    (fp32 (rows, keys), every key visible) with each row's threshold at the `sample_rank`-th
+    largest of its sample (every `sample_every`-th key, as SD2 gathers it): the contract's
+    fit rule (candidates above the threshold <= cap, and with the ties at least
+    min(keys, top_k)). An engine can run it on the CPU over scores of its own to choose a
+    window: each row that does not fit costs a repair, each candidate a slot and the top-K's
+    time."""
+    sample = scores[:, ::sample_every]
+    if not 0 < sample_rank <= sample.shape[1]:
+        raise ValueError(
+            f"sample_rank = {sample_rank}: give 1 to {sample.shape[1]} (the sample's keys)"
+        )
+    threshold = sample.topk(sample_rank, dim=1).values[:, -1:]
+    candidates = (scores > threshold).sum(1)
+    ties = (~(scores > threshold) & ~(scores < threshold)).sum(1)
+    fits = (candidates <= cap) & (candidates + ties.clamp(max=top_k) >= min(scores.shape[1], top_k))
+    return int((~fits).sum()), float(candidates.float().mean())
 
 
 def sdsa_times(iters: int = 20, keys: tuple = SDSA_KEY_FORMATS) -> list[str]:
@@ -1181,9 +1204,9 @@ def sdsa_select_top_k_us(
     request, each request one 128-row tile, its other rows seeing no key), top_k 2048,
     thresholds from the scores of a 4096-key sample (4 keys of each page) at its
     `sample_rank`-th largest (160: about 2560 candidates expected in 65,536 keys, most rows
-    fit in a `cap` of 3072; a wider window, such as 192 with a cap of 4096, leaves fewer rows
-    to repair for more candidates a row), cold L2, the thresholds and counters reset before
-    each run outside its timing."""
+    fit in a `cap` of 3072; a wider window, such as SDSA_WIDE_WINDOW, leaves fewer rows to
+    repair for more candidates a row: sdsa_window_fit), cold L2, the thresholds and
+    counters reset before each run outside its timing."""
     from sparseforge import sdsa
 
     cache, key_scales, table = keys
