@@ -924,10 +924,8 @@ def sdsa_window_fit(
             f"sample_rank = {sample_rank}: give 1 to {sample.shape[1]} (the sample's keys)"
         )
     threshold = sample.topk(sample_rank, dim=1).values[:, -1:]
-    candidates = (scores > threshold).sum(1)
-    ties = (~(scores > threshold) & ~(scores < threshold)).sum(1)
-    fits = (candidates <= cap) & (candidates + ties.clamp(max=top_k) >= min(scores.shape[1], top_k))
-    return int((~fits).sum()), float(candidates.float().mean())
+    above, _, fits = reference.sdsa_select_classes(scores, threshold, scores.shape[1], cap, top_k)
+    return int((~fits).sum()), float(above.sum(1).float().mean())
 
 
 def sdsa_times(iters: int = 20, keys: tuple = SDSA_KEY_FORMATS) -> list[str]:

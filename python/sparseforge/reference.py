@@ -875,6 +875,19 @@ def stored_value(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor
     return torch.where(scores <= 2 * t, scores - t, scores)
 
 
+def sdsa_select_classes(score, threshold, keys: int, cap: int, top_k: int):
+    """(candidates, ties, fits) of threshold select over the last dim of `score` (a row's
+    `keys` visible scores, or rows of them with thresholds (rows, 1)): a candidate is above
+    the threshold, a tie neither above nor below it (equal or NaN); a row fits when its
+    candidates are at most `cap` and, with at most top_k of its ties, at least
+    min(keys, top_k)."""
+    above = score > threshold
+    tie = ~above & ~(score < threshold)
+    cands = above.sum(-1)
+    fits = (cands <= cap) & (cands + tie.sum(-1).clamp(max=top_k) >= min(keys, top_k))
+    return above, tie, fits
+
+
 def indexer_threshold_select(
     query, key_cache, row_ends, tile_requests, block_table, *, thresholds, counters,
     candidates, max_context: int, top_k: int, query_scales=None, key_scales=None,
@@ -903,12 +916,9 @@ def indexer_threshold_select(
         )
         score = (keys.double() @ q[r]).float()
         for attempt in range(2):
-            thr = thresholds[r].float()
-            above = score > thr
-            tie = ~above & ~(score < thr)
+            above, tie, fits = sdsa_select_classes(score, thresholds[r].float(), end, cap, top_k)
             cands, ties = int(above.sum()), int(tie.sum())
-            fits = cands <= cap and cands + min(ties, top_k) >= min(end, top_k)
-            if arrivals is None or fits or attempt:
+            if arrivals is None or bool(fits) or attempt:
                 break
             want = min(end, top_k)  # the want-th largest score in float-bit order
             nth = score[float_order(score).argsort(descending=True)[want - 1]] if want else None
